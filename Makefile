@@ -1,0 +1,18 @@
+# Two commands for a fresh machine (see README.md):
+#   make demo    set up .venv and run the pipeline on the toy world (CPU)
+#   make test    set up .venv and run the tests (CPU)
+
+.PHONY: demo test test-all setup
+
+setup:
+	bash scripts/setup.sh
+
+demo: setup
+	bash scripts/demo.sh
+
+test: setup
+	bash scripts/test.sh
+
+# Also the tests marked slow.
+test-all: setup
+	bash scripts/test.sh -m ""

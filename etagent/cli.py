@@ -1,0 +1,109 @@
+"""The ``etagent`` command: one subcommand per stage and a few utilities.
+
+    etagent toy build --out runs/toy [overrides]   build the toy world and tiny model
+    etagent score [FILE] [--judge-url URL ...]     score predictions, one JSON line each
+
+Stage subcommands take ``--preset NAME`` (``configs/<stage>/NAME.yaml``, default ``tiny``) and
+Hydra overrides (``key=value``); each also runs as ``python -m <stage>.run``. Stages join this
+command as they land.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import sys
+from typing import IO
+
+from etagent import scoring
+
+
+def _score_lines(source: IO[str], name: str, out: IO[str], judge: scoring.LLMJudge | None) -> int:
+    """Score every JSON line of source, writing one line per input as soon as it is scored."""
+    rows = []
+    for number, raw in enumerate(source, start=1):
+        if not raw.strip():
+            continue
+        try:
+            item = json.loads(raw)
+        except ValueError as exc:
+            sys.exit(f"{name}:{number}: not valid JSON: {exc}")
+        if not isinstance(item, dict):
+            sys.exit(f"{name}:{number}: expected a JSON object")
+        golds = item.get("answers", item.get("answer"))
+        for field, value in (("prediction", item.get("prediction")), ("answers", golds)):
+            if value is None:
+                sys.exit(f"{name}:{number}: field '{field}': missing")
+        golds = golds if isinstance(golds, list) else [golds]
+        kind = item.get("kind", "qa")
+        if kind not in ("math", "qa"):
+            sys.exit(f"{name}:{number}: field 'kind': must be 'math' or 'qa', got {kind!r}")
+        if judge is not None and "question" not in item:
+            sys.exit(f"{name}:{number}: field 'question': missing (the LLM judge needs it)")
+        metrics = scoring.score_prediction(str(item["prediction"]), golds)
+        metrics["correctness"] = scoring.rule_correctness(str(item["prediction"]), golds, kind)
+        if judge is None:
+            out.write(json.dumps({**item, **metrics}, ensure_ascii=False) + "\n")
+            out.flush()
+        else:
+            rows.append((item, metrics))
+    if judge is not None:  # judged together, concurrently
+        verdicts = judge.judge_many([(item["question"], item.get("answers", item.get("answer")), str(item["prediction"])) for item, _ in rows])
+        for (item, metrics), verdict in zip(rows, verdicts):
+            metrics.update(llm_judge=verdict.correct, llm_judge_reason=verdict.reason, llm_judge_response=verdict.response)
+            out.write(json.dumps({**item, **metrics}, ensure_ascii=False) + "\n")
+        out.flush()
+    return 0
+
+
+def score_main(argv: list[str]) -> int:
+    parser = argparse.ArgumentParser(
+        prog="etagent score",
+        description="Score predictions. Reads JSON lines {prediction, answers, kind[, question]} "
+        "(answers: a string or a list; kind: math or qa, default qa) and writes each line back "
+        "with every metric of etagent.scoring added.",
+    )
+    parser.add_argument("file", nargs="?", help="JSONL input (default: stdin)")
+    parser.add_argument("--judge-url", help="OpenAI-compatible server for the LLM judge, e.g. http://127.0.0.1:8051/v1")
+    parser.add_argument("--judge-model", help="model name served at --judge-url")
+    parser.add_argument("--judge-api-key-env", default="ETAGENT_JUDGE_API_KEY", help="environment variable holding the judge's API key")
+    args = parser.parse_args(argv)
+    judge = None
+    if args.judge_url:
+        if not args.judge_model:
+            parser.error("--judge-url needs --judge-model")
+        import os
+
+        judge = scoring.LLMJudge(args.judge_url, args.judge_model, api_key=os.environ.get(args.judge_api_key_env))
+    if args.file:
+        with open(args.file) as f:
+            return _score_lines(f, args.file, sys.stdout, judge)
+    return _score_lines(sys.stdin, "<stdin>", sys.stdout, judge)
+
+
+def main(argv: list[str] | None = None) -> int:
+    argv = list(sys.argv[1:] if argv is None else argv)
+    commands = {
+        "toy": "build the toy world and tiny model: etagent toy build --out DIR",
+        "score": "score predictions given as JSON lines",
+    }
+    if not argv or argv[0] in ("-h", "--help") or argv[0] not in commands:
+        print(__doc__.strip())
+        print("\ncommands:")
+        for name, help_text in commands.items():
+            print(f"  {name:<10} {help_text}")
+        return 0 if not argv or argv[0] in ("-h", "--help") else 2
+    command, rest = argv[0], argv[1:]
+    if command == "toy":
+        if not rest or rest[0] != "build":
+            print("usage: etagent toy build [--out DIR] [--force] [overrides ...]", file=sys.stderr)
+            return 2
+        from etagent.toy.build import main as toy_main
+
+        toy_main(rest[1:])
+        return 0
+    return score_main(rest)
+
+
+if __name__ == "__main__":
+    sys.exit(main())

@@ -1,0 +1,597 @@
+"""The artifacts passed between stages, as typed records, with their readers and writers.
+
+Every stage reads files and writes files (DESIGN.md §3):
+
+- questions (:class:`Question`): JSONL, JSON array or parquet;
+- trajectories (:class:`TrajectoryGroup`, one line per question holding its
+  :class:`Trajectory` list, each with its :class:`ToolCallRecord` list): JSONL;
+- SFT data (:class:`SFTExample`: chat messages plus the assistant turn split into trained
+  segments and masked tool-result segments): JSONL, exportable to LLaMA-Factory alpaca/sharegpt;
+- RL data (:class:`RLRow`): parquet in verl's schema;
+- ``manifest.json`` beside each output (:func:`write_manifest`).
+
+Long-running stages append records with :class:`JsonlAppender`, keyed by question id: a run
+killed at any point (``kill -9`` included) leaves every completed line readable, and the next run
+skips the ids already written and never duplicates one.
+
+Unknown fields are kept when a record is read and written back. A record that is missing a
+required field, or has one of the wrong type, raises :class:`RecordError`, whose message names
+the file, the line (the row for parquet) and the field.
+
+What this module does not do: decide what goes into a record (the stages do) or score anything.
+"""
+
+from __future__ import annotations
+
+import hashlib
+import json
+import logging
+import os
+import platform
+import subprocess
+import threading
+import time
+from collections.abc import Iterable, Iterator, Sequence
+from pathlib import Path
+from typing import Any, Literal, TypeVar
+
+from pydantic import BaseModel, ConfigDict, ValidationError, field_validator, model_validator
+
+from etagent import protocol
+
+log = logging.getLogger(__name__)
+
+# Sources whose answers are scored as math. The reference's lists disagree (4, 5 or 6 names, see
+# paper_data_stages.md §8.16); this is the one list of the toolkit, plus the math benchmarks.
+MATH_SOURCES = frozenset(
+    {"openr1", "numina-tir", "numina-cot", "aime", "dapo", "still"}
+    | {"aime24", "aime25", "amc23", "math500", "gsm8k", "olympiadbench", "math"}
+)
+
+
+def kind_for_source(source: str) -> Literal["math", "qa"]:
+    """"math" for the math training sources and benchmarks, "qa" for everything else."""
+    return "math" if source in MATH_SOURCES else "qa"
+
+
+class RecordError(ValueError):
+    """A record that cannot be read: names the file, the line (or parquet row) and the field."""
+
+    def __init__(self, path: str | os.PathLike, line: int | None, field: str, message: str):
+        self.path, self.line, self.field = str(path), line, field
+        where = self.path if line is None else f"{self.path}:{line}"
+        super().__init__(f"{where}: field '{field}': {message}")
+
+
+class Record(BaseModel):
+    """Base of every artifact record: unknown fields are kept, assignments are validated."""
+
+    model_config = ConfigDict(extra="allow", validate_assignment=True)
+
+    def to_json(self) -> dict[str, Any]:
+        return self.model_dump(mode="json", exclude_none=True)
+
+
+def _as_str(value: Any) -> Any:
+    return str(value) if isinstance(value, (int, float)) and not isinstance(value, bool) else value
+
+
+def _gold_answers(value: Any) -> Any:
+    """Gold answers as a non-empty list of strings. Benchmarks store a string, a list, an int
+    (aime25) or a bool (csbench assertions)."""
+    if value is None:
+        raise ValueError("no gold answer")
+    if isinstance(value, (str, int, float, bool)):
+        value = [value]
+    if isinstance(value, (list, tuple)):
+        if not value:
+            raise ValueError("empty list of gold answers")
+        return [str(v) for v in value]
+    return value
+
+
+# ---------------------------------------------------------------------------------------------
+# Questions
+
+
+class Question(Record):
+    """One question: gold answers as a list of acceptable strings, and how to score it."""
+
+    id: str
+    question: str
+    answer: list[str]
+    source: str
+    kind: Literal["math", "qa"]
+
+    _id_as_str = field_validator("id", mode="before")(_as_str)
+    _answers_as_strings = field_validator("answer", mode="before")(_gold_answers)
+
+
+# ---------------------------------------------------------------------------------------------
+# Trajectories
+
+
+class ToolCallRecord(Record):
+    """One tool call of a trajectory, as the tools executor reports it."""
+
+    tool: str
+    input: str
+    output: str
+    ok: bool
+    seconds: float = 0.0
+    cached: bool = False
+    budget_exhausted: bool = False
+
+
+class Trajectory(Record):
+    """One rollout of a question.
+
+    ``text`` is derived from ``response_ids`` when the agent loop made it (token ids are the
+    truth); data made from text alone (seed trajectories, imported files) has no ids.
+    ``response_mask`` is 1 where the policy generated the token and 0 where it was inserted (tool
+    results, hints); ``logprobs`` has one entry per response token (0.0 at inserted ones).
+    ``entropies`` holds the entropy of the first tokens generated after each tool result.
+    ``provenance`` says which stage or flywheel operation made it and from which parent.
+    """
+
+    id: str
+    text: str
+    tool_calls: list[ToolCallRecord] = []
+    prediction: str = ""
+    score: float | None = None
+    n_tokens: int = 0
+    finish_reason: str = ""
+    prompt_ids: list[int] | None = None
+    response_ids: list[int] | None = None
+    response_mask: list[int] | None = None
+    logprobs: list[float] | None = None
+    entropies: list[float] = []
+    provenance: dict[str, Any] = {}
+
+    @model_validator(mode="after")
+    def _token_fields_align(self) -> Trajectory:
+        if self.response_ids is not None:
+            n = len(self.response_ids)
+            for name in ("response_mask", "logprobs"):
+                value = getattr(self, name)
+                if value is not None and len(value) != n:
+                    raise ValueError(f"{name} has {len(value)} entries but response_ids has {n}")
+        return self
+
+
+class TrajectoryGroup(Record):
+    """All rollouts of one question: one line of a trajectories file."""
+
+    id: str
+    question: str
+    answer: list[str]
+    source: str
+    kind: Literal["math", "qa"]
+    trajectories: list[Trajectory]
+
+    _id_as_str = field_validator("id", mode="before")(_as_str)
+    _answers_as_strings = field_validator("answer", mode="before")(_gold_answers)
+
+    @classmethod
+    def for_question(cls, question: Question, trajectories: Sequence[Trajectory]) -> TrajectoryGroup:
+        fields = question.model_dump()
+        return cls(**fields, trajectories=list(trajectories))
+
+
+# ---------------------------------------------------------------------------------------------
+# SFT data
+
+
+class Message(Record):
+    role: Literal["system", "user", "assistant"]
+    content: str
+
+
+class Segment(Record):
+    """A piece of the assistant turn: ``train`` is False for inserted text (tool results)."""
+
+    text: str
+    train: bool
+
+
+class SFTExample(Record):
+    """One SFT conversation: system and user messages, the assistant turn, and its segments.
+
+    The segments concatenate to the assistant message's content. SFT computes the loss only on
+    segments with ``train=True``, so tool results written by tools are never learned as if the
+    model had produced them.
+    """
+
+    id: str
+    messages: list[Message]
+    segments: list[Segment]
+
+    @model_validator(mode="after")
+    def _segments_match_assistant(self) -> SFTExample:
+        roles = [m.role for m in self.messages]
+        if roles not in (["system", "user", "assistant"], ["user", "assistant"]):
+            raise ValueError(f"messages must be [system,] user, assistant; got {roles}")
+        joined = "".join(s.text for s in self.segments)
+        if joined != self.messages[-1].content:
+            raise ValueError("segments do not concatenate to the assistant message")
+        return self
+
+    @classmethod
+    def from_trajectory(
+        cls, id: str, question: str, text: str, system_prompt: str = protocol.SYSTEM_PROMPT, **extra: Any
+    ) -> SFTExample:
+        """Build an example from trajectory text, masking every ``<result>...</result>`` span."""
+        segments = [Segment(text=piece, train=not is_result) for piece, is_result in protocol.split_result_segments(text)]
+        messages = [Message(role="system", content=system_prompt), Message(role="user", content=question)]
+        return cls(id=id, messages=messages + [Message(role="assistant", content=text)], segments=segments, **extra)
+
+    @property
+    def system(self) -> str:
+        return self.messages[0].content if self.messages[0].role == "system" else ""
+
+    @property
+    def question(self) -> str:
+        return self.messages[-2].content
+
+    @property
+    def response(self) -> str:
+        return self.messages[-1].content
+
+
+def export_llamafactory(examples: Iterable[SFTExample], out_dir: str | os.PathLike, name: str = "etagent_sft", fmt: str = "sharegpt") -> Path:
+    """Write SFT data for LLaMA-Factory: ``{name}.json`` and a ``dataset_info.json`` entry.
+
+    The protocol prompt goes in the system column (the reference put it in the user turn). The
+    assistant turn is one message, so LLaMA-Factory will train on tool results too: it has no
+    per-span masking. Use ``sft/`` to train with tool results masked.
+    """
+    out = Path(out_dir)
+    out.mkdir(parents=True, exist_ok=True)
+    if fmt == "alpaca":
+        rows = [{"instruction": e.question, "input": "", "output": e.response, "system": e.system} for e in examples]
+        info = {"file_name": f"{name}.json", "columns": {"prompt": "instruction", "query": "input", "response": "output", "system": "system"}}
+    elif fmt == "sharegpt":
+        rows = [
+            {"conversations": [{"from": "human", "value": e.question}, {"from": "gpt", "value": e.response}], "system": e.system}
+            for e in examples
+        ]
+        info = {"file_name": f"{name}.json", "formatting": "sharegpt", "columns": {"messages": "conversations", "system": "system"}}
+    else:
+        raise ValueError(f"unknown LLaMA-Factory format {fmt!r} (alpaca or sharegpt)")
+    _atomic_write_text(out / f"{name}.json", json.dumps(rows, ensure_ascii=False, indent=1))
+    _atomic_write_text(out / "dataset_info.json", json.dumps({name: info}, indent=2))
+    return out / f"{name}.json"
+
+
+# ---------------------------------------------------------------------------------------------
+# RL data: parquet in verl's schema
+
+
+class RewardModel(Record):
+    ground_truth: list[str]
+    style: str = "rule"
+
+
+class ExtraInfo(Record):
+    index: int
+    need_tools_kwargs: bool = True
+    question: str
+    split: str
+    question_id: str
+
+
+class RLRow(Record):
+    """One RL prompt in verl's schema. ``extra_info.index`` is unique per question: the
+    efficiency reward groups a question's rollouts by it."""
+
+    data_source: str
+    prompt: list[Message]
+    ability: Literal["math", "qa"]
+    reward_model: RewardModel
+    extra_info: ExtraInfo
+
+    @classmethod
+    def for_question(cls, question: Question, index: int, split: str, system_prompt: str = protocol.SYSTEM_PROMPT) -> RLRow:
+        return cls(
+            data_source="math_effi_rl" if question.kind == "math" else "qa_effi_rl",
+            prompt=[Message(**m) for m in protocol.prompt_messages(question.question, system_prompt)],
+            ability=question.kind,
+            reward_model=RewardModel(ground_truth=question.answer),
+            extra_info=ExtraInfo(index=index, question=question.question, split=split, question_id=question.id),
+        )
+
+
+def _rl_schema():
+    import pyarrow as pa
+
+    message = pa.struct([("role", pa.string()), ("content", pa.string())])
+    return pa.schema(
+        [
+            ("data_source", pa.string()),
+            ("prompt", pa.list_(message)),
+            ("ability", pa.string()),
+            ("reward_model", pa.struct([("ground_truth", pa.list_(pa.string())), ("style", pa.string())])),
+            (
+                "extra_info",
+                pa.struct(
+                    [
+                        ("index", pa.int64()),
+                        ("need_tools_kwargs", pa.bool_()),
+                        ("question", pa.string()),
+                        ("split", pa.string()),
+                        ("question_id", pa.string()),
+                    ]
+                ),
+            ),
+        ]
+    )
+
+
+def write_rl_parquet(rows: Iterable[RLRow], path: str | os.PathLike) -> Path:
+    """Write RL rows as parquet with verl's column layout (atomically)."""
+    import pyarrow as pa
+    import pyarrow.parquet as pq
+
+    schema = _rl_schema()
+    data = [row.model_dump(mode="json", include={name: True for name in schema.names}) for row in rows]
+    table = pa.Table.from_pylist(data, schema=schema)
+    path = Path(path)
+    path.parent.mkdir(parents=True, exist_ok=True)
+    tmp = path.with_name(path.name + ".tmp")
+    pq.write_table(table, tmp)
+    os.replace(tmp, path)
+    return path
+
+
+# ---------------------------------------------------------------------------------------------
+# Reading
+
+R = TypeVar("R", bound=Record)
+
+
+def _validation_error(path, line: int | None, error: ValidationError) -> RecordError:
+    first = error.errors()[0]
+    field = ".".join(str(part) for part in first["loc"]) or "(record)"
+    message = first["msg"]
+    if first["type"] == "missing":
+        message = "missing"
+    return RecordError(path, line, field, message)
+
+
+def parse_record(model: type[R], data: Any, path: str | os.PathLike = "<memory>", line: int | None = None) -> R:
+    """Validate one decoded record, raising RecordError with file, line and field."""
+    if not isinstance(data, dict):
+        raise RecordError(path, line, "(record)", f"expected a JSON object, got {type(data).__name__}")
+    try:
+        return model.model_validate(data)
+    except ValidationError as error:
+        raise _validation_error(path, line, error) from None
+
+
+def iter_jsonl(path: str | os.PathLike) -> Iterator[tuple[int, Any]]:
+    """Yield (line number, decoded object) for every non-blank line of a JSONL file.
+
+    A last line with no newline that does not decode is a record a writer was killed in the
+    middle of: it is skipped with a warning. Any other undecodable line is an error.
+    """
+    path = Path(path)
+    with path.open("rb") as f:
+        data = f.read()
+    lines = data.split(b"\n")
+    for number, raw in enumerate(lines, start=1):
+        if not raw.strip():
+            continue
+        try:
+            yield number, json.loads(raw)
+        except ValueError as exc:
+            if number == len(lines):  # the unterminated tail of an interrupted write
+                log.warning("%s:%d: skipping an incomplete last line (%d bytes)", path, number, len(raw))
+                return
+            raise RecordError(path, number, "(line)", f"not valid JSON: {exc}") from None
+
+
+def read_jsonl(path: str | os.PathLike, model: type[R]) -> list[R]:
+    """Read and validate every record of a JSONL file."""
+    return [parse_record(model, data, path, number) for number, data in iter_jsonl(path)]
+
+
+def read_records(path: str | os.PathLike, model: type[R]) -> list[R]:
+    """Read records from ``.jsonl``, ``.json`` (an array) or ``.parquet``, validated."""
+    path = Path(path)
+    if not path.exists():
+        raise FileNotFoundError(f"{path}: no such file")
+    if path.suffix == ".parquet":
+        import pyarrow.parquet as pq
+
+        rows = pq.read_table(path).to_pylist()
+        return [parse_record(model, row, path, i) for i, row in enumerate(rows, start=1)]
+    if path.suffix == ".json":
+        try:
+            rows = json.loads(path.read_text())
+        except ValueError as exc:
+            raise RecordError(path, getattr(exc, "lineno", None), "(file)", f"not valid JSON: {exc}") from None
+        if not isinstance(rows, list):
+            raise RecordError(path, None, "(file)", "expected a JSON array of records")
+        return [parse_record(model, row, path, i) for i, row in enumerate(rows, start=1)]
+    return read_jsonl(path, model)
+
+
+def read_questions(path: str | os.PathLike) -> list[Question]:
+    """Read a questions file (JSONL, JSON array or parquet), checking ids are unique."""
+    questions = read_records(path, Question)
+    seen: dict[str, int] = {}
+    for number, question in enumerate(questions, start=1):
+        if question.id in seen:
+            raise RecordError(path, number, "id", f"duplicate id {question.id!r} (first at record {seen[question.id]})")
+        seen[question.id] = number
+    return questions
+
+
+# ---------------------------------------------------------------------------------------------
+# Writing
+
+
+def _atomic_write_text(path: Path, text: str) -> None:
+    path.parent.mkdir(parents=True, exist_ok=True)
+    tmp = path.with_name(f".{path.name}.{os.getpid()}.tmp")
+    tmp.write_text(text)
+    os.replace(tmp, path)
+
+
+def _dump(record: Record | dict) -> dict:
+    return record.to_json() if isinstance(record, Record) else record
+
+
+def write_jsonl(path: str | os.PathLike, records: Iterable[Record | dict]) -> Path:
+    """Write a whole JSONL file at once, atomically (readers never see half a file)."""
+    path = Path(path)
+    _atomic_write_text(path, "".join(json.dumps(_dump(r), ensure_ascii=False) + "\n" for r in records))
+    return path
+
+
+class JsonlAppender:
+    """Append-only JSONL output keyed by a field, resumable after any interruption.
+
+    Opening an existing file reads the keys already written (``done``) and cuts off an
+    unterminated last line, the trace of a writer killed mid-record, so the next append starts on
+    a clean line. Each record is written as one line and flushed to the OS before ``write``
+    returns, so a ``kill -9`` loses at most the record being written. Writing a key that is
+    already done raises: resuming code must skip done keys, never rewrite them.
+
+    Use one appender per file and process (it is thread-safe within the process).
+    """
+
+    def __init__(self, path: str | os.PathLike, key: str = "id", fsync: bool = False):
+        self.path = Path(path)
+        self.key = key
+        self.fsync = fsync
+        self.done: set[str] = set()
+        self._lock = threading.Lock()
+        self.path.parent.mkdir(parents=True, exist_ok=True)
+        self._recover()
+        self._file = self.path.open("ab")
+
+    def _recover(self) -> None:
+        if not self.path.exists():
+            return
+        with self.path.open("rb+") as f:
+            data = f.read()
+            end = data.rfind(b"\n") + 1  # 0 when there is no complete line
+            if end < len(data):
+                log.warning("%s: dropping an incomplete last record (%d bytes) left by an interrupted run", self.path, len(data) - end)
+                f.truncate(end)
+        for number, raw in enumerate(data[:end].split(b"\n"), start=1):
+            if not raw.strip():
+                continue
+            try:
+                record = json.loads(raw)
+            except ValueError as exc:
+                raise RecordError(self.path, number, "(line)", f"not valid JSON: {exc}") from None
+            if not isinstance(record, dict) or self.key not in record:
+                raise RecordError(self.path, number, self.key, "missing")
+            self.done.add(str(record[self.key]))
+
+    def write(self, record: Record | dict) -> None:
+        data = _dump(record)
+        if self.key not in data:
+            raise KeyError(f"record has no {self.key!r} field")
+        key = str(data[self.key])
+        line = (json.dumps(data, ensure_ascii=False) + "\n").encode()
+        with self._lock:
+            if key in self.done:
+                raise ValueError(f"{self.path}: {self.key}={key!r} is already written")
+            self._file.write(line)
+            self._file.flush()
+            if self.fsync:
+                os.fsync(self._file.fileno())
+            self.done.add(key)
+
+    def close(self) -> None:
+        with self._lock:
+            if not self._file.closed:
+                self._file.flush()
+                os.fsync(self._file.fileno())
+                self._file.close()
+
+    def __enter__(self) -> JsonlAppender:
+        return self
+
+    def __exit__(self, *exc) -> None:
+        self.close()
+
+
+# ---------------------------------------------------------------------------------------------
+# Manifests
+
+
+def sha256_file(path: str | os.PathLike, chunk: int = 1 << 20) -> str:
+    digest = hashlib.sha256()
+    with open(path, "rb") as f:
+        while block := f.read(chunk):
+            digest.update(block)
+    return digest.hexdigest()
+
+
+def sha256_path(path: str | os.PathLike) -> str:
+    """sha256 of a file, or of a directory's files (names and contents, in sorted order)."""
+    path = Path(path)
+    if path.is_file():
+        return sha256_file(path)
+    digest = hashlib.sha256()
+    for file in sorted(p for p in path.rglob("*") if p.is_file()):
+        digest.update(str(file.relative_to(path)).encode())
+        digest.update(sha256_file(file).encode())
+    return digest.hexdigest()
+
+
+def git_revision() -> dict[str, Any]:
+    """The toolkit's git commit and whether its tree has uncommitted changes (if in a checkout)."""
+    root = Path(__file__).resolve().parents[1]
+    try:
+        commit = subprocess.run(["git", "rev-parse", "HEAD"], cwd=root, capture_output=True, text=True, timeout=10)
+        status = subprocess.run(["git", "status", "--porcelain"], cwd=root, capture_output=True, text=True, timeout=10)
+    except (OSError, subprocess.TimeoutExpired):
+        return {"commit": None, "dirty": None}
+    if commit.returncode != 0:
+        return {"commit": None, "dirty": None}
+    return {"commit": commit.stdout.strip(), "dirty": bool(status.stdout.strip())}
+
+
+def write_manifest(
+    out_dir: str | os.PathLike,
+    *,
+    stage: str,
+    config: dict[str, Any],
+    inputs: Sequence[str | os.PathLike] = (),
+    counts: dict[str, int] | None = None,
+    seed: int | None = None,
+    started_at: float,
+    metrics: dict[str, Any] | None = None,
+    status: str = "complete",
+) -> Path:
+    """Write ``manifest.json`` into an output directory (atomically).
+
+    Records the stage, the resolved config, every input with its sha256, row counts, the seed,
+    the toolkit's git revision, start and end times and summary metrics.
+    """
+    from etagent import __version__
+
+    finished = time.time()
+    manifest = {
+        "stage": stage,
+        "status": status,
+        "config": config,
+        "inputs": [{"path": str(p), "sha256": sha256_path(p)} for p in inputs],
+        "counts": counts or {},
+        "seed": seed,
+        "git": git_revision(),
+        "etagent_version": __version__,
+        "python": platform.python_version(),
+        "started_at": time.strftime("%Y-%m-%dT%H:%M:%S%z", time.localtime(started_at)),
+        "finished_at": time.strftime("%Y-%m-%dT%H:%M:%S%z", time.localtime(finished)),
+        "seconds": round(finished - started_at, 3),
+        "metrics": metrics or {},
+    }
+    path = Path(out_dir) / "manifest.json"
+    _atomic_write_text(path, json.dumps(manifest, indent=2, ensure_ascii=False, default=str) + "\n")
+    return path

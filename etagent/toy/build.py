@@ -1,0 +1,197 @@
+"""Build the toy world, its seed data and the tiny model into one directory.
+
+    etagent toy build --out runs/toy            # or: python -m etagent.toy.build --out runs/toy
+
+Writes, deterministically from ``seed``:
+
+    corpus.jsonl                 retrieval corpus (id, title, contents)
+    questions/train.jsonl        training questions, four kinds (see etagent.toy.world)
+    questions/test.jsonl         held-out questions
+    seed_trajectories.jsonl      trajectories for the training questions (etagent.toy.seeds)
+    sft.jsonl                    the correct, well-formed seed trajectories as SFT data
+    model/                       tokenizer + randomly initialised Qwen2 (save_pretrained)
+    manifest.json                config, counts, behaviour mix, git revision
+
+A finished build is not redone: running again on the same directory with the same config
+prints the summary and exits; a different config is an error unless ``--force``.
+"""
+
+from __future__ import annotations
+
+import json
+import random
+import sys
+import time
+from collections import Counter
+from pathlib import Path
+
+from omegaconf import DictConfig, OmegaConf
+
+from etagent import protocol
+from etagent.records import SFTExample, TrajectoryGroup, write_jsonl, write_manifest
+from etagent.toy.model import build_model, save_policy, train_tokenizer
+from etagent.toy.seeds import BEHAVIOURS, ToySearch, write_trajectory
+from etagent.toy.world import make_questions, make_world
+
+
+def check_token_ids_survive_reload(tokenizer, model_dir: Path, texts: list[str]) -> None:
+    """Raise if AutoTokenizer, loading the saved folder, tokenizes any text differently."""
+    from transformers import AutoTokenizer
+
+    reloaded = AutoTokenizer.from_pretrained(model_dir)
+    for text in texts:
+        original, again = tokenizer.encode(text), reloaded.encode(text)
+        if original != again:
+            raise RuntimeError(f"{model_dir}: token ids change after reload ({type(reloaded).__name__}) for {text[:80]!r}")
+        if reloaded.decode(again) != text:
+            raise RuntimeError(f"{model_dir}: decoding does not give the text back for {text[:80]!r}")
+
+
+def build(cfg: DictConfig, out_dir: Path) -> dict:
+    """Build everything into out_dir and return the summary written to the manifest."""
+    started = time.time()
+    rng = random.Random(cfg.seed)
+    world = make_world(cfg.seed, cfg.world.people, cfg.world.cities)
+    corpus = world.corpus()
+    write_jsonl(out_dir / "corpus.jsonl", corpus)
+
+    seen: set[str] = set()
+    test = make_questions(world, rng, cfg.questions.test_per_kind, "test", seen)
+    train = make_questions(world, rng, cfg.questions.train_per_kind, "train", seen)
+    write_jsonl(out_dir / "questions" / "train.jsonl", [q.question for q in train])
+    write_jsonl(out_dir / "questions" / "test.jsonl", [q.question for q in test])
+
+    search = ToySearch(corpus, cfg.tools.search.top_k, cfg.tools.search.max_doc_chars)
+    mix = {b: float(cfg.seeds.mix[b]) for b in BEHAVIOURS}
+    groups = []
+    for q in train:
+        trajectories = []
+        for k in range(cfg.seeds.per_question):
+            behaviour = rng.choices(list(mix), weights=list(mix.values()))[0]
+            trajectory = write_trajectory(q, behaviour, world, search, rng)
+            trajectory.id = f"{q.question.id}/seed{k}"
+            trajectories.append(trajectory)
+        groups.append(TrajectoryGroup.for_question(q.question, trajectories))
+
+    sft = [
+        SFTExample.from_trajectory(t.id, g.question, t.text, source=g.source, provenance=t.provenance)
+        for g in groups
+        for t in g.trajectories
+        if t.score == 1.0 and protocol.validate_template_format(t.text)
+    ]
+
+    texts = [protocol.SYSTEM_PROMPT] + [d["contents"] for d in corpus]
+    texts += [q.question.question for q in train + test] + [t.text for g in groups for t in g.trajectories]
+    tokenizer = train_tokenizer(texts, cfg.tokenizer.vocab_size)
+    for g in groups:
+        for t in g.trajectories:
+            t.n_tokens = len(tokenizer.encode(t.text))
+    write_jsonl(out_dir / "seed_trajectories.jsonl", groups)
+    write_jsonl(out_dir / "sft.jsonl", sft)
+
+    m = cfg.model
+    model = build_model(
+        tokenizer,
+        hidden_size=m.hidden_size,
+        layers=m.layers,
+        heads=m.heads,
+        kv_heads=m.kv_heads,
+        intermediate_size=m.intermediate_size,
+        max_positions=m.max_positions,
+        seed=cfg.seed,
+    )
+    model_dir = save_policy(model, tokenizer, out_dir / "model")
+    check_token_ids_survive_reload(tokenizer, model_dir, texts + [s.response for s in sft[:50]])
+
+    all_trajectories = [t for g in groups for t in g.trajectories]
+    behaviours = Counter(t.provenance["behaviour"] for t in all_trajectories)
+    kinds = Counter(q.toy_kind for q in train)
+    summary = {
+        "entities": {"people": len(world.people), "cities": len(world.cities)},
+        "corpus_documents": len(corpus),
+        "questions": {"train": len(train), "test": len(test), "per_kind_train": dict(kinds)},
+        "seed_trajectories": len(all_trajectories),
+        "behaviours": dict(behaviours),
+        "seed_accuracy": round(sum(t.score for t in all_trajectories) / len(all_trajectories), 4),
+        "seed_mean_tool_calls": round(sum(len(t.tool_calls) for t in all_trajectories) / len(all_trajectories), 4),
+        "sft_examples": len(sft),
+        "tokenizer_vocab": len(tokenizer),
+        "model_parameters": sum(p.numel() for p in model.parameters()),
+        "mean_trajectory_tokens": round(sum(t.n_tokens for t in all_trajectories) / len(all_trajectories), 1),
+        "prompt_tokens": len(protocol.encode_prompt(tokenizer, train[0].question.question)),
+    }
+    write_manifest(
+        out_dir,
+        stage="toy",
+        config=OmegaConf.to_container(cfg, resolve=True),
+        counts={
+            "corpus": len(corpus),
+            "train_questions": len(train),
+            "test_questions": len(test),
+            "seed_trajectories": len(all_trajectories),
+            "sft_examples": len(sft),
+        },
+        seed=cfg.seed,
+        started_at=started,
+        metrics=summary,
+    )
+    return summary
+
+
+def print_summary(summary: dict, out_dir: Path, example: str | None = None) -> None:
+    print(f"toy world in {out_dir}")
+    print(f"  entities        {summary['entities']['people']} people, {summary['entities']['cities']} cities ({summary['corpus_documents']} corpus documents)")
+    per_kind = ", ".join(f"{k} {v}" for k, v in summary["questions"]["per_kind_train"].items())
+    print(f"  questions       {summary['questions']['train']} train ({per_kind}), {summary['questions']['test']} test")
+    mix = ", ".join(f"{k} {v}" for k, v in sorted(summary["behaviours"].items()))
+    print(f"  seed rollouts   {summary['seed_trajectories']} ({mix}); accuracy {summary['seed_accuracy']:.3f}, {summary['seed_mean_tool_calls']:.2f} tool calls each")
+    print(f"  SFT examples    {summary['sft_examples']} (correct and well-formed seeds)")
+    print(f"  tokenizer       {summary['tokenizer_vocab']} tokens; prompt {summary['prompt_tokens']} tokens, trajectory {summary['mean_trajectory_tokens']} tokens on average")
+    print(f"  model           Qwen2, {summary['model_parameters'] / 1e6:.2f}M parameters, random init ({out_dir / 'model'})")
+    if example:
+        print("  example seed trajectory:")
+        for line in example.splitlines():
+            print(f"    {line}")
+
+
+def run(cfg: DictConfig, force: bool = False) -> dict:
+    """Build unless an identical build is already in cfg.out_dir; print the summary."""
+    out_dir = Path(cfg.out_dir)
+    manifest_path = out_dir / "manifest.json"
+    resolved = OmegaConf.to_container(cfg, resolve=True)
+    if manifest_path.exists() and not force:
+        manifest = json.loads(manifest_path.read_text())
+        if manifest.get("status") == "complete" and manifest.get("config") == resolved:
+            print_summary(manifest["metrics"], out_dir)
+            return manifest["metrics"]
+        if manifest.get("config") != resolved:
+            sys.exit(f"{out_dir} holds a toy world built with a different config; use another --out or --force")
+    out_dir.mkdir(parents=True, exist_ok=True)
+    summary = build(cfg, out_dir)
+    example = None
+    with open(out_dir / "seed_trajectories.jsonl") as f:
+        for line in f:
+            group = json.loads(line)
+            if group["source"] == "toy_both":
+                example = f"Q: {group['question']}\n" + group["trajectories"][0]["text"]
+                break
+    print_summary(summary, out_dir, example)
+    return summary
+
+
+def main(argv: list[str] | None = None) -> None:
+    import argparse
+
+    from etagent.config import load_config
+
+    parser = argparse.ArgumentParser(prog="etagent toy build", description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    parser.add_argument("--out", help="output directory (default: out_dir in configs/toy/tiny.yaml)")
+    parser.add_argument("--force", action="store_true", help="rebuild even if the directory holds another build")
+    parser.add_argument("overrides", nargs="*", help="Hydra overrides, e.g. world.people=400 model.layers=6")
+    args = parser.parse_args(argv)
+    overrides = list(args.overrides) + ([f"out_dir={args.out}"] if args.out else [])
+    run(load_config("toy", "tiny", overrides), force=args.force)
+
+
+if __name__ == "__main__":
+    main()

@@ -1,0 +1,232 @@
+"""The toy tool world: made-up people and cities, their corpus, and questions about them.
+
+Everything is generated from a seed, so a world is reproducible byte for byte. The names are
+invented syllable strings, so no pretrained knowledge can answer a question: facts must be
+searched. Arithmetic uses 3-5 digit numbers, which a tiny model cannot do in its head: it must
+call Python. The four kinds of question are what the paper's behaviour calibration is about:
+
+- ``search``: one fact about one entity (needs exactly one search);
+- ``python``: arithmetic on numbers given in the question (needs exactly one Python call);
+- ``both``: a fact to look up, then arithmetic on it (one search, then one Python call);
+- ``none``: answerable from the question itself (needs no tool).
+
+Search questions are scored as QA (F1), the others with numeric answers as math. ``none``
+questions ask for part of a name, so they are QA.
+
+What this module does not do: write trajectories (``etagent.toy.seeds``) or build the model.
+"""
+
+from __future__ import annotations
+
+import random
+from dataclasses import dataclass, field
+
+from etagent.records import Question
+
+KINDS = ("search", "python", "both", "none")
+
+_ONSETS = ["b", "br", "d", "dr", "f", "g", "gr", "h", "k", "kr", "l", "m", "n", "p", "qu", "r", "s", "st", "t", "th", "v", "z"]
+_VOWELS = ["a", "e", "i", "o", "u", "ai", "ea", "ou"]
+_CODAS = ["", "", "l", "n", "r", "s", "th", "k", "m", "v"]
+_CITY_SUFFIXES = ["port", "ford", "haven", "mere", "wick", "stead", "holm", "gate"]
+PROFESSIONS = [
+    "cartographer", "glassblower", "astronomer", "beekeeper", "clockmaker", "weaver", "sculptor",
+    "botanist", "shipwright", "bookbinder", "violinist", "mapmaker", "engraver", "potter",
+    "lighthouse keeper", "tanner", "falconer", "chemist", "surveyor", "poet",
+]
+
+
+def with_article(noun: str) -> str:
+    return ("an " if noun[0] in "aeiou" else "a ") + noun
+
+
+def _syllable(rng: random.Random) -> str:
+    return rng.choice(_ONSETS) + rng.choice(_VOWELS) + rng.choice(_CODAS)
+
+
+def _word(rng: random.Random, syllables: int) -> str:
+    return "".join(_syllable(rng) for _ in range(syllables)).capitalize()
+
+
+@dataclass
+class City:
+    name: str
+    river: str
+    founded: int
+    population: int
+
+    @property
+    def title(self) -> str:
+        return self.name
+
+    def passage(self) -> str:
+        return (
+            f"{self.name} is a city on the river {self.river}. "
+            f"{self.name} was founded in {self.founded} and has {self.population} inhabitants."
+        )
+
+
+@dataclass
+class Person:
+    first: str
+    last: str
+    born: int
+    city: str
+    profession: str
+
+    @property
+    def name(self) -> str:
+        return f"{self.first} {self.last}"
+
+    @property
+    def title(self) -> str:
+        return self.name
+
+    def passage(self) -> str:
+        return f"{self.name} is {with_article(self.profession)}. {self.name} was born in {self.born} in {self.city}."
+
+
+@dataclass
+class World:
+    seed: int
+    cities: list[City] = field(default_factory=list)
+    people: list[Person] = field(default_factory=list)
+
+    def corpus(self) -> list[dict]:
+        """The retrieval corpus in the FlashRAG/Search-R1 format: ``contents`` is the quoted title,
+        a newline and the passage."""
+        docs = []
+        for i, entity in enumerate(self.people + self.cities):
+            docs.append({"id": str(i), "title": entity.title, "contents": f'"{entity.title}"\n{entity.passage()}'})
+        return docs
+
+
+def make_world(seed: int, n_people: int, n_cities: int) -> World:
+    """A world of n_people people living in n_cities cities, with unique names."""
+    rng = random.Random(seed)
+    used: set[str] = set()
+
+    def fresh(make) -> str:
+        while True:
+            name = make()
+            if name not in used and name.lower() not in used:
+                used.add(name)
+                used.add(name.lower())
+                return name
+
+    world = World(seed=seed)
+    for _ in range(n_cities):
+        name = fresh(lambda: _word(rng, rng.choice([1, 2])) + rng.choice(_CITY_SUFFIXES))
+        river = fresh(lambda: _word(rng, 2))
+        world.cities.append(City(name, river, founded=rng.randint(800, 1850), population=rng.randint(1200, 990000)))
+    for _ in range(n_people):
+        first = _word(rng, 2)
+        last = fresh(lambda: _word(rng, 2))
+        world.people.append(
+            Person(first, last, born=rng.randint(1600, 1990), city=rng.choice(world.cities).name, profession=rng.choice(PROFESSIONS))
+        )
+    return world
+
+
+# ---------------------------------------------------------------------------------------------
+# Questions
+
+
+@dataclass
+class ToyQuestion:
+    """A question with what an efficient solver does: the searches and the code it needs."""
+
+    question: Question
+    toy_kind: str  # search, python, both, none
+    searches: list[str]  # queries an efficient solver sends, in order
+    code: str | None  # the Python an efficient solver runs (after the searches), or None
+    fact: str | None  # the looked-up value the reasoning quotes ("born in 1873"), if any
+    entity: str | None = None
+
+
+def _search_question(rng: random.Random, world: World) -> tuple[str, str, str, str]:
+    """(question, answer, entity, fact phrase) for a one-fact lookup."""
+    if rng.random() < 0.7:
+        p = rng.choice(world.people)
+        template = rng.choice(["born", "profession", "city"])
+        if template == "born":
+            return f"In which year was {p.name} born?", str(p.born), p.name, f"{p.name} was born in {p.born}"
+        if template == "profession":
+            return f"What is the profession of {p.name}?", p.profession, p.name, f"{p.name} is {with_article(p.profession)}"
+        return f"In which city was {p.name} born?", p.city, p.name, f"{p.name} was born in {p.city}"
+    c = rng.choice(world.cities)
+    if rng.random() < 0.5:
+        return f"On which river is {c.name}?", c.river, c.name, f"{c.name} is on the river {c.river}"
+    return f"In which year was {c.name} founded?", str(c.founded), c.name, f"{c.name} was founded in {c.founded}"
+
+
+def _python_question(rng: random.Random) -> tuple[str, str, str]:
+    """(question, answer, code) for arithmetic on numbers in the question."""
+    form = rng.choice(["product", "sum", "power"])
+    if form == "product":
+        a, b = rng.randint(101, 9999), rng.randint(101, 9999)
+        return f"What is {a} multiplied by {b}?", str(a * b), f"print({a} * {b})"
+    if form == "sum":
+        a, b, c = (rng.randint(1001, 99999) for _ in range(3))
+        return f"What is the sum of {a}, {b} and {c}?", str(a + b + c), f"print({a} + {b} + {c})"
+    base, exp = rng.randint(3, 19), rng.randint(5, 9)
+    return f"What is {base} to the power of {exp}?", str(base**exp), f"print({base} ** {exp})"
+
+
+def _both_question(rng: random.Random, world: World) -> tuple[str, str, str, str, str]:
+    """(question, answer, entity, fact phrase, code): look up a number, then compute with it."""
+    if rng.random() < 0.6:
+        p = rng.choice(world.people)
+        year = rng.randint(2000, 2100)
+        return (
+            f"How old would {p.name} be in the year {year}?",
+            str(year - p.born),
+            p.name,
+            f"{p.name} was born in {p.born}",
+            f"print({year} - {p.born})",
+        )
+    c = rng.choice(world.cities)
+    k = rng.randint(3, 97)
+    return (
+        f"What is {k} times the population of {c.name}?",
+        str(k * c.population),
+        c.name,
+        f"{c.name} has {c.population} inhabitants",
+        f"print({k} * {c.population})",
+    )
+
+
+def _none_question(rng: random.Random, world: World) -> tuple[str, str, str]:
+    """(question, answer, entity) answerable from the question text alone."""
+    p = rng.choice(world.people)
+    if rng.random() < 0.5:
+        return f"What is the first name of the {p.profession} {p.name}?", p.first, p.name
+    return f"What is the family name of the {p.profession} {p.name}?", p.last, p.name
+
+
+def make_questions(world: World, rng: random.Random, per_kind: int, prefix: str, exclude: set[str]) -> list[ToyQuestion]:
+    """per_kind questions of each kind whose text is not in ``exclude`` (which is updated)."""
+    out: list[ToyQuestion] = []
+    for kind in KINDS:
+        made = 0
+        while made < per_kind:
+            if kind == "search":
+                text, answer, entity, fact = _search_question(rng, world)
+                searches, code, src_kind = [entity], None, "qa"
+            elif kind == "python":
+                text, answer, code = _python_question(rng)
+                entity, fact, searches, src_kind = None, None, [], "math"
+            elif kind == "both":
+                text, answer, entity, fact, code = _both_question(rng, world)
+                searches, src_kind = [entity], "math"
+            else:
+                text, answer, entity = _none_question(rng, world)
+                fact, code, searches, src_kind = None, None, [], "qa"
+            if text in exclude:
+                continue
+            exclude.add(text)
+            qid = f"{prefix}-{kind}-{made:04d}"
+            question = Question(id=qid, question=text, answer=[answer], source=f"toy_{kind}", kind=src_kind)
+            out.append(ToyQuestion(question, kind, searches, code, fact, entity))
+            made += 1
+    return out

