@@ -48,7 +48,9 @@ def _score_lines(source: IO[str], name: str, out: IO[str], judge: scoring.LLMJud
         else:
             rows.append((item, metrics))
     if judge is not None:  # judged together, concurrently
-        verdicts = judge.judge_many([(item["question"], item.get("answers", item.get("answer")), str(item["prediction"])) for item, _ in rows])
+        verdicts = judge.judge_many(
+            [(item["question"], item.get("answers", item.get("answer")), str(item["prediction"])) for item, _ in rows]
+        )
         for (item, metrics), verdict in zip(rows, verdicts):
             metrics.update(llm_judge=verdict.correct, llm_judge_reason=verdict.reason, llm_judge_response=verdict.response)
             out.write(json.dumps({**item, **metrics}, ensure_ascii=False) + "\n")

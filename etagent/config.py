@@ -24,8 +24,7 @@ def config_dir() -> Path:
     path = Path(os.environ.get("ETAGENT_CONFIG_DIR", Path(__file__).resolve().parents[1] / "configs"))
     if not path.is_dir():
         raise FileNotFoundError(
-            f"no configs directory at {path}: install the toolkit from its repository (pip install -e .) "
-            "or set ETAGENT_CONFIG_DIR"
+            f"no configs directory at {path}: install the toolkit from its repository (pip install -e .) or set ETAGENT_CONFIG_DIR"
         )
     return path
 

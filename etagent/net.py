@@ -69,9 +69,7 @@ async def post_json(
     backoff: float = 0.5,
 ) -> Any:
     """POST a JSON body and return the decoded JSON answer, retrying transient failures."""
-    return await _request_json(
-        client, "POST", url, json=payload, headers=headers, timeout=timeout, attempts=attempts, backoff=backoff
-    )
+    return await _request_json(client, "POST", url, json=payload, headers=headers, timeout=timeout, attempts=attempts, backoff=backoff)
 
 
 async def get_json(
@@ -85,6 +83,4 @@ async def get_json(
     backoff: float = 0.5,
 ) -> Any:
     """GET and return the decoded JSON answer, retrying transient failures."""
-    return await _request_json(
-        client, "GET", url, params=params, headers=headers, timeout=timeout, attempts=attempts, backoff=backoff
-    )
+    return await _request_json(client, "GET", url, params=params, headers=headers, timeout=timeout, attempts=attempts, backoff=backoff)

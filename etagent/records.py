@@ -50,7 +50,7 @@ MATH_SOURCES = frozenset(
 
 
 def kind_for_source(source: str) -> Literal["math", "qa"]:
-    """"math" for the math training sources and benchmarks, "qa" for everything else."""
+    """ "math" for the math training sources and benchmarks, "qa" for everything else."""
     return "math" if source in MATH_SOURCES else "qa"
 
 
@@ -217,9 +217,7 @@ class SFTExample(Record):
         return self
 
     @classmethod
-    def from_trajectory(
-        cls, id: str, question: str, text: str, system_prompt: str = protocol.SYSTEM_PROMPT, **extra: Any
-    ) -> SFTExample:
+    def from_trajectory(cls, id: str, question: str, text: str, system_prompt: str = protocol.SYSTEM_PROMPT, **extra: Any) -> SFTExample:
         """Build an example from trajectory text, masking every ``<result>...</result>`` span."""
         segments = [Segment(text=piece, train=not is_result) for piece, is_result in protocol.split_result_segments(text)]
         messages = [Message(role="system", content=system_prompt), Message(role="user", content=question)]
@@ -238,7 +236,9 @@ class SFTExample(Record):
         return self.messages[-1].content
 
 
-def export_llamafactory(examples: Iterable[SFTExample], out_dir: str | os.PathLike, name: str = "etagent_sft", fmt: str = "sharegpt") -> Path:
+def export_llamafactory(
+    examples: Iterable[SFTExample], out_dir: str | os.PathLike, name: str = "etagent_sft", fmt: str = "sharegpt"
+) -> Path:
     """Write SFT data for LLaMA-Factory: ``{name}.json`` and a ``dataset_info.json`` entry.
 
     The protocol prompt goes in the system column (the reference put it in the user turn). The
@@ -249,7 +249,10 @@ def export_llamafactory(examples: Iterable[SFTExample], out_dir: str | os.PathLi
     out.mkdir(parents=True, exist_ok=True)
     if fmt == "alpaca":
         rows = [{"instruction": e.question, "input": "", "output": e.response, "system": e.system} for e in examples]
-        info = {"file_name": f"{name}.json", "columns": {"prompt": "instruction", "query": "input", "response": "output", "system": "system"}}
+        info = {
+            "file_name": f"{name}.json",
+            "columns": {"prompt": "instruction", "query": "input", "response": "output", "system": "system"},
+        }
     elif fmt == "sharegpt":
         rows = [
             {"conversations": [{"from": "human", "value": e.question}, {"from": "gpt", "value": e.response}], "system": e.system}

@@ -418,9 +418,7 @@ class LLMJudge:
                 await asyncio.sleep(min(0.5 * 2 ** (attempt - 1), 4.0))
         return JudgeVerdict(None, reply, f"failed: {error}", self.attempts)
 
-    async def ajudge_many(
-        self, items: Sequence[tuple[str, Sequence[str], str]], concurrency: int = 32
-    ) -> list[JudgeVerdict]:
+    async def ajudge_many(self, items: Sequence[tuple[str, Sequence[str], str]], concurrency: int = 32) -> list[JudgeVerdict]:
         """Judge (question, golds, prediction) items concurrently, in order."""
         limit = asyncio.Semaphore(concurrency)
         async with httpx.AsyncClient() as client:

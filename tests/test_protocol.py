@@ -277,7 +277,9 @@ def test_dropping_the_last_result_or_a_closing_think_breaks_the_format(steps_, a
 
 
 @settings(max_examples=300, deadline=None)
-@given(st.lists(st.sampled_from(list("ab{}\\ $") + list(protocol.TAG_STRINGS) + ["\\boxed", "\\text{", "\\fbox"]), max_size=40).map("".join))
+@given(
+    st.lists(st.sampled_from(list("ab{}\\ $") + list(protocol.TAG_STRINGS) + ["\\boxed", "\\text{", "\\fbox"]), max_size=40).map("".join)
+)
 def test_functions_are_total_on_arbitrary_text(text):
     # never raise, and keep their basic invariants on any input
     answer = extract_answer(text)

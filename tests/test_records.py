@@ -106,7 +106,9 @@ def test_invalid_json_and_duplicate_ids(tmp_path):
 def test_parquet_rows_are_named_in_errors(tmp_path):
     import pyarrow as pa
 
-    pq.write_table(pa.Table.from_pylist([{"id": "a", "question": "x", "answer": ["1"], "source": "s", "kind": "maths"}]), tmp_path / "q.parquet")
+    pq.write_table(
+        pa.Table.from_pylist([{"id": "a", "question": "x", "answer": ["1"], "source": "s", "kind": "maths"}]), tmp_path / "q.parquet"
+    )
     with pytest.raises(RecordError, match=r"q.parquet:1: field 'kind'"):
         read_questions(tmp_path / "q.parquet")
 
@@ -273,7 +275,9 @@ def test_manifest_records_inputs_counts_and_revision(tmp_path):
     data = tmp_path / "in.jsonl"
     write_jsonl(data, [q(0)])
     start = time.time()
-    path = write_manifest(tmp_path / "out", stage="demo", config={"a": 1}, inputs=[data], counts={"rows": 1}, seed=3, started_at=start, metrics={"acc": 0.5})
+    path = write_manifest(
+        tmp_path / "out", stage="demo", config={"a": 1}, inputs=[data], counts={"rows": 1}, seed=3, started_at=start, metrics={"acc": 0.5}
+    )
     manifest = json.loads(path.read_text())
     import hashlib
 

@@ -35,7 +35,16 @@ def sha(path: Path) -> str:
     return hashlib.sha256(path.read_bytes()).hexdigest()
 
 
-ARTIFACTS = ["corpus.jsonl", "questions/train.jsonl", "questions/test.jsonl", "seed_trajectories.jsonl", "sft.jsonl", "model/tokenizer.json", "model/model.safetensors", "model/config.json"]
+ARTIFACTS = [
+    "corpus.jsonl",
+    "questions/train.jsonl",
+    "questions/test.jsonl",
+    "seed_trajectories.jsonl",
+    "sft.jsonl",
+    "model/tokenizer.json",
+    "model/model.safetensors",
+    "model/config.json",
+]
 
 
 def without_timings(path: Path) -> list[dict]:

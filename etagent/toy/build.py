@@ -140,13 +140,19 @@ def build(cfg: DictConfig, out_dir: Path) -> dict:
 
 def print_summary(summary: dict, out_dir: Path, example: str | None = None) -> None:
     print(f"toy world in {out_dir}")
-    print(f"  entities        {summary['entities']['people']} people, {summary['entities']['cities']} cities ({summary['corpus_documents']} corpus documents)")
+    print(
+        f"  entities        {summary['entities']['people']} people, {summary['entities']['cities']} cities ({summary['corpus_documents']} corpus documents)"
+    )
     per_kind = ", ".join(f"{k} {v}" for k, v in summary["questions"]["per_kind_train"].items())
     print(f"  questions       {summary['questions']['train']} train ({per_kind}), {summary['questions']['test']} test")
     mix = ", ".join(f"{k} {v}" for k, v in sorted(summary["behaviours"].items()))
-    print(f"  seed rollouts   {summary['seed_trajectories']} ({mix}); accuracy {summary['seed_accuracy']:.3f}, {summary['seed_mean_tool_calls']:.2f} tool calls each")
+    print(
+        f"  seed rollouts   {summary['seed_trajectories']} ({mix}); accuracy {summary['seed_accuracy']:.3f}, {summary['seed_mean_tool_calls']:.2f} tool calls each"
+    )
     print(f"  SFT examples    {summary['sft_examples']} (correct and well-formed seeds)")
-    print(f"  tokenizer       {summary['tokenizer_vocab']} tokens; prompt {summary['prompt_tokens']} tokens, trajectory {summary['mean_trajectory_tokens']} tokens on average")
+    print(
+        f"  tokenizer       {summary['tokenizer_vocab']} tokens; prompt {summary['prompt_tokens']} tokens, trajectory {summary['mean_trajectory_tokens']} tokens on average"
+    )
     print(f"  model           Qwen2, {summary['model_parameters'] / 1e6:.2f}M parameters, random init ({out_dir / 'model'})")
     if example:
         print("  example seed trajectory:")

@@ -26,9 +26,7 @@ EOS_TOKEN, PAD_TOKEN = "<|im_end|>", "<|endoftext|>"
 # Qwen2's pre-tokenizer split pattern: contractions, letters, single digits, punctuation runs,
 # newlines and spaces. Reproducing it is what keeps ids stable when transformers reloads the
 # tokenizer as Qwen2Tokenizer.
-QWEN2_SPLIT_PATTERN = (
-    r"""(?i:'s|'t|'re|'ve|'m|'ll|'d)|[^\r\n\p{L}\p{N}]?\p{L}+|\p{N}| ?[^\s\p{L}\p{N}]+[\r\n]*|\s*[\r\n]+|\s+(?!\S)|\s+"""
-)
+QWEN2_SPLIT_PATTERN = r"""(?i:'s|'t|'re|'ve|'m|'ll|'d)|[^\r\n\p{L}\p{N}]?\p{L}+|\p{N}| ?[^\s\p{L}\p{N}]+[\r\n]*|\s*[\r\n]+|\s+(?!\S)|\s+"""
 
 CHATML_TEMPLATE = (
     "{%- for message in messages %}"
@@ -64,7 +62,9 @@ def train_tokenizer(texts: Iterable[str], vocab_size: int):
     return wrapped
 
 
-def build_model(tokenizer, *, hidden_size: int, layers: int, heads: int, kv_heads: int, intermediate_size: int, max_positions: int, seed: int):
+def build_model(
+    tokenizer, *, hidden_size: int, layers: int, heads: int, kv_heads: int, intermediate_size: int, max_positions: int, seed: int
+):
     """A randomly initialised Qwen2 causal LM sized for the tokenizer (vocab = len(tokenizer))."""
     import torch
     from transformers import GenerationConfig, Qwen2Config, Qwen2ForCausalLM
@@ -86,9 +86,7 @@ def build_model(tokenizer, *, hidden_size: int, layers: int, heads: int, kv_head
     )
     torch.manual_seed(seed)
     model = Qwen2ForCausalLM(config)
-    model.generation_config = GenerationConfig(
-        eos_token_id=tokenizer.eos_token_id, pad_token_id=tokenizer.pad_token_id, bos_token_id=None
-    )
+    model.generation_config = GenerationConfig(eos_token_id=tokenizer.eos_token_id, pad_token_id=tokenizer.pad_token_id, bos_token_id=None)
     return model
 
 

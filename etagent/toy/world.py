@@ -30,9 +30,26 @@ _VOWELS = ["a", "e", "i", "o", "u", "ai", "ea", "ou"]
 _CODAS = ["", "", "l", "n", "r", "s", "th", "k", "m", "v"]
 _CITY_SUFFIXES = ["port", "ford", "haven", "mere", "wick", "stead", "holm", "gate"]
 PROFESSIONS = [
-    "cartographer", "glassblower", "astronomer", "beekeeper", "clockmaker", "weaver", "sculptor",
-    "botanist", "shipwright", "bookbinder", "violinist", "mapmaker", "engraver", "potter",
-    "lighthouse keeper", "tanner", "falconer", "chemist", "surveyor", "poet",
+    "cartographer",
+    "glassblower",
+    "astronomer",
+    "beekeeper",
+    "clockmaker",
+    "weaver",
+    "sculptor",
+    "botanist",
+    "shipwright",
+    "bookbinder",
+    "violinist",
+    "mapmaker",
+    "engraver",
+    "potter",
+    "lighthouse keeper",
+    "tanner",
+    "falconer",
+    "chemist",
+    "surveyor",
+    "poet",
 ]
 
 
