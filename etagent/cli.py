@@ -2,6 +2,8 @@
 
     etagent toy build --out runs/toy [overrides]   build the toy world and tiny model
     etagent score [FILE] [--judge-url URL ...]     score predictions, one JSON line each
+    etagent tool python [FILE] [overrides]         run code in the sandbox, print the call record
+    etagent tool search --query Q [overrides]      run a search, print the call record
 
 Stage subcommands take ``--preset NAME`` (``configs/<stage>/NAME.yaml``, default ``tiny``) and
 Hydra overrides (``key=value``); each also runs as ``python -m <stage>.run``. Stages join this
@@ -83,11 +85,52 @@ def score_main(argv: list[str]) -> int:
     return _score_lines(sys.stdin, "<stdin>", sys.stdout, judge)
 
 
+def tool_main(argv: list[str]) -> int:
+    """`etagent tool python|search`: one call through the configured tool, one JSON line out."""
+    parser = argparse.ArgumentParser(
+        prog="etagent tool",
+        description="Run one tool call with the tools config and print its record as a JSON line. "
+        "Examples: echo 'print(6*7)' | etagent tool python ;  etagent tool search --query 'Zorvak Telmin'",
+    )
+    parser.add_argument("tool", choices=["python", "search"])
+    parser.add_argument("file", nargs="?", help="python: a file with the code (default: stdin)")
+    parser.add_argument("--query", help="search: the query")
+    parser.add_argument("--preset", default="tiny", help="configs/tools/PRESET.yaml (default: tiny)")
+    parser.add_argument("overrides", nargs="*", help="Hydra overrides, e.g. tools.python.timeout_s=5")
+    args, extra = parser.parse_known_args(argv)
+    overrides = list(args.overrides) + extra
+    if args.tool == "python" and args.file and "=" in args.file:  # an override, not a file
+        overrides.insert(0, args.file)
+        args.file = None
+    from etagent.config import load_config
+    from etagent.protocol import ToolCall
+    from etagent.tools.executor import build_executor
+
+    cfg = load_config("tools", args.preset, overrides).tools
+    if args.tool == "python":
+        payload = open(args.file).read() if args.file else sys.stdin.read()
+    else:
+        if not args.query:
+            parser.error("search needs --query")
+        payload = args.query
+    with build_executor(cfg) as executor:
+        [record] = executor.run_sync([ToolCall(args.tool, payload)])
+        line = record.to_json()
+        if args.tool == "python":
+            backend = executor.tools["python"].backend
+            line["isolation"] = backend.isolation
+            if backend.isolation_note:
+                line["isolation_note"] = backend.isolation_note
+    print(json.dumps(line, ensure_ascii=False))
+    return 0 if record.ok else 1
+
+
 def main(argv: list[str] | None = None) -> int:
     argv = list(sys.argv[1:] if argv is None else argv)
     commands = {
         "toy": "build the toy world and tiny model: etagent toy build --out DIR",
         "score": "score predictions given as JSON lines",
+        "tool": "run one tool call (python or search) with the tools config",
     }
     if not argv or argv[0] in ("-h", "--help") or argv[0] not in commands:
         print(__doc__.strip())
@@ -104,6 +147,8 @@ def main(argv: list[str] | None = None) -> int:
 
         toy_main(rest[1:])
         return 0
+    if command == "tool":
+        return tool_main(rest)
     return score_main(rest)
 
 

@@ -1,2 +1,27 @@
-"""The agent's tools: search (local retriever, BM25, web) and, with the tools issue, the Python
-sandbox, the persistent cache and the concurrent executor."""
+"""The agent's tools: the Python sandbox (``sandbox``), search backends and the search tool
+(``search``), the persistent cache (``cache``) and the concurrent executor (``executor``).
+
+A tool is an async callable ``tool(input: str) -> ToolOutput`` with a ``name``; it never raises
+for anything its input does. ``ToolExecutor`` runs batches of calls and turns every outcome,
+including timeouts and crashes, into a ``ToolCallRecord``.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+
+
+@dataclass
+class ToolOutput:
+    """A tool's answer: the text inserted in <result>, whether the call worked, and whether it
+    came from the cache."""
+
+    text: str
+    ok: bool
+    cached: bool = False
+    details: dict = field(default_factory=dict)
+
+
+def truncate(text: str, max_chars: int) -> str:
+    """The reference's truncation: the first max_chars characters plus "..."."""
+    return text if len(text) <= max_chars else text[:max_chars] + "..."

@@ -1,4 +1,5 @@
-"""Search results as the agent sees them, and the in-process BM25 index.
+"""Search for the agent: result formatting, the in-process BM25 index, the local retriever
+client, web search backends, and the search tool with its cache.
 
 :func:`format_documents` turns retrieved documents into the text inserted in ``<result>``: each
 document's ``contents`` cut to ``max_doc_chars`` characters (plus "..." when cut), separated by
@@ -12,7 +13,19 @@ search would return.
 
 from __future__ import annotations
 
+import asyncio
+import os
+import re
+import time
 from collections.abc import Sequence
+from dataclasses import dataclass
+from urllib.parse import urlencode
+
+import httpx
+
+from etagent.net import ExternalCallError, get_json, post_json
+from etagent.tools import ToolOutput
+from etagent.tools.cache import ToolCache
 
 
 def format_documents(contents: Sequence[str], max_doc_chars: int = 1200) -> str:
@@ -48,3 +61,225 @@ class BM25Index:
                 ids[i] = [d for d, _ in keep]
                 scores[i] = [s for _, s in keep]
         return ids, scores
+
+
+# ---------------------------------------------------------------------------------------------
+# Search backends. Each has a name, the parameters that change its results (part of the cache
+# key) and ``async search(query) -> SearchResult``; they raise ExternalCallError on failure.
+
+
+@dataclass
+class SearchResult:
+    """Formatted text for <result> and the documents behind it."""
+
+    text: str
+    documents: list[dict]
+
+
+class RateLimiter:
+    """At most ``rate`` acquisitions per second (token bucket of ``burst``), across coroutines."""
+
+    def __init__(self, rate: float, burst: int = 1):
+        self.rate, self.burst = rate, burst
+        self._tokens, self._last = float(burst), time.monotonic()
+        self._lock = asyncio.Lock()
+
+    async def acquire(self) -> None:
+        async with self._lock:
+            while True:
+                now = time.monotonic()
+                self._tokens = min(self.burst, self._tokens + (now - self._last) * self.rate)
+                self._last = now
+                if self._tokens >= 1:
+                    self._tokens -= 1
+                    return
+                await asyncio.sleep((1 - self._tokens) / self.rate)
+
+
+class RetrieverClient:
+    """The local retriever service over HTTP, in either contract it speaks.
+
+    ``api="retrieve"``: Search-R1's ``POST /retrieve {queries, topk, return_scores}`` ->
+    ``{result: [[{document: {id, contents}, score}]]}``; several queries per request.
+    ``api="search"``: the paper's ``POST /search {query, top_n}`` -> ``[{id, contents}]`` and
+    ``POST /batch_search {query: [...], top_n}`` (the paper's client sent ``queries`` here and
+    never worked). ``method`` (dense, bm25, hybrid) is passed where the server supports it.
+    """
+
+    def __init__(
+        self,
+        url: str,
+        *,
+        api: str = "retrieve",
+        top_k: int = 4,
+        max_doc_chars: int = 1200,
+        method: str | None = None,
+        timeout_s: float = 60.0,
+        attempts: int = 3,
+        token: str | None = None,
+    ):
+        if api not in ("retrieve", "search"):
+            raise ValueError(f"retriever api must be retrieve or search, got {api!r}")
+        self.url = url.rstrip("/")
+        self.api, self.top_k, self.max_doc_chars, self.method = api, top_k, max_doc_chars, method
+        self.timeout_s, self.attempts = timeout_s, attempts
+        self.headers = {"Authorization": f"Bearer {token}"} if token else {}
+        self.name = "local"
+        self.params = {"url": self.url, "top_k": top_k, "max_doc_chars": max_doc_chars, "method": method}
+        self._client: httpx.AsyncClient | None = None
+
+    def _http(self) -> httpx.AsyncClient:
+        if self._client is None or self._client.is_closed:
+            self._client = httpx.AsyncClient(limits=httpx.Limits(max_connections=64))
+        return self._client
+
+    async def documents(self, queries: Sequence[str]) -> list[list[dict]]:
+        """Top-k documents ({id, contents[, score]}) for each query, in order."""
+        client = self._http()
+        call = {"timeout": self.timeout_s, "attempts": self.attempts, "headers": self.headers}
+        if self.api == "retrieve":
+            payload = {"queries": list(queries), "topk": self.top_k, "return_scores": True}
+            if self.method:
+                payload["method"] = self.method
+            body = await post_json(client, f"{self.url}/retrieve", payload, **call)
+            try:
+                return [[{**hit["document"], "score": hit.get("score")} for hit in hits] for hits in body["result"]]
+            except (KeyError, TypeError) as exc:
+                raise ExternalCallError(f"unexpected /retrieve response: {str(body)[:200]}") from exc
+        if len(queries) == 1:
+            body = await post_json(client, f"{self.url}/search", {"query": queries[0], "top_n": self.top_k}, **call)
+            body = [body]
+        else:
+            body = await post_json(client, f"{self.url}/batch_search", {"query": list(queries), "top_n": self.top_k}, **call)
+        if not isinstance(body, list) or len(body) != len(queries):
+            raise ExternalCallError(f"unexpected /search response: {str(body)[:200]}")
+        return body
+
+    async def search(self, query: str) -> SearchResult:
+        [docs] = await self.documents([query])
+        return SearchResult(format_documents([d["contents"] for d in docs], self.max_doc_chars), docs)
+
+    async def aclose(self) -> None:
+        if self._client is not None:
+            await self._client.aclose()
+
+
+def _language(query: str) -> str:
+    """ "zh" when the query contains CJK characters, else "en" (for the engines' locale)."""
+    return "zh" if re.search(r"[\u4e00-\u9fff]", query) else "en"
+
+
+def format_snippets(snippets: Sequence[str], max_results: int, max_chars: int) -> str:
+    """Web results as the reference formats them: de-duplicated snippets, ``Page i: ...``."""
+    unique = list(dict.fromkeys(s.strip() for s in snippets if s and s.strip()))[:max_results]
+    if not unique:
+        return "No search results found."
+    return "\n".join(f"Page {i}: {s[:max_chars]}" for i, s in enumerate(unique, start=1))
+
+
+class WebSearch:
+    """A web search API: Serper (Google), Bright Data SERP (Bing, the paper's) or the Bing Web
+    Search API (and compatible services).
+
+    The API key is read from the environment variable ``api_key_env`` when the backend is made,
+    and is never logged or put in an error message. Requests are rate-limited (``rate_per_s``),
+    time out after ``timeout_s`` and are retried with backoff (``attempts``). ``endpoint``
+    overrides the service URL (tests point it at a local server speaking the same format).
+    """
+
+    DEFAULT_ENDPOINTS = {
+        "serper": "https://google.serper.dev/search",
+        "brightdata": "https://api.brightdata.com/request",
+        "bing": "https://api.bing.microsoft.com/v7.0/search",
+    }
+
+    def __init__(
+        self,
+        provider: str,
+        *,
+        api_key_env: str,
+        endpoint: str | None = None,
+        max_results: int = 10,
+        max_chars: int = 1000,
+        rate_per_s: float = 2.0,
+        timeout_s: float = 30.0,
+        attempts: int = 3,
+        zone: str = "serp_api1",
+    ):
+        if provider not in self.DEFAULT_ENDPOINTS:
+            raise ValueError(f"unknown web search provider {provider!r} (serper, brightdata, bing)")
+        key = os.environ.get(api_key_env)
+        if not key:
+            raise ValueError(f"web search '{provider}' needs an API key in the environment variable {api_key_env}")
+        self.provider, self.name = provider, provider
+        self._key = key
+        self.endpoint = endpoint or self.DEFAULT_ENDPOINTS[provider]
+        self.max_results, self.max_chars, self.zone = max_results, max_chars, zone
+        self.timeout_s, self.attempts = timeout_s, attempts
+        self.params = {"max_results": max_results, "max_chars": max_chars}
+        self._limiter = RateLimiter(rate_per_s, burst=max(1, int(rate_per_s)))
+
+    def __repr__(self) -> str:  # never show the key
+        return f"WebSearch({self.provider!r}, endpoint={self.endpoint!r})"
+
+    async def search(self, query: str) -> SearchResult:
+        await self._limiter.acquire()
+        zh = _language(query) == "zh"
+        call = {"timeout": self.timeout_s, "attempts": self.attempts}
+        async with httpx.AsyncClient() as client:
+            if self.provider == "serper":
+                payload = {"q": query, "hl": "zh-cn" if zh else "en", "gl": "cn" if zh else "us", "num": self.max_results}
+                body = await post_json(client, self.endpoint, payload, headers={"X-API-KEY": self._key}, **call)
+                hits = [
+                    {"title": h.get("title", ""), "url": h.get("link", ""), "snippet": h.get("snippet", "")}
+                    for h in body.get("organic", [])
+                ]
+            elif self.provider == "brightdata":
+                market = "zh-CN" if zh else "en-US"
+                target = "https://www.bing.com/search?" + urlencode(
+                    {"q": query.replace('"', ""), "mkt": market, "setLang": market.split("-")[0], "brd_json": 1, "cc": "cn" if zh else "us"}
+                )
+                payload = {"zone": self.zone, "url": target, "format": "raw"}
+                body = await post_json(client, self.endpoint, payload, headers={"Authorization": f"Bearer {self._key}"}, **call)
+                hits = [
+                    {"title": h.get("title", ""), "url": h.get("link", ""), "snippet": h.get("description", "")}
+                    for h in body.get("organic", [])
+                ]
+            else:
+                params = {"q": query, "count": self.max_results, "mkt": "zh-CN" if zh else "en-US"}
+                body = await get_json(client, self.endpoint, params=params, headers={"Ocp-Apim-Subscription-Key": self._key}, **call)
+                hits = [
+                    {"title": h.get("name", ""), "url": h.get("url", ""), "snippet": h.get("snippet", "")}
+                    for h in body.get("webPages", {}).get("value", [])
+                ]
+        return SearchResult(format_snippets([h["snippet"] for h in hits], self.max_results, self.max_chars), hits[: self.max_results])
+
+
+class SearchTool:
+    """The ``<search>`` tool: a backend plus an optional persistent cache.
+
+    A hit returns the cached text (``cached=True``); a miss calls the backend and stores the
+    result. Failures are not cached and come back as an error text with ``ok=False``.
+    """
+
+    name = "search"
+
+    def __init__(self, backend: RetrieverClient | WebSearch, cache: ToolCache | None = None):
+        self.backend = backend
+        self.cache = cache
+
+    async def __call__(self, query: str) -> ToolOutput:
+        if not query.strip():
+            return ToolOutput("Error: the <search> block is empty; write a query between <search> and </search>.", ok=False)
+        name, params = self.backend.name, self.backend.params
+        if self.cache is not None:
+            cached = await asyncio.to_thread(self.cache.get, "search", name, query, params)  # may raise CacheMiss
+            if cached is not None:
+                return ToolOutput(cached["text"], ok=True, cached=True)
+        try:
+            result = await self.backend.search(query)
+        except ExternalCallError as exc:
+            return ToolOutput(f"Search failed: {exc}", ok=False)
+        if self.cache is not None:
+            await asyncio.to_thread(self.cache.put, "search", name, query, params, {"text": result.text, "documents": result.documents})
+        return ToolOutput(result.text, ok=True, details={"documents": result.documents})

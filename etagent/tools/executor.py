@@ -1,0 +1,155 @@
+"""Run tool calls concurrently and turn every outcome into a ToolCallRecord.
+
+:class:`ToolExecutor` holds the configured tools. ``run(calls)`` runs a batch at once, each tool
+under its own concurrency limit and per-call timeout, and returns one record per call in order:
+tool, input, output, ok, seconds, cached. Nothing raises into the caller: an unknown tool, a
+timeout, a crashed backend or a replay-mode cache miss all become records with ``ok=False`` and
+an output text the model can read.
+
+Budgets are per trajectory, so the agent loop enforces them; it answers an over-budget call with
+:func:`budget_exhausted_record` (an explicit message, never silence and never an unexecuted call
+left for the model to hallucinate a result to).
+
+:func:`build_executor` makes the tools from the ``tools`` config group (configs/tools/*.yaml).
+"""
+
+from __future__ import annotations
+
+import asyncio
+import time
+from collections.abc import Callable, Sequence
+from typing import Any
+
+from etagent.protocol import ToolCall
+from etagent.records import ToolCallRecord
+from etagent.tools import ToolOutput
+
+Tool = Callable[[str], Any]  # async (input) -> ToolOutput, with a .name
+
+
+class ToolExecutor:
+    """Concurrent execution of tool calls with per-tool limits."""
+
+    def __init__(
+        self,
+        tools: Sequence[Tool],
+        *,
+        concurrency: dict[str, int] | None = None,
+        timeout_s: dict[str, float] | None = None,
+        on_close: Sequence[Callable] = (),
+    ):
+        self.tools = {tool.name: tool for tool in tools}
+        self.concurrency = {name: (concurrency or {}).get(name, 32) for name in self.tools}
+        self.timeout_s = {name: (timeout_s or {}).get(name, 120.0) for name in self.tools}
+        self._on_close = list(on_close)
+        self._semaphores: dict[tuple[asyncio.AbstractEventLoop, str], asyncio.Semaphore] = {}
+
+    def _semaphore(self, name: str) -> asyncio.Semaphore:
+        key = (asyncio.get_running_loop(), name)
+        if key not in self._semaphores:
+            self._semaphores[key] = asyncio.Semaphore(self.concurrency[name])
+        return self._semaphores[key]
+
+    async def run_one(self, call: ToolCall) -> ToolCallRecord:
+        start = time.perf_counter()
+        tool = self.tools.get(call.tool)
+        if tool is None:
+            output = ToolOutput(f"Tool execute failed: no tool named {call.tool!r} (available: {', '.join(self.tools)})", ok=False)
+        else:
+            try:
+                async with self._semaphore(call.tool):
+                    output = await asyncio.wait_for(tool(call.input), self.timeout_s[call.tool])
+            except asyncio.TimeoutError:
+                output = ToolOutput(
+                    f"Tool execute failed: {call.tool} did not answer within {self.timeout_s[call.tool]:g} seconds", ok=False
+                )
+            except Exception as exc:  # a tool must never take the agent loop down with it
+                output = ToolOutput(f"Tool execute failed: {type(exc).__name__}: {exc}", ok=False)
+        return ToolCallRecord(
+            tool=call.tool, input=call.input, output=output.text, ok=output.ok, seconds=time.perf_counter() - start, cached=output.cached
+        )
+
+    async def run(self, calls: Sequence[ToolCall]) -> list[ToolCallRecord]:
+        """Run calls concurrently; one record per call, in the order given."""
+        return list(await asyncio.gather(*(self.run_one(call) for call in calls)))
+
+    def run_sync(self, calls: Sequence[ToolCall]) -> list[ToolCallRecord]:
+        return asyncio.run(self.run(calls))
+
+    def close(self) -> None:
+        for close in self._on_close:
+            close()
+
+    def __enter__(self) -> ToolExecutor:
+        return self
+
+    def __exit__(self, *exc) -> None:
+        self.close()
+
+
+def budget_exhausted_record(call: ToolCall, used: int, limit: int, scope: str) -> ToolCallRecord:
+    """The record for a call over its trajectory's budget (scope: the tool name, or "tool")."""
+    text = f"Tool budget exhausted: {used} {scope} calls made, the limit is {limit}. No more {scope} calls will run; answer with the information you have."
+    return ToolCallRecord(tool=call.tool, input=call.input, output=text, ok=False, seconds=0.0, budget_exhausted=True)
+
+
+def build_executor(cfg) -> ToolExecutor:
+    """The tools described by a ``tools`` config (see configs/tools/tiny.yaml)."""
+    from etagent.tools.cache import ToolCache
+    from etagent.tools.sandbox import PythonSandbox, PythonTool, SandboxFusion, SandboxLimits
+    from etagent.tools.search import RetrieverClient, SearchTool, WebSearch
+
+    py = cfg.python
+    limits = SandboxLimits(
+        timeout_s=py.timeout_s,
+        memory_mb=py.memory_mb,
+        file_size_mb=py.file_size_mb,
+        open_files=py.open_files,
+        processes=py.processes,
+        tmpfs_mb=py.tmpfs_mb,
+    )
+    if py.backend == "sandbox":
+        backend = PythonSandbox(
+            python=py.interpreter, limits=limits, isolation=py.isolation, preload=tuple(py.preload), max_concurrency=py.concurrency
+        )
+    elif py.backend == "sandbox_fusion":
+        backend = SandboxFusion(py.sandbox_fusion_url, limits=limits)
+    else:
+        raise ValueError(f"tools.python.backend must be sandbox or sandbox_fusion, got {py.backend!r}")
+    python_tool = PythonTool(backend, max_output_chars=py.max_output_chars)
+
+    se = cfg.search
+    if se.backend == "local":
+        search_backend = RetrieverClient(
+            se.local.url,
+            api=se.local.api,
+            top_k=se.top_k,
+            max_doc_chars=se.max_doc_chars,
+            method=se.local.method,
+            timeout_s=se.timeout_s,
+            attempts=se.attempts,
+        )
+    elif se.backend in ("serper", "brightdata", "bing"):
+        web = se.web
+        search_backend = WebSearch(
+            se.backend,
+            api_key_env=web.api_key_env,
+            endpoint=web.endpoint,
+            max_results=web.max_results,
+            max_chars=web.max_chars,
+            rate_per_s=web.rate_per_s,
+            timeout_s=se.timeout_s,
+            attempts=se.attempts,
+            zone=web.zone,
+        )
+    else:
+        raise ValueError(f"tools.search.backend must be local, serper, brightdata or bing, got {se.backend!r}")
+    cache = ToolCache(se.cache.path, mode=se.cache.mode) if se.cache.path else None
+    search_tool = SearchTool(search_backend, cache)
+    return ToolExecutor(
+        [python_tool, search_tool],
+        concurrency={"python": py.concurrency, "search": se.concurrency},
+        # the sandbox enforces the code's own timeout; this outer bound covers start-up too
+        timeout_s={"python": py.timeout_s + 30, "search": se.timeout_s * se.attempts + 10},
+        on_close=[backend.close] + ([cache.close] if cache else []),
+    )

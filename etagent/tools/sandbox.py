@@ -1,0 +1,373 @@
+"""The Python tool: model-written code run in an isolated, throw-away process.
+
+:class:`PythonSandbox` starts one fork server (``zygote.py``, a separate interpreter that has
+already imported ``preload``) and sends it each call over a Unix socket; the server forks a fresh
+process per call, so no state survives from one call to the next and a call starts in about
+5 ms instead of the 30-40 ms of a new interpreter.
+
+Isolation, per call (``isolation="namespaces"``, the default where the kernel allows it):
+
+- **identity**: new user namespace; outside it the code runs as ``nobody`` (when the toolkit runs
+  as root) or as the invoking user, with every capability dropped and ``no_new_privs`` set;
+- **filesystem**: a minimal root (tmpfs) holding read-only binds of the interpreter, its
+  site-packages, /usr, /lib*, /bin and a few /etc files; the project tree, home directories and
+  /work are not visible. /tmp is a fresh size-limited tmpfs (the working directory), gone after
+  the call;
+- **network**: a new network namespace with no interfaces up: nothing is reachable, not even
+  the host's 127.0.0.1;
+- **processes**: the code runs as PID 1 of a new PID namespace, so when it ends or is killed the
+  kernel kills everything it started (daemons included); ``RLIMIT_NPROC`` caps the number of
+  processes (it applies even to root because the namespace has no capability on the host);
+- **resources**: wall-clock timeout (the server kills the namespace), address space, CPU
+  seconds, file size, open files, ``oom_score_adj=1000`` (if memory runs out the kernel kills the
+  sandbox first), output capture capped per stream;
+- **environment**: replaced by a fixed minimal one (no API keys or tokens), stdin is /dev/null.
+
+What it does not protect against: kernel vulnerabilities (there is no seccomp filter and no
+virtual machine); CPU contention (a busy loop uses a core until its timeout); memory pressure
+from many concurrent calls each under its own address-space limit; side channels; reading
+files that are world-readable in the bound directories (the interpreter and its packages).
+
+Where namespaces are unavailable (``isolation="rlimits"``, chosen by ``auto`` when ``unshare``
+fails, for instance in an unprivileged container): resource limits, a new session, a temporary
+working directory removed afterwards and, when running as root, the ``nobody`` identity still
+apply, but there is **no network isolation**, the host filesystem is visible (writable wherever
+the identity may write), and a process that leaves the session (``setsid``) can outlive the call.
+The reason is logged once and exposed as :attr:`PythonSandbox.isolation_note`.
+
+:class:`SandboxFusion` is a second backend with the same interface: a SandboxFusion server (the
+service verl uses) over HTTP. :class:`PythonTool` turns either backend's result into the text
+inserted in ``<result>`` (the reference's format) and an ok flag.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import json
+import logging
+import math
+import os
+import shutil
+import struct
+import subprocess
+import sys
+import tempfile
+import threading
+from dataclasses import asdict, dataclass
+from pathlib import Path
+
+import httpx
+
+from etagent.net import ExternalCallError, post_json
+from etagent.tools import ToolOutput, truncate
+from etagent.tools.zygote import print_last_expression
+
+log = logging.getLogger(__name__)
+
+# Standard-library modules model code uses most. Adding numpy and sympy (the paper preset does)
+# saves their import time (about 0.5 s) in calls that use them, and costs a few milliseconds in
+# every call (a larger process to fork).
+DEFAULT_PRELOAD = (
+    "math",
+    "cmath",
+    "fractions",
+    "decimal",
+    "itertools",
+    "functools",
+    "collections",
+    "statistics",
+    "random",
+    "re",
+    "json",
+    "datetime",
+    "string",
+    "heapq",
+    "bisect",
+)
+SANDBOX_ENVIRONMENT = {
+    "PATH": "/usr/local/bin:/usr/bin:/bin",
+    "HOME": "/tmp",
+    "TMPDIR": "/tmp",
+    "LANG": "C.UTF-8",
+    "PYTHONIOENCODING": "utf-8",
+    "PYTHONDONTWRITEBYTECODE": "1",
+    "OMP_NUM_THREADS": "1",
+    "OPENBLAS_NUM_THREADS": "1",
+    "MKL_NUM_THREADS": "1",
+}
+
+
+@dataclass(frozen=True)
+class SandboxLimits:
+    """Per-call limits. cpu_seconds defaults to the timeout rounded up, plus one."""
+
+    timeout_s: float = 30.0
+    memory_mb: int = 2048
+    file_size_mb: int = 16
+    open_files: int = 256
+    processes: int = 32
+    tmpfs_mb: int = 64
+    max_output_bytes: int = 256_000
+    cpu_seconds: int | None = None
+
+    def for_zygote(self, timeout_s: float) -> dict:
+        return {
+            "memory_mb": self.memory_mb,
+            "cpu_seconds": self.cpu_seconds or math.ceil(timeout_s) + 1,
+            "file_size_mb": self.file_size_mb,
+            "open_files": self.open_files,
+            "processes": self.processes,
+            "tmpfs_mb": self.tmpfs_mb,
+            "environment": SANDBOX_ENVIRONMENT,
+        }
+
+
+@dataclass
+class ExecutionResult:
+    """What one run produced. ``error`` is set when the sandbox itself failed."""
+
+    stdout: str = ""
+    stderr: str = ""
+    exit_code: int | None = None
+    signal: int | None = None
+    timed_out: bool = False
+    seconds: float = 0.0
+    stdout_bytes: int = 0
+    stderr_bytes: int = 0
+    error: str | None = None
+
+    @property
+    def ok(self) -> bool:
+        return self.error is None and not self.timed_out and self.exit_code == 0
+
+
+class SandboxError(RuntimeError):
+    pass
+
+
+class PythonSandbox:
+    """Runs Python code through the fork server; safe to share across coroutines and threads.
+
+    ``python`` is the interpreter the code runs with (default: this one); its packages are what
+    the code can import. ``max_concurrency`` bounds calls in flight per sandbox.
+    """
+
+    def __init__(
+        self,
+        *,
+        python: str | None = None,
+        limits: SandboxLimits = SandboxLimits(),
+        isolation: str = "auto",
+        preload: tuple[str, ...] = DEFAULT_PRELOAD,
+        max_concurrency: int = 32,
+    ):
+        if isolation not in ("auto", "namespaces", "rlimits"):
+            raise ValueError(f"isolation must be auto, namespaces or rlimits, got {isolation!r}")
+        self.python = python or sys.executable
+        self.limits = limits
+        self.requested_isolation = isolation
+        self.preload = tuple(preload)
+        self.max_concurrency = max_concurrency
+        self.isolation: str | None = None
+        self.isolation_note = ""
+        self.zygote_pid: int | None = None
+        self._process: subprocess.Popen | None = None
+        self._dir: str | None = None
+        self._lock = threading.Lock()
+        self._semaphores: dict[asyncio.AbstractEventLoop, asyncio.Semaphore] = {}
+
+    # -- lifecycle --------------------------------------------------------------------------
+
+    def start(self) -> PythonSandbox:
+        with self._lock:
+            if self._process is not None and self._process.poll() is None:
+                return self
+            self._dir = tempfile.mkdtemp(prefix="etagent-sandbox-")
+            root = os.path.join(self._dir, "root")
+            os.mkdir(root)
+            socket_path = os.path.join(self._dir, "zygote.sock")
+            env = dict(SANDBOX_ENVIRONMENT, HOME=self._dir, TMPDIR=self._dir)
+            command = [
+                self.python,
+                "-I",
+                str(Path(__file__).with_name("zygote.py")),
+                "--socket",
+                socket_path,
+                "--root",
+                root,
+                "--isolation",
+                self.requested_isolation,
+                "--preload",
+                ",".join(self.preload),
+            ]
+            self._process = subprocess.Popen(command, stdin=subprocess.PIPE, stdout=subprocess.PIPE, env=env, cwd=self._dir)
+            line = self._process.stdout.readline()
+            try:
+                ready = json.loads(line)
+            except ValueError:
+                self._process.kill()
+                raise SandboxError(f"the sandbox server did not start (exit {self._process.wait()}): {line[:300]!r}") from None
+            if not ready.get("ready"):
+                self._process.kill()
+                raise SandboxError(f"the sandbox cannot provide isolation={self.requested_isolation}: {ready.get('error')}")
+            self.isolation, self.isolation_note, self.zygote_pid = ready["isolation"], ready["note"], ready["pid"]
+            self._socket_path = socket_path
+            if self.isolation != "namespaces":
+                log.warning("python sandbox: isolation is %s only: %s", self.isolation, self.isolation_note)
+            return self
+
+    def close(self) -> None:
+        with self._lock:
+            if self._process is not None:
+                self._process.stdin.close()  # the server exits on EOF
+                try:
+                    self._process.wait(timeout=5)
+                except subprocess.TimeoutExpired:
+                    self._process.kill()
+                    self._process.wait()
+                self._process.stdout.close()
+                self._process = None
+            if self._dir:
+                shutil.rmtree(self._dir, ignore_errors=True)
+                self._dir = None
+
+    def __enter__(self) -> PythonSandbox:
+        return self.start()
+
+    def __exit__(self, *exc) -> None:
+        self.close()
+
+    def __del__(self):
+        try:
+            self.close()
+        except Exception:  # interpreter shutdown
+            pass
+
+    # -- running ----------------------------------------------------------------------------
+
+    def _semaphore(self) -> asyncio.Semaphore:
+        loop = asyncio.get_running_loop()
+        if loop not in self._semaphores:
+            self._semaphores[loop] = asyncio.Semaphore(self.max_concurrency)
+        return self._semaphores[loop]
+
+    async def run(self, code: str, timeout_s: float | None = None) -> ExecutionResult:
+        """Run code; never raises for anything the code does (see ExecutionResult.error)."""
+        if self._process is None or self._process.poll() is not None:
+            await asyncio.to_thread(self.start)
+        timeout = self.limits.timeout_s if timeout_s is None else timeout_s
+        request = {
+            "code": code,
+            "timeout": timeout,
+            "limits": self.limits.for_zygote(timeout),
+            "max_output_bytes": self.limits.max_output_bytes,
+        }
+        async with self._semaphore():
+            try:
+                reader, writer = await asyncio.open_unix_connection(self._socket_path)
+            except OSError as exc:
+                return ExecutionResult(error=f"cannot reach the sandbox server: {exc}")
+            try:
+                data = json.dumps(request).encode()
+                writer.write(struct.pack(">I", len(data)) + data)
+                await writer.drain()
+                # the server enforces the timeout itself; this bound only guards against a hang
+                header = await asyncio.wait_for(reader.readexactly(4), timeout + 30)
+                body = await asyncio.wait_for(reader.readexactly(struct.unpack(">I", header)[0]), 30)
+                response = json.loads(body)
+            except (OSError, asyncio.IncompleteReadError, asyncio.TimeoutError, ValueError) as exc:
+                return ExecutionResult(error=f"the sandbox server failed to answer: {type(exc).__name__}: {exc}")
+            finally:
+                writer.close()
+        if "error" in response:
+            return ExecutionResult(error=response["error"])
+        return ExecutionResult(**response)
+
+    def run_sync(self, code: str, timeout_s: float | None = None) -> ExecutionResult:
+        return asyncio.run(self.run(code, timeout_s))
+
+
+class SandboxFusion:
+    """A SandboxFusion server (``POST {url}/run_code``) behind the same interface as PythonSandbox.
+
+    Isolation is whatever that server provides (it runs code in its own container).
+    """
+
+    def __init__(self, url: str, limits: SandboxLimits = SandboxLimits(), attempts: int = 3):
+        self.url = url.rstrip("/") + "/run_code"
+        self.limits = limits
+        self.attempts = attempts
+        self.isolation, self.isolation_note = "sandbox-fusion", f"code runs on the SandboxFusion server at {url}"
+
+    def start(self) -> SandboxFusion:
+        return self
+
+    def close(self) -> None:
+        pass
+
+    async def run(self, code: str, timeout_s: float | None = None) -> ExecutionResult:
+        timeout = self.limits.timeout_s if timeout_s is None else timeout_s
+        # the same REPL behaviour as the local sandbox: a bare last expression is printed
+        payload = {
+            "code": print_last_expression(code),
+            "language": "python",
+            "run_timeout": timeout,
+            "memory_limit_MB": self.limits.memory_mb,
+        }
+        try:
+            async with httpx.AsyncClient() as client:
+                body = await post_json(client, self.url, payload, timeout=timeout + 30, attempts=self.attempts)
+        except ExternalCallError as exc:
+            return ExecutionResult(error=str(exc))
+        run = body.get("run_result") or {}
+        compile_result = body.get("compile_result") or {}
+        if body.get("status") == "SandboxError" or not run:
+            return ExecutionResult(error=f"SandboxFusion: {body.get('message') or body.get('status')}")
+        return ExecutionResult(
+            stdout=run.get("stdout") or "",
+            stderr=(compile_result.get("stderr") or "") + (run.get("stderr") or ""),
+            exit_code=run.get("return_code"),
+            timed_out=run.get("status") == "TimeLimitExceeded",
+            seconds=float(run.get("execution_time") or 0.0),
+        )
+
+
+# ---------------------------------------------------------------------------------------------
+# The tool: results as the model sees them
+
+
+_SIGNALS = {9: "SIGKILL (killed, likely out of memory)", 24: "SIGXCPU (CPU time limit exceeded)", 25: "SIGXFSZ (file size limit exceeded)"}
+
+
+class PythonTool:
+    """The ``<python>`` tool over a sandbox backend.
+
+    Returns the stripped stdout on success; on an error the traceback, preceded by whatever the
+    code printed before failing (the reference drops that output; we keep it, since the model
+    needs it to see how far the code got); on a timeout a message starting with
+    ``Execution Timeout``. The text is cut to ``max_output_chars`` plus "..." (1000 in the paper's
+    rollouts).
+    """
+
+    name = "python"
+
+    def __init__(self, backend: PythonSandbox | SandboxFusion, max_output_chars: int = 1000):
+        self.backend = backend
+        self.max_output_chars = max_output_chars
+
+    async def __call__(self, code: str) -> ToolOutput:
+        if not code.strip():
+            return ToolOutput("Error: the <python> block is empty; write the code between <python> and </python>.", ok=False)
+        result = await self.backend.run(code)
+        details = asdict(result)
+        if result.error is not None:
+            return ToolOutput(f"Tool execute failed: {result.error}", ok=False, details=details)
+        if result.timed_out:
+            limit = self.backend.limits.timeout_s
+            return ToolOutput(f"Execution Timeout: the code ran for more than {limit:g} s and was stopped.", ok=False, details=details)
+        if result.exit_code == 0:
+            return ToolOutput(truncate(result.stdout.strip(), self.max_output_chars), ok=True, details=details)
+        parts = [result.stdout.strip(), result.stderr.strip()]
+        if result.signal is not None:
+            parts.append(f"Process killed by signal {_SIGNALS.get(result.signal, result.signal)}.")
+        return ToolOutput(truncate("\n".join(p for p in parts if p), self.max_output_chars), ok=False, details=details)

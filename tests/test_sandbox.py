@@ -1,0 +1,314 @@
+"""The Python sandbox against hostile code: each case checks the call returns an error (or its
+output) within its timeout, the host is unharmed, and no process is left behind."""
+
+from __future__ import annotations
+
+import asyncio
+import os
+import socket
+import subprocess
+import threading
+import time
+from pathlib import Path
+
+import pytest
+
+from etagent.tools.sandbox import PythonSandbox, PythonTool, SandboxLimits
+
+TIMEOUT = 3.0
+LIMITS = SandboxLimits(timeout_s=TIMEOUT, memory_mb=1024, processes=32, open_files=128)
+
+
+@pytest.fixture(scope="module")
+def sandbox():
+    os.environ["ETAGENT_FAKE_API_KEY"] = "sk-fake-secret-1234"  # must never be visible inside
+    with PythonSandbox(limits=LIMITS) as sb:
+        yield sb
+    os.environ.pop("ETAGENT_FAKE_API_KEY")
+
+
+@pytest.fixture(scope="module")
+def isolated(sandbox):
+    if sandbox.isolation != "namespaces":
+        pytest.skip(f"namespaces unavailable on this machine: {sandbox.isolation_note}")
+    return sandbox
+
+
+def descendants(pid: int) -> list[int]:
+    """Every live process below pid."""
+    parents = {}
+    for entry in os.listdir("/proc"):
+        if entry.isdigit():
+            try:
+                stat = Path(f"/proc/{entry}/stat").read_text()
+            except OSError:
+                continue
+            parents[int(entry)] = int(stat.rsplit(")", 1)[1].split()[1])
+    found, frontier = [], [pid]
+    while frontier:
+        current = frontier.pop()
+        children = [p for p, parent in parents.items() if parent == current]
+        found += children
+        frontier += children
+    return found
+
+
+def assert_nothing_left(sandbox, within: float = 3.0):
+    deadline = time.monotonic() + within
+    while descendants(sandbox.zygote_pid):
+        assert time.monotonic() < deadline, f"processes left behind: {descendants(sandbox.zygote_pid)}"
+        time.sleep(0.05)
+
+
+def run(sandbox, code):
+    start = time.monotonic()
+    output = asyncio.run(PythonTool(sandbox)(code))
+    elapsed = time.monotonic() - start
+    assert elapsed < TIMEOUT + 5, f"the call took {elapsed:.1f}s"
+    assert_nothing_left(sandbox)
+    assert os.path.exists(f"/proc/{sandbox.zygote_pid}"), "the sandbox server died"
+    assert subprocess.run(["true"]).returncode == 0, "the host can no longer start processes"
+    return output, elapsed
+
+
+def test_ordinary_code(sandbox):
+    out, _ = run(sandbox, "x = 6\nx * 7")
+    assert out.ok and out.text == "42"
+    out, _ = run(sandbox, "import math\nprint(math.comb(10, 3))\nprint('done')")
+    assert out.ok and out.text == "120\ndone"
+
+
+def test_errors_return_the_traceback_after_any_output(sandbox):
+    out, _ = run(sandbox, "print('before')\n1/0")
+    assert not out.ok
+    assert out.text.startswith("before\nTraceback (most recent call last):")
+    assert 'File "<string>", line 2, in <module>' in out.text and out.text.endswith("ZeroDivisionError: division by zero")
+    out, _ = run(sandbox, "def f(:\n  pass")
+    assert not out.ok and "SyntaxError" in out.text
+    out, _ = run(sandbox, "import sys; sys.exit(3)")
+    assert not out.ok and out.details["exit_code"] == 3
+
+
+def test_fork_bomb(isolated):
+    code = "import os\nwhile True:\n    try:\n        os.fork()\n    except OSError:\n        pass"
+    out, elapsed = run(isolated, code)
+    assert not out.ok and out.text.startswith("Execution Timeout")
+    assert elapsed >= TIMEOUT
+
+
+def test_memory_bomb(isolated):
+    out, elapsed = run(isolated, "chunks = []\nwhile True:\n    chunks.append(bytes(64 * 1024 * 1024))")
+    assert not out.ok and "MemoryError" in out.text
+    assert elapsed < TIMEOUT  # refused by the address-space limit, not by the timeout
+    big = bytearray(512 * 1024 * 1024)  # and the host still has its memory
+    del big
+
+
+def test_infinite_loop(isolated):
+    out, elapsed = run(isolated, "while True:\n    pass")
+    assert out.text.startswith("Execution Timeout") and TIMEOUT <= elapsed
+
+
+def test_sleep_past_the_timeout(isolated):
+    out, elapsed = run(isolated, "import time\ntime.sleep(60)")
+    assert out.text.startswith("Execution Timeout") and TIMEOUT <= elapsed < TIMEOUT + 2
+
+
+def test_a_daemon_cannot_outlive_the_call(isolated):
+    code = (
+        "import os, time\n"
+        "if os.fork() == 0:\n"
+        "    os.setsid()\n"
+        "    if os.fork() == 0:\n"
+        "        time.sleep(30)\n"
+        "    os._exit(0)\n"
+        "time.sleep(0.2)\n"
+        "print('parent done')"
+    )
+    out, elapsed = run(isolated, code)  # run() asserts no process is left
+    assert out.ok and out.text == "parent done" and elapsed < TIMEOUT
+
+
+def test_writes_outside_the_sandbox_directory_do_not_reach_the_host(isolated, tmp_path):
+    project_file = Path(__file__).resolve().parents[1] / "pwned.txt"
+    host_tmp_file = Path("/tmp/etagent-pwned.txt")
+    code = (
+        "import os\n"
+        f"for path in [{str(project_file)!r}, {str(tmp_path / 'x.txt')!r}, '/etc/pwned', '/usr/pwned', '/root/pwned']:\n"
+        "    try:\n"
+        "        open(path, 'w').write('x')\n"
+        "        print('WROTE', path)\n"
+        "    except OSError as e:\n"
+        "        print('refused', path, type(e).__name__)\n"
+        f"open({str(host_tmp_file)!r}, 'w').write('x')\n"  # the private /tmp: allowed, gone afterwards
+        "print(sorted(os.listdir('/')))"
+    )
+    out, _ = run(isolated, code)
+    assert "WROTE" not in out.text, out.text
+    assert not project_file.exists() and not (tmp_path / "x.txt").exists() and not host_tmp_file.exists()
+    # the project tree is not even visible
+    out, _ = run(isolated, f"import os\nprint(os.path.exists({str(Path(__file__).resolve())!r}))")
+    assert out.text == "False"
+
+
+def test_the_parents_environment_is_not_visible(isolated):
+    out, _ = run(
+        isolated, "import os\nprint(dict(os.environ))\nprint(open('/proc/1/environ').read())\nprint(open('/proc/self/environ').read())"
+    )
+    assert out.ok and "sk-fake-secret" not in out.text and "ETAGENT_FAKE_API_KEY" not in out.text
+
+
+def test_no_network_even_to_the_hosts_loopback(isolated):
+    server = socket.socket()
+    server.bind(("127.0.0.1", 0))
+    server.listen()
+    server.settimeout(0.1)
+    port = server.getsockname()[1]
+    accepted = []
+
+    def accept():
+        deadline = time.monotonic() + TIMEOUT + 2
+        while time.monotonic() < deadline:
+            try:
+                accepted.append(server.accept())
+            except OSError:
+                pass
+
+    watcher = threading.Thread(target=accept)
+    watcher.start()
+    code = f"import socket\ns = socket.create_connection(('127.0.0.1', {port}), timeout=2)\nprint('CONNECTED')"
+    out, _ = run(isolated, code)
+    watcher.join()
+    server.close()
+    assert not out.ok and "CONNECTED" not in out.text and not accepted
+    assert "Network is unreachable" in out.text or "Connection refused" in out.text
+
+
+def test_printing_100_mb(isolated):
+    out, elapsed = run(isolated, "import sys\nsys.stdout.write('x' * 100_000_000)")
+    assert out.ok and out.text == "x" * 1000 + "..."
+    assert out.details["stdout_bytes"] >= 100_000_000 and len(out.details["stdout"]) <= LIMITS.max_output_bytes
+
+
+def test_killing_the_parent_process_group(isolated):
+    code = (
+        "import os, signal\n"
+        "for attempt in (lambda: os.killpg(os.getpgid(os.getppid()), signal.SIGKILL), lambda: os.kill(os.getppid(), signal.SIGKILL), lambda: os.kill(-1, signal.SIGKILL), lambda: os.killpg(0, signal.SIGKILL)):\n"
+        "    try:\n"
+        "        attempt()\n"
+        "    except OSError as e:\n"
+        "        print(type(e).__name__)\n"
+        "print('survived')"
+    )
+    out, _ = run(isolated, code)
+    assert "survived" in out.text
+    out, _ = run(isolated, "print('next call works')")
+    assert out.text == "next call works"
+
+
+def test_exhausting_file_descriptors(isolated):
+    out, _ = run(isolated, "files = []\nwhile True:\n    files.append(open('/dev/null'))")
+    assert not out.ok and "Too many open files" in out.text
+    fds = [os.open("/dev/null", os.O_RDONLY) for _ in range(200)]  # the host still can
+    for fd in fds:
+        os.close(fd)
+
+
+def test_identity_is_unprivileged(isolated):
+    out, _ = run(isolated, "import os\nprint(os.getpid())\nprint(open('/proc/self/status').read())")
+    status = out.text
+    assert out.text.splitlines()[0] == "1"  # PID 1 of its own namespace
+    cap_eff = next(line for line in status.splitlines() if line.startswith("CapEff"))
+    assert cap_eff.split()[1] == "0000000000000000"
+    assert "NoNewPrivs:\t1" in status
+
+
+def test_200_concurrent_calls_are_correct_and_leak_nothing(sandbox):
+    def fds():
+        return len(os.listdir("/proc/self/fd"))
+
+    def temp_dirs():
+        return sorted(p.name for p in Path("/tmp").glob("etagent-sandbox-*"))
+
+    asyncio.run(PythonTool(sandbox)("print(0)"))  # warm up
+    before = (fds(), temp_dirs())
+    tool = PythonTool(sandbox)
+
+    async def main():
+        return await asyncio.gather(*(tool(f"import math\nprint({i} * {i} + math.factorial(5))") for i in range(200)))
+
+    outputs = asyncio.run(main())
+    assert [o.text for o in outputs] == [str(i * i + 120) for i in range(200)]
+    assert all(o.ok for o in outputs)
+    assert_nothing_left(sandbox)
+    assert (fds(), temp_dirs()) == before
+
+
+def test_rlimits_fallback_still_limits_and_cleans_up():
+    limits = SandboxLimits(timeout_s=2.0, memory_mb=512, open_files=64)
+    with PythonSandbox(limits=limits, isolation="rlimits") as sb:
+        assert sb.isolation == "rlimits"
+        tool = PythonTool(sb)
+        out = asyncio.run(tool("import os\nprint(os.getcwd())\nopen('f.txt', 'w').write('x')"))
+        assert out.ok and "etagent-sandbox-" in out.text
+        assert not Path(out.text).exists()  # the working directory was removed
+        assert asyncio.run(tool("while True: pass")).text.startswith("Execution Timeout")
+        assert "MemoryError" in asyncio.run(tool("x = bytearray(2 * 1024**3)")).text
+        assert_nothing_left(sb)
+
+
+@pytest.fixture
+def world_writable_dir():
+    import shutil
+    import tempfile
+
+    path = Path(tempfile.mkdtemp(prefix="etagent-test-", dir="/tmp"))
+    os.chmod(path, 0o777)
+    yield path
+    shutil.rmtree(path, ignore_errors=True)
+
+
+def test_the_sandbox_runs_as_an_unprivileged_host_user(world_writable_dir):
+    """The same isolation for a toolkit that does not run as root (uses setpriv to become nobody,
+    and the system Python, which nobody can read)."""
+    if os.getuid() != 0 or not Path("/usr/bin/setpriv").exists() or not Path("/usr/bin/python3").exists():
+        pytest.skip("needs root, setpriv and /usr/bin/python3 to start an unprivileged user")
+    zygote = Path(__file__).resolve().parents[1] / "etagent" / "tools" / "zygote.py"
+    work = world_writable_dir
+    client = f"""
+import json, os, socket, struct, subprocess, sys, time
+sock_path, root = {str(work)!r} + "/z.sock", {str(work)!r} + "/root"
+os.mkdir(root)
+z = subprocess.Popen([sys.executable, "-I", {str(zygote)!r}, "--socket", sock_path, "--root", root, "--isolation", "namespaces"], stdin=subprocess.PIPE, stdout=subprocess.PIPE)
+ready = json.loads(z.stdout.readline())
+assert ready["isolation"] == "namespaces", ready
+def call(code):
+    c = socket.socket(socket.AF_UNIX)
+    c.connect(sock_path)
+    env = {{"PATH": "/usr/bin:/bin"}}
+    req = json.dumps({{"code": code, "timeout": 3, "max_output_bytes": 10000, "limits": {{"memory_mb": 512, "cpu_seconds": 4, "file_size_mb": 1, "open_files": 64, "processes": 16, "tmpfs_mb": 8, "environment": env}}}}).encode()
+    c.sendall(struct.pack(">I", len(req)) + req)
+    size = struct.unpack(">I", c.recv(4))[0]
+    data = b""
+    while len(data) < size:
+        data += c.recv(size - len(data))
+    return json.loads(data)
+print(json.dumps([call("import os; print(os.getuid(), os.getpid())"), call("open({str(zygote)!r}, 'a')"), call("import os\\nwhile True:\\n  try: os.fork()\\n  except OSError: pass"), call("import socket; socket.create_connection(('127.0.0.1', 22), timeout=1)")]))
+z.stdin.close()
+z.wait()
+"""
+    result = subprocess.run(
+        ["setpriv", "--reuid=65534", "--regid=65534", "--clear-groups", "/usr/bin/python3", "-c", client],
+        capture_output=True,
+        text=True,
+        timeout=60,
+        cwd=work,
+    )
+    assert result.returncode == 0, result.stderr
+    import json
+
+    ordinary, write, bomb, network = json.loads(result.stdout)
+    assert ordinary["stdout"].split() == ["0", "1"]
+    assert "Read-only file system" in write["stderr"] or "No such file" in write["stderr"]
+    assert bomb["timed_out"]
+    assert "unreachable" in network["stderr"]
