@@ -12,8 +12,10 @@ import time
 from pathlib import Path
 
 import pytest
+from fastapi import FastAPI, Request
 
-from etagent.tools.sandbox import PythonSandbox, PythonTool, SandboxLimits
+from etagent.tools.sandbox import PythonSandbox, PythonTool, SandboxFusion, SandboxLimits
+from tests.servers import serve
 
 TIMEOUT = 3.0
 LIMITS = SandboxLimits(timeout_s=TIMEOUT, memory_mb=1024, processes=32, open_files=128)
@@ -312,3 +314,35 @@ z.wait()
     assert "Read-only file system" in write["stderr"] or "No such file" in write["stderr"]
     assert bomb["timed_out"]
     assert "unreachable" in network["stderr"]
+
+
+def test_sandbox_fusion_backend_against_a_server_speaking_its_format():
+    """A local server answering in SandboxFusion's documented /run_code format stands in for the
+    real service (a Docker image we cannot run here); the test checks our request and parsing."""
+    app = FastAPI()
+    requests = []
+
+    @app.post("/run_code")
+    async def run_code(request: Request):
+        body = await request.json()
+        requests.append(body)
+        code = body["code"]
+        if "sleep" in code:
+            return {"status": "Failed", "run_result": {"status": "TimeLimitExceeded", "execution_time": 2.0, "return_code": None, "stdout": "", "stderr": ""}}
+        if "1/0" in code:
+            return {"status": "Failed", "run_result": {"status": "Finished", "execution_time": 0.01, "return_code": 1, "stdout": "", "stderr": "Traceback...\nZeroDivisionError: division by zero\n"}}
+        if "broken" in code:
+            return {"status": "SandboxError", "message": "no runner available", "run_result": None}
+        return {"status": "Success", "compile_result": None, "run_result": {"status": "Finished", "execution_time": 0.01, "return_code": 0, "stdout": "42\n", "stderr": ""}}
+
+    with serve(app) as url:
+        tool = PythonTool(SandboxFusion(url, limits=SandboxLimits(timeout_s=2, memory_mb=512)))
+        ok = asyncio.run(tool("x = 6\nx * 7"))
+        error = asyncio.run(tool("1/0"))
+        timeout = asyncio.run(tool("import time; time.sleep(9)"))
+        broken = asyncio.run(tool("broken()"))
+    assert ok.ok and ok.text == "42"
+    assert requests[0] == {"code": "x = 6\nprint(x * 7)", "language": "python", "run_timeout": 2, "memory_limit_MB": 512}
+    assert not error.ok and error.text.endswith("ZeroDivisionError: division by zero")
+    assert not timeout.ok and timeout.text.startswith("Execution Timeout")
+    assert not broken.ok and "no runner available" in broken.text
