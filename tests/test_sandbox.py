@@ -338,7 +338,7 @@ def test_sandbox_fusion_backend_against_a_server_speaking_its_format():
     with serve(app) as url:
         tool = PythonTool(SandboxFusion(url, limits=SandboxLimits(timeout_s=2, memory_mb=512)))
         ok = asyncio.run(tool("x = 6\nx * 7"))
-        error = asyncio.run(tool("1/0"))
+        error = asyncio.run(tool("fail = 1/0"))
         timeout = asyncio.run(tool("import time; time.sleep(9)"))
         broken = asyncio.run(tool("broken()"))
     assert ok.ok and ok.text == "42"
