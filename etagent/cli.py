@@ -4,6 +4,7 @@
     etagent score [FILE] [--judge-url URL ...]     score predictions, one JSON line each
     etagent tool python [FILE] [overrides]         run code in the sandbox, print the call record
     etagent tool search --query Q [overrides]      run a search, print the call record
+    etagent retriever build|serve [overrides]      index a corpus / serve it (retriever/)
 
 Stage subcommands take ``--preset NAME`` (``configs/<stage>/NAME.yaml``, default ``tiny``) and
 Hydra overrides (``key=value``); each also runs as ``python -m <stage>.run``. Stages join this
@@ -131,6 +132,7 @@ def main(argv: list[str] | None = None) -> int:
         "toy": "build the toy world and tiny model: etagent toy build --out DIR",
         "score": "score predictions given as JSON lines",
         "tool": "run one tool call (python or search) with the tools config",
+        "retriever": "build an index (build) or serve it (serve): etagent retriever build|serve [overrides]",
     }
     if not argv or argv[0] in ("-h", "--help") or argv[0] not in commands:
         print(__doc__.strip())
@@ -149,6 +151,16 @@ def main(argv: list[str] | None = None) -> int:
         return 0
     if command == "tool":
         return tool_main(rest)
+    if command == "retriever":
+        if not rest or rest[0] not in ("build", "serve"):
+            print("usage: etagent retriever build|serve [--preset NAME] [overrides ...]", file=sys.stderr)
+            return 2
+        if rest[0] == "build":
+            from retriever.build import main as retriever_main
+        else:
+            from retriever.server import main as retriever_main
+        retriever_main(rest[1:])
+        return 0
     return score_main(rest)
 
 

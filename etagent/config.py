@@ -45,3 +45,15 @@ def load_config(stage: str, preset: str = "tiny", overrides: Sequence[str] = ())
     GlobalHydra.instance().clear()
     with initialize_config_dir(config_dir=str(root), version_base=None):
         return compose(config_name=f"{stage}/{preset}", overrides=list(overrides))
+
+
+def parse_stage_args(stage: str, argv: Sequence[str] | None, prog: str, doc: str | None = None) -> DictConfig:
+    """The command line of a stage entry point: ``[--preset NAME] [key=value ...]``."""
+    import argparse
+    import sys
+
+    parser = argparse.ArgumentParser(prog=prog, description=doc, formatter_class=argparse.RawDescriptionHelpFormatter)
+    parser.add_argument("--preset", default="tiny", help=f"configs/{stage}/PRESET.yaml (default: tiny)")
+    parser.add_argument("overrides", nargs="*", help="Hydra overrides, e.g. key=value")
+    args = parser.parse_args(list(sys.argv[1:] if argv is None else argv))
+    return load_config(stage, args.preset, args.overrides)

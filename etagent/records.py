@@ -372,25 +372,23 @@ def parse_record(model: type[R], data: Any, path: str | os.PathLike = "<memory>"
 
 
 def iter_jsonl(path: str | os.PathLike) -> Iterator[tuple[int, Any]]:
-    """Yield (line number, decoded object) for every non-blank line of a JSONL file.
+    """Yield (line number, decoded object) for every non-blank line of a JSONL file, streaming.
 
     A last line with no newline that does not decode is a record a writer was killed in the
     middle of: it is skipped with a warning. Any other undecodable line is an error.
     """
     path = Path(path)
     with path.open("rb") as f:
-        data = f.read()
-    lines = data.split(b"\n")
-    for number, raw in enumerate(lines, start=1):
-        if not raw.strip():
-            continue
-        try:
-            yield number, json.loads(raw)
-        except ValueError as exc:
-            if number == len(lines):  # the unterminated tail of an interrupted write
-                log.warning("%s:%d: skipping an incomplete last line (%d bytes)", path, number, len(raw))
-                return
-            raise RecordError(path, number, "(line)", f"not valid JSON: {exc}") from None
+        for number, raw in enumerate(f, start=1):
+            if not raw.strip():
+                continue
+            try:
+                yield number, json.loads(raw)
+            except ValueError as exc:
+                if not raw.endswith(b"\n"):  # the unterminated tail of an interrupted write
+                    log.warning("%s:%d: skipping an incomplete last line (%d bytes)", path, number, len(raw))
+                    return
+                raise RecordError(path, number, "(line)", f"not valid JSON: {exc}") from None
 
 
 def read_jsonl(path: str | os.PathLike, model: type[R]) -> list[R]:

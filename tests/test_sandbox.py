@@ -328,12 +328,28 @@ def test_sandbox_fusion_backend_against_a_server_speaking_its_format():
         requests.append(body)
         code = body["code"]
         if "sleep" in code:
-            return {"status": "Failed", "run_result": {"status": "TimeLimitExceeded", "execution_time": 2.0, "return_code": None, "stdout": "", "stderr": ""}}
+            return {
+                "status": "Failed",
+                "run_result": {"status": "TimeLimitExceeded", "execution_time": 2.0, "return_code": None, "stdout": "", "stderr": ""},
+            }
         if "1/0" in code:
-            return {"status": "Failed", "run_result": {"status": "Finished", "execution_time": 0.01, "return_code": 1, "stdout": "", "stderr": "Traceback...\nZeroDivisionError: division by zero\n"}}
+            return {
+                "status": "Failed",
+                "run_result": {
+                    "status": "Finished",
+                    "execution_time": 0.01,
+                    "return_code": 1,
+                    "stdout": "",
+                    "stderr": "Traceback...\nZeroDivisionError: division by zero\n",
+                },
+            }
         if "broken" in code:
             return {"status": "SandboxError", "message": "no runner available", "run_result": None}
-        return {"status": "Success", "compile_result": None, "run_result": {"status": "Finished", "execution_time": 0.01, "return_code": 0, "stdout": "42\n", "stderr": ""}}
+        return {
+            "status": "Success",
+            "compile_result": None,
+            "run_result": {"status": "Finished", "execution_time": 0.01, "return_code": 0, "stdout": "42\n", "stderr": ""},
+        }
 
     with serve(app) as url:
         tool = PythonTool(SandboxFusion(url, limits=SandboxLimits(timeout_s=2, memory_mb=512)))

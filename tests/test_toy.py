@@ -10,7 +10,6 @@ import sys
 from collections import Counter
 from pathlib import Path
 
-import pytest
 import torch
 from transformers import AutoModelForCausalLM, AutoTokenizer
 
@@ -21,14 +20,6 @@ from etagent.toy.build import run
 from etagent.toy.seeds import ToySearch
 
 SMALL = ["world.people=40", "world.cities=10", "questions.train_per_kind=20", "questions.test_per_kind=5", "tokenizer.vocab_size=600"]
-
-
-@pytest.fixture(scope="session")
-def toy(tmp_path_factory) -> Path:
-    """The default toy build (the one the demo and the later stages use)."""
-    out = tmp_path_factory.mktemp("toy")
-    run(load_config("toy", "tiny", [f"out_dir={out}"]))
-    return out
 
 
 def sha(path: Path) -> str:

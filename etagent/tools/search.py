@@ -45,6 +45,20 @@ class BM25Index:
         self._index = bm25s.BM25()
         self._index.index(bm25s.tokenize(list(texts), stopwords="en", show_progress=False), show_progress=False)
 
+    def save(self, directory: str | os.PathLike) -> None:
+        self._index.save(str(directory))
+
+    @classmethod
+    def load(cls, directory: str | os.PathLike, mmap: bool = True) -> BM25Index:
+        """An index saved by :meth:`save`; ``mmap`` keeps large indexes on disk."""
+        import bm25s
+
+        self = cls.__new__(cls)
+        self._bm25s = bm25s
+        self._index = bm25s.BM25.load(str(directory), mmap=mmap)
+        self.size = int(self._index.scores["num_docs"])
+        return self
+
     def search(self, queries: Sequence[str], k: int) -> tuple[list[list[int]], list[list[float]]]:
         """Top-k document positions and scores per query. Documents with score 0 (no query term
         in common) are left out, so a query may get fewer than k documents."""

@@ -1,6 +1,6 @@
 """Python tool throughput: our sandbox against a fresh `python -c` subprocess per call.
 
-    python bench/python_sandbox.py [--calls 400] [--concurrency 32]
+    python bench/bench_python_sandbox.py [--calls 400] [--concurrency 32]
 
 The peer is the paper's method (paper_data_stages.md §1.5): `asyncio.create_subprocess_exec(
 python, "-c", code)` per call, at most 32 at once, no isolation. Ours runs every call in a fresh

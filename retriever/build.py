@@ -1,0 +1,245 @@
+"""Build a retrieval index from a corpus: dense (faiss) and lexical (BM25).
+
+    python -m retriever.build [--preset tiny|paper] [overrides]       # or: etagent retriever build
+    python -m retriever.build corpus=data/wiki-18.jsonl index_dir=data/wiki-18-e5 --preset paper
+
+Reads a corpus in the FlashRAG/Search-R1 JSONL format (``id``, ``contents``, optional
+``title``), streaming it in chunks of ``build.chunk_size`` passages. For each chunk it encodes the
+passages, writes their vectors to ``embeddings/part-NNNNN.npy`` and their text to the document
+store (``docs.sqlite``), and records the chunk as done in the same transaction: a build killed at
+any point resumes from the first unfinished chunk and ends with the same index, byte for byte, as
+an uninterrupted one. Memory stays bounded by a chunk plus the index itself.
+
+Then it builds the faiss index from the stored vectors: ``Flat`` (exact inner product, the
+paper's), ``HNSW`` or ``IVF-PQ`` (compressed, for corpora that do not fit in RAM as floats); and,
+if ``build.bm25``, a BM25 index (``bm25s``). Writes ``index.faiss``, ``bm25/``, ``docs.sqlite``,
+``manifest.json`` into ``index_dir``.
+"""
+
+from __future__ import annotations
+
+import json
+import logging
+import os
+import shutil
+import sqlite3
+import sys
+import time
+from collections.abc import Iterator
+from pathlib import Path
+
+import numpy as np
+from omegaconf import DictConfig, OmegaConf
+from tqdm import tqdm
+
+from etagent.records import RecordError, iter_jsonl, write_manifest
+
+log = logging.getLogger("retriever.build")
+
+SCHEMA = """
+CREATE TABLE IF NOT EXISTS docs (position INTEGER PRIMARY KEY, id TEXT NOT NULL, title TEXT, contents TEXT NOT NULL);
+CREATE TABLE IF NOT EXISTS chunks (chunk INTEGER PRIMARY KEY, first INTEGER NOT NULL, count INTEGER NOT NULL);
+CREATE TABLE IF NOT EXISTS meta (key TEXT PRIMARY KEY, value TEXT NOT NULL);
+"""
+
+
+def read_corpus(path: Path, chunk_size: int) -> Iterator[list[dict]]:
+    """Chunks of passages {id, title, contents}; a bad line names file, line and field."""
+    chunk: list[dict] = []
+    for number, row in iter_jsonl(path):
+        if not isinstance(row, dict):
+            raise RecordError(path, number, "(record)", "expected a JSON object")
+        contents = row.get("contents", row.get("text"))
+        if not isinstance(contents, str) or not contents.strip():
+            raise RecordError(path, number, "contents", "missing or empty")
+        if "id" not in row:
+            raise RecordError(path, number, "id", "missing")
+        chunk.append({"id": str(row["id"]), "title": row.get("title"), "contents": contents})
+        if len(chunk) == chunk_size:
+            yield chunk
+            chunk = []
+    if chunk:
+        yield chunk
+
+
+def open_store(path: Path) -> sqlite3.Connection:
+    db = sqlite3.connect(path, isolation_level=None)
+    db.execute("PRAGMA journal_mode=WAL")
+    db.executescript(SCHEMA)
+    return db
+
+
+def encode_corpus(cfg: DictConfig, out: Path, db: sqlite3.Connection) -> int:
+    """Encode every chunk not yet done; return the number of passages."""
+    from retriever.encoder import Encoder
+
+    done = {chunk for (chunk,) in db.execute("SELECT chunk FROM chunks")}
+    parts = out / "embeddings"
+    parts.mkdir(exist_ok=True)
+    encoder = None
+    position = 0
+    progress = tqdm(desc="encoding passages", unit="passage", dynamic_ncols=True, disable=None)
+    for k, chunk in enumerate(read_corpus(Path(cfg.corpus), cfg.build.chunk_size)):
+        part = parts / f"part-{k:05d}.npy"
+        if k in done and part.exists():
+            position += len(chunk)
+            progress.update(len(chunk))
+            continue
+        if encoder is None:  # loading the model is slow: only when there is work
+            encoder = Encoder(cfg.encoder)
+            db.execute("INSERT OR REPLACE INTO meta VALUES ('dim', ?)", (str(encoder.dim),))
+        vectors = encoder.encode_passages([p["contents"] for p in chunk])
+        tmp = part.with_suffix(".tmp.npy")
+        np.save(tmp, vectors)
+        os.replace(tmp, part)
+        db.execute("BEGIN")
+        db.executemany(
+            "INSERT OR REPLACE INTO docs VALUES (?, ?, ?, ?)",
+            [(position + i, p["id"], p["title"], p["contents"]) for i, p in enumerate(chunk)],
+        )
+        db.execute("INSERT OR REPLACE INTO chunks VALUES (?, ?, ?)", (k, position, len(chunk)))
+        db.execute("COMMIT")
+        position += len(chunk)
+        progress.update(len(chunk))
+    progress.close()
+    return position
+
+
+def import_faiss():
+    try:
+        import faiss
+    except ImportError:
+        raise ImportError("faiss is not installed: pip install -e '.[cpu]' (faiss-cpu) or '.[gpu]' (faiss-gpu)") from None
+    return faiss
+
+
+def build_faiss(cfg: DictConfig, out: Path, n: int):
+    faiss = import_faiss()
+
+    parts = sorted((out / "embeddings").glob("part-*.npy"))
+    dim = np.load(parts[0], mmap_mode="r").shape[1]
+    b = cfg.build
+    if b.index_type == "Flat":
+        index = faiss.IndexFlatIP(dim)
+    elif b.index_type == "HNSW":
+        index = faiss.IndexHNSWFlat(dim, b.hnsw_m, faiss.METRIC_INNER_PRODUCT)
+        index.hnsw.efConstruction = b.hnsw_ef_construction
+    elif b.index_type == "IVF-PQ":
+        if n < 39 * b.ivf_lists:
+            raise ValueError(
+                f"IVF-PQ with {b.ivf_lists} lists needs at least {39 * b.ivf_lists} passages (have {n}); lower build.ivf_lists"
+            )
+        quantizer = faiss.IndexFlatIP(dim)
+        index = faiss.IndexIVFPQ(quantizer, dim, b.ivf_lists, b.pq_m, 8, faiss.METRIC_INNER_PRODUCT)
+        sample = _training_sample(parts, b.train_size, seed=cfg.seed)
+        if b.faiss_gpu and faiss.get_num_gpus() > 0:
+            gpu_index = faiss.index_cpu_to_all_gpus(index)
+            gpu_index.train(sample)
+            index = faiss.index_gpu_to_cpu(gpu_index)
+        else:
+            index.train(sample)
+    else:
+        raise ValueError(f"build.index_type must be Flat, HNSW or IVF-PQ, got {b.index_type!r}")
+    for part in tqdm(parts, desc="indexing", unit="chunk", disable=None):
+        index.add(np.ascontiguousarray(np.load(part)))
+    if index.ntotal != n:
+        raise RuntimeError(f"index holds {index.ntotal} vectors but the corpus has {n} passages")
+    tmp = out / "index.faiss.tmp"
+    faiss.write_index(index, str(tmp))
+    os.replace(tmp, out / "index.faiss")
+    return index
+
+
+def _training_sample(parts: list[Path], size: int, seed: int) -> np.ndarray:
+    rng = np.random.default_rng(seed)
+    lengths = [np.load(p, mmap_mode="r").shape[0] for p in parts]
+    total = sum(lengths)
+    picks = np.sort(rng.choice(total, size=min(size, total), replace=False))
+    out, offset = [], 0
+    for part, length in zip(parts, lengths):
+        local = picks[(picks >= offset) & (picks < offset + length)] - offset
+        if len(local):
+            out.append(np.load(part, mmap_mode="r")[local])
+        offset += length
+    return np.ascontiguousarray(np.concatenate(out))
+
+
+def build_bm25(out: Path, db: sqlite3.Connection) -> None:
+    from etagent.tools.search import BM25Index
+
+    texts = [contents for (contents,) in db.execute("SELECT contents FROM docs ORDER BY position")]
+    tmp = out / "bm25.tmp"
+    shutil.rmtree(tmp, ignore_errors=True)
+    BM25Index(texts).save(tmp)
+    shutil.rmtree(out / "bm25", ignore_errors=True)
+    os.replace(tmp, out / "bm25")
+
+
+def build(cfg: DictConfig) -> dict:
+    started = time.time()
+    out = Path(cfg.index_dir)
+    manifest = out / "manifest.json"
+    if manifest.exists() and (out / "index.faiss").exists():
+        previous = json.loads(manifest.read_text())
+        if previous.get("status") == "complete" and previous.get("config") == OmegaConf.to_container(cfg, resolve=True):
+            print(f"index in {out} is already built ({previous['counts']['passages']} passages); nothing to do")
+            return previous["metrics"]
+    out.mkdir(parents=True, exist_ok=True)
+    corpus = Path(cfg.corpus)
+    if not corpus.exists():
+        raise FileNotFoundError(f"{corpus}: corpus not found (set corpus=...)")
+    db = open_store(out / "docs.sqlite")
+    signature = json.dumps(
+        {"corpus": str(corpus.resolve()), "encoder": OmegaConf.to_container(cfg.encoder), "chunk_size": cfg.build.chunk_size},
+        sort_keys=True,
+    )
+    previous = db.execute("SELECT value FROM meta WHERE key = 'signature'").fetchone()
+    if previous and previous[0] != signature:
+        sys.exit(f"{out} holds vectors from another corpus or encoder; use a new index_dir")
+    db.execute("INSERT OR REPLACE INTO meta VALUES ('signature', ?)", (signature,))
+    t0 = time.time()
+    n = encode_corpus(cfg, out, db)
+    db.execute("DELETE FROM docs WHERE position >= ?", (n,))  # a corpus that shrank since a killed run
+    t1 = time.time()
+    index = build_faiss(cfg, out, n)
+    t2 = time.time()
+    if cfg.build.bm25:
+        build_bm25(out, db)
+    t3 = time.time()
+    db.close()
+    if not cfg.build.keep_embeddings:
+        shutil.rmtree(out / "embeddings")
+    metrics = {
+        "passages": n,
+        "dim": index.d,
+        "index_type": cfg.build.index_type,
+        "bm25": bool(cfg.build.bm25),
+        "seconds": {"encode": round(t1 - t0, 2), "faiss": round(t2 - t1, 2), "bm25": round(t3 - t2, 2)},
+    }
+    write_manifest(
+        out,
+        stage="retriever.build",
+        config=OmegaConf.to_container(cfg, resolve=True),
+        inputs=[corpus],
+        counts={"passages": n},
+        seed=cfg.seed,
+        started_at=started,
+        metrics=metrics,
+    )
+    print(
+        f"index in {out}: {n} passages, {cfg.build.index_type} (dim {index.d}){', BM25' if cfg.build.bm25 else ''}; encode {t1 - t0:.1f}s, faiss {t2 - t1:.1f}s, bm25 {t3 - t2:.1f}s"
+    )
+    return metrics
+
+
+def main(argv: list[str] | None = None) -> None:
+    from etagent.config import parse_stage_args
+
+    logging.basicConfig(level=logging.INFO, format="%(asctime)s %(name)s %(message)s")
+    logging.getLogger("faiss.loader").setLevel(logging.WARNING)  # its CPU-feature probing is noise
+    cfg = parse_stage_args("retriever", argv, prog="python -m retriever.build", doc=__doc__)
+    build(cfg)
+
+
+if __name__ == "__main__":
+    main()

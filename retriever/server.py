@@ -1,0 +1,408 @@
+"""The retrieval service: FastAPI over an index built by retriever.build.
+
+    python -m retriever.server [--preset tiny|paper] [overrides]     # or: etagent retriever serve
+    python -m retriever.server index_dir=runs/toy/index serve.port=8000
+
+Routes (both contracts users already have clients for):
+
+- ``POST /retrieve`` (Search-R1): ``{queries: [...], topk, return_scores, method?}`` ->
+  ``{result: [[{document: {id, contents}, score}, ...], ...]}`` (without ``return_scores``, each
+  hit is the document itself);
+- ``POST /search`` (the paper's): ``{query, top_n, return_score}`` -> ``[{id, contents}, ...]``,
+  or ``[[docs], [scores]]`` with ``return_score``;
+- ``POST /batch_search``: ``{query: [...], top_n, return_score}`` -> ``[[docs], ...]`` (or
+  ``[[[docs]...], [[scores]...]]``);
+- ``GET /health``: document count, index type, encoder, methods, uptime, requests served.
+
+``method`` is ``dense`` (faiss over the encoder's vectors), ``bm25`` or ``hybrid`` (reciprocal
+rank fusion of both, k=60); the default is ``serve.default_method``.
+
+Concurrency: queries from concurrent requests are coalesced into micro-batches (up to
+``serve.max_batch`` queries, waiting at most ``serve.max_wait_ms`` for company) and encoded and
+searched together in a worker thread; nothing blocks the event loop. Each response carries its
+batch's timings in ``X-Encode-Ms``, ``X-Search-Ms`` and ``Server-Timing``.
+
+Safety: binds 127.0.0.1 unless ``serve.host`` says otherwise; with ``serve.token_env`` set, POST
+routes need ``Authorization: Bearer <token>``; bad requests get HTTP 422 with a reason (empty
+query, topk out of range, too many queries, body over ``serve.max_body_bytes``). Nothing is
+unpickled and nothing is written.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import logging
+import os
+import sqlite3
+import threading
+import time
+from concurrent.futures import ThreadPoolExecutor
+from contextlib import asynccontextmanager
+from dataclasses import dataclass, field
+from pathlib import Path
+from types import SimpleNamespace
+from typing import Literal
+
+from fastapi import FastAPI, HTTPException
+from fastapi.responses import JSONResponse
+from omegaconf import DictConfig, OmegaConf
+from pydantic import BaseModel
+
+log = logging.getLogger("retriever.server")
+METHODS = ("dense", "bm25", "hybrid")
+RRF_K = 60
+
+
+class Index:
+    """The loaded index: faiss, BM25 (if built), the document store and the encoder."""
+
+    def __init__(self, cfg: DictConfig):
+        from retriever.build import import_faiss
+
+        faiss = import_faiss()
+
+        self.dir = Path(cfg.index_dir)
+        if not (self.dir / "index.faiss").exists():
+            raise FileNotFoundError(f"{self.dir}: no index.faiss (build it first: python -m retriever.build index_dir={self.dir})")
+        self.faiss = faiss.read_index(str(self.dir / "index.faiss"))
+        self.index_type = type(self.faiss).__name__
+        if hasattr(self.faiss, "nprobe"):
+            self.faiss.nprobe = cfg.serve.nprobe
+        if hasattr(self.faiss, "hnsw"):
+            self.faiss.hnsw.efSearch = cfg.serve.ef_search
+        if cfg.serve.faiss_gpu and faiss.get_num_gpus() > 0:
+            options = faiss.GpuMultipleClonerOptions()
+            options.useFloat16, options.shard = True, True
+            self.faiss = faiss.index_cpu_to_all_gpus(self.faiss, co=options)
+        self.bm25 = None
+        if (self.dir / "bm25").exists():
+            from etagent.tools.search import BM25Index
+
+            self.bm25 = BM25Index.load(self.dir / "bm25")
+        from retriever.encoder import Encoder
+
+        self.encoder = Encoder(cfg.encoder)
+        self.size = self.faiss.ntotal
+        self._db_path = self.dir / "docs.sqlite"
+        self._local = threading.local()
+
+    def methods(self) -> list[str]:
+        return ["dense", "bm25", "hybrid"] if self.bm25 is not None else ["dense"]
+
+    def documents(self, positions: list[int]) -> dict[int, dict]:
+        """{position: {id, contents}} from the document store (one connection per thread)."""
+        if not hasattr(self._local, "db"):
+            self._local.db = sqlite3.connect(f"file:{self._db_path}?mode=ro", uri=True, check_same_thread=False)
+        unique = sorted(set(positions))
+        rows = self._local.db.execute(
+            f"SELECT position, id, contents FROM docs WHERE position IN ({','.join('?' * len(unique))})", unique
+        ).fetchall()
+        return {position: {"id": doc_id, "contents": contents} for position, doc_id, contents in rows}
+
+    def dense(self, queries: list[str], k: int) -> tuple[list[list[tuple[int, float]]], float, float]:
+        """Hits per query, plus encode and search milliseconds."""
+        t0 = time.perf_counter()
+        vectors = self.encoder.encode_queries(queries)
+        t1 = time.perf_counter()
+        scores, ids = self.faiss.search(vectors, min(k, self.size))
+        t2 = time.perf_counter()
+        hits = [[(int(i), float(s)) for i, s in zip(row_ids, row_scores) if i >= 0] for row_ids, row_scores in zip(ids, scores)]
+        return hits, (t1 - t0) * 1000, (t2 - t1) * 1000
+
+    def with_documents(self, hits: list[list[tuple[int, float]]]) -> list[list[tuple[dict, float]]]:
+        """Hits with their documents, fetched in one query."""
+        docs = self.documents([p for row in hits for p, _ in row]) if any(hits) else {}
+        return [[(docs[p], s) for p, s in row] for row in hits]
+
+    def lexical(self, queries: list[str], k: int) -> list[list[tuple[int, float]]]:
+        ids, scores = self.bm25.search(queries, k)
+        return [list(zip(row_ids, row_scores)) for row_ids, row_scores in zip(ids, scores)]
+
+
+def reciprocal_rank_fusion(rankings: list[list[tuple[dict, float]]], k: int) -> list[tuple[dict, float]]:
+    """Fuse ranked (document, score) lists: score(d) = sum over lists of 1 / (RRF_K + rank of d),
+    best first (ties by document id)."""
+    fused: dict[str, float] = {}
+    documents: dict[str, dict] = {}
+    for ranking in rankings:
+        for rank, (doc, _) in enumerate(ranking, start=1):
+            fused[doc["id"]] = fused.get(doc["id"], 0.0) + 1.0 / (RRF_K + rank)
+            documents[doc["id"]] = doc
+    best = sorted(fused.items(), key=lambda item: (-item[1], item[0]))[:k]
+    return [(documents[doc_id], score) for doc_id, score in best]
+
+
+@dataclass
+class _Pending:
+    query: str
+    k: int
+    future: asyncio.Future
+    queued_at: float = field(default_factory=time.perf_counter)
+
+
+class MicroBatcher:
+    """Coalesces dense-search queries from concurrent requests into batches.
+
+    Requests put their queries in a queue; one task takes everything waiting (up to
+    ``max_batch``, then waiting at most ``max_wait_ms`` for more), runs encode, search and the
+    document lookup for the whole batch in a single worker thread, and resolves each query's
+    future with its hits and the batch's timings. While a batch runs the next one gathers, so
+    under load batches grow by themselves and a lone request is not delayed.
+    """
+
+    def __init__(self, index: Index, max_batch: int, max_wait_ms: float):
+        self.index, self.max_batch, self.max_wait = index, max_batch, max_wait_ms / 1000
+        self.queue: asyncio.Queue[_Pending] = asyncio.Queue()
+        self.worker = ThreadPoolExecutor(max_workers=1, thread_name_prefix="encode")
+        self.task: asyncio.Task | None = None
+
+    def start(self) -> None:
+        self.task = asyncio.get_running_loop().create_task(self._run())
+
+    async def stop(self) -> None:
+        if self.task:
+            self.task.cancel()
+        self.worker.shutdown(wait=False, cancel_futures=True)
+
+    async def search(self, queries: list[str], k: int) -> list[tuple[list[tuple[int, float]], dict]]:
+        loop = asyncio.get_running_loop()
+        pending = [_Pending(q, k, loop.create_future()) for q in queries]
+        for p in pending:
+            self.queue.put_nowait(p)
+        return list(await asyncio.gather(*(p.future for p in pending)))
+
+    def _encode_and_search(self, queries: list[str], k: int):
+        hits, encode_ms, search_ms = self.index.dense(queries, k)
+        return self.index.with_documents(hits), encode_ms, search_ms
+
+    async def _run(self) -> None:
+        loop = asyncio.get_running_loop()
+        while True:
+            batch = [await self.queue.get()]
+            # everything already waiting joins at once; then wait up to max_wait for more
+            while len(batch) < self.max_batch and not self.queue.empty():
+                batch.append(self.queue.get_nowait())
+            deadline = loop.time() + self.max_wait
+            while len(batch) < self.max_batch:
+                remaining = deadline - loop.time()
+                if remaining <= 0:
+                    break
+                try:
+                    batch.append(await asyncio.wait_for(self.queue.get(), remaining))
+                except asyncio.TimeoutError:
+                    break
+            started = time.perf_counter()
+            k = max(p.k for p in batch)
+            try:
+                hits, encode_ms, search_ms = await loop.run_in_executor(self.worker, self._encode_and_search, [p.query for p in batch], k)
+            except Exception as exc:  # surface the failure to every waiting request
+                for p in batch:
+                    if not p.future.done():
+                        p.future.set_exception(exc)
+                continue
+            for p, row in zip(batch, hits):
+                timing = {"encode_ms": encode_ms, "search_ms": search_ms, "queue_ms": (started - p.queued_at) * 1000, "batch": len(batch)}
+                if not p.future.done():  # a request whose client went away may have been cancelled
+                    p.future.set_result((row[: p.k], timing))
+
+
+# ---------------------------------------------------------------------------------------------
+# Requests
+
+
+class RetrieveRequest(BaseModel):
+    queries: list[str]
+    topk: int = 3
+    return_scores: bool = False
+    method: Literal["dense", "bm25", "hybrid"] | None = None
+
+
+class SearchRequest(BaseModel):
+    query: str
+    top_n: int = 10
+    return_score: bool = False
+
+
+class BatchSearchRequest(BaseModel):
+    query: list[str]
+    top_n: int = 10
+    return_score: bool = False
+
+
+class Guard:
+    """ASGI middleware in front of every route: checks the bearer token of POST requests (401),
+    refuses a body over max_bytes, chunked or not, before the app reads it (422), and counts
+    requests. (Plain ASGI: FastAPI's decorator middleware costs milliseconds per request.)"""
+
+    def __init__(self, app, max_bytes: int, token: str | None, state: dict):
+        self.app, self.max_bytes, self.token, self.state = app, max_bytes, token, state
+
+    async def _refuse(self, send, status: int, detail: str) -> None:
+        body = JSONResponse({"detail": detail}, status_code=status)
+        await send({"type": "http.response.start", "status": status, "headers": body.raw_headers})
+        await send({"type": "http.response.body", "body": body.body})
+
+    async def __call__(self, scope, receive, send):
+        if scope["type"] != "http":
+            return await self.app(scope, receive, send)
+        self.state["requests"] += 1
+        headers = dict(scope["headers"])
+        if self.token and scope["method"] == "POST" and headers.get(b"authorization", b"") != f"Bearer {self.token}".encode():
+            return await self._refuse(send, 401, "missing or wrong bearer token")
+        length = headers.get(b"content-length", b"")
+        if length.isdigit() and int(length) > self.max_bytes:
+            return await self._refuse(send, 422, f"request body of {length.decode()} bytes is over the limit of {self.max_bytes}")
+        body, more = b"", True
+        while more:
+            message = await receive()
+            if message["type"] == "http.disconnect":
+                return  # the client went away before sending its request
+            body += message.get("body", b"")
+            more = message.get("more_body", False)
+            if len(body) > self.max_bytes:
+                return await self._refuse(
+                    send, 422, f"request body of more than {self.max_bytes} bytes is over the limit of {self.max_bytes}"
+                )
+        delivered = False
+
+        async def replay():
+            nonlocal delivered
+            if not delivered:
+                delivered = True
+                return {"type": "http.request", "body": body, "more_body": False}
+            return await receive()
+
+        await self.app(scope, replay, send)
+
+
+def create_app(cfg: DictConfig, index: Index | None = None) -> FastAPI:
+    """The app; the index is loaded at start-up unless given."""
+    # a plain namespace: DictConfig attribute access is slow on the per-request path
+    serve = SimpleNamespace(**OmegaConf.to_container(cfg.serve, resolve=True))
+    token = os.environ.get(serve.token_env) if serve.token_env else None
+    if serve.token_env and not token:
+        raise ValueError(f"serve.token_env is {serve.token_env} but that environment variable is empty")
+    if serve.default_method not in METHODS:
+        raise ValueError(f"serve.default_method must be one of {METHODS}, got {serve.default_method!r}")
+    state = {"index": index, "batcher": None, "started": time.time(), "requests": 0}
+
+    @asynccontextmanager
+    async def lifespan(app: FastAPI):
+        if state["index"] is None:
+            state["index"] = await asyncio.to_thread(Index, cfg)
+        if serve.default_method not in state["index"].methods():
+            raise ValueError(f"serve.default_method={serve.default_method} but {cfg.index_dir} has no BM25 index")
+        state["batcher"] = MicroBatcher(state["index"], serve.max_batch, serve.max_wait_ms)
+        state["batcher"].start()
+        log.info(
+            "serving %d documents (%s, %s) on %s:%s",
+            state["index"].size,
+            state["index"].index_type,
+            state["index"].encoder.describe(),
+            serve.host,
+            serve.port,
+        )
+        yield
+        await state["batcher"].stop()
+
+    app = FastAPI(title="etagent retriever", docs_url=None, redoc_url=None, lifespan=lifespan)
+    app.add_middleware(Guard, max_bytes=serve.max_body_bytes, token=token, state=state)
+
+    def check(queries: list[str], k: int) -> None:
+        if not queries:
+            raise HTTPException(422, "no queries")
+        if len(queries) > serve.max_queries:
+            raise HTTPException(422, f"{len(queries)} queries in one request; the limit is {serve.max_queries}")
+        for i, q in enumerate(queries):
+            if not q.strip():
+                raise HTTPException(422, f"query {i} is empty")
+        if not 1 <= k <= serve.max_topk:
+            raise HTTPException(422, f"topk must be between 1 and {serve.max_topk}, got {k}")
+
+    async def run(queries: list[str], k: int, method: str) -> tuple[list[list[tuple[dict, float]]], dict]:
+        index: Index = state["index"]
+        if method not in index.methods():
+            raise HTTPException(422, f"method {method!r} is not available (this index has: {', '.join(index.methods())})")
+        timing = {"encode_ms": 0.0, "search_ms": 0.0}
+        if method in ("dense", "hybrid"):
+            depth = k if method == "dense" else max(k, 50)
+            answers = await state["batcher"].search(queries, depth)
+            dense = [hits for hits, _ in answers]
+            timing = {key: max(t[key] for _, t in answers) for key in ("encode_ms", "search_ms")}
+        if method == "dense":
+            return dense, timing
+        depth = k if method == "bm25" else max(k, 50)
+        t0 = time.perf_counter()
+        lexical = await asyncio.to_thread(lambda: index.with_documents(index.lexical(queries, depth)))
+        timing["search_ms"] += (time.perf_counter() - t0) * 1000
+        if method == "bm25":
+            return lexical, timing
+        return [reciprocal_rank_fusion([d, b], k) for d, b in zip(dense, lexical)], timing
+
+    def respond(body, timing: dict) -> JSONResponse:
+        headers = {
+            "X-Encode-Ms": f"{timing['encode_ms']:.2f}",
+            "X-Search-Ms": f"{timing['search_ms']:.2f}",
+            "Server-Timing": f"encode;dur={timing['encode_ms']:.2f}, search;dur={timing['search_ms']:.2f}",
+        }
+        return JSONResponse(body, headers=headers)
+
+    @app.post("/retrieve")
+    async def retrieve(request: RetrieveRequest):
+        check(request.queries, request.topk)
+        rows, timing = await run(request.queries, request.topk, request.method or serve.default_method)
+        if request.return_scores:
+            result = [[{"document": doc, "score": score} for doc, score in row] for row in rows]
+        else:
+            result = [[doc for doc, _ in row] for row in rows]
+        return respond({"result": result}, timing)
+
+    @app.post("/search")
+    async def search(request: SearchRequest):
+        check([request.query], request.top_n)
+        [row], timing = await run([request.query], request.top_n, serve.default_method)
+        docs = [doc for doc, _ in row]
+        return respond([docs, [s for _, s in row]] if request.return_score else docs, timing)
+
+    @app.post("/batch_search")
+    async def batch_search(request: BatchSearchRequest):
+        check(request.query, request.top_n)
+        rows, timing = await run(request.query, request.top_n, serve.default_method)
+        docs = [[doc for doc, _ in row] for row in rows]
+        return respond([docs, [[s for _, s in row] for row in rows]] if request.return_score else docs, timing)
+
+    @app.get("/health")
+    async def health():
+        index = state["index"]
+        return {
+            "status": "ok" if index is not None else "loading",
+            "documents": index.size if index else 0,
+            "index": index.index_type if index else None,
+            "encoder": index.encoder.describe() if index else None,
+            "methods": index.methods() if index else [],
+            "default_method": serve.default_method,
+            "uptime_s": round(time.time() - state["started"], 1),
+            "requests": state["requests"],
+        }
+
+    return app
+
+
+def main(argv: list[str] | None = None) -> None:
+    import uvicorn
+
+    from etagent.config import parse_stage_args
+
+    logging.basicConfig(level=logging.INFO, format="%(asctime)s %(name)s %(message)s")
+    logging.getLogger("faiss.loader").setLevel(logging.WARNING)  # its CPU-feature probing is noise
+    cfg = parse_stage_args("retriever", argv, prog="python -m retriever.server", doc=__doc__)
+    if cfg.serve.torch_threads:
+        import torch
+
+        torch.set_num_threads(cfg.serve.torch_threads)
+    log.info("config:\n%s", OmegaConf.to_yaml(cfg))
+    uvicorn.run(create_app(cfg), host=cfg.serve.host, port=cfg.serve.port, log_level="warning", timeout_graceful_shutdown=5)
+
+
+if __name__ == "__main__":
+    main()

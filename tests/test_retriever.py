@@ -1,0 +1,281 @@
+"""The retriever service for real: an index built from the toy corpus, the server started as a
+subprocess on 127.0.0.1, both API contracts, validation, disconnects, load, and a build killed
+with kill -9 and resumed."""
+
+from __future__ import annotations
+
+import asyncio
+import hashlib
+import json
+import os
+import random
+import signal
+import socket
+import sqlite3
+import subprocess
+import sys
+import time
+from pathlib import Path
+
+import httpx
+import pytest
+
+from etagent.config import load_config
+from etagent.records import read_questions
+from etagent.tools.search import RetrieverClient, SearchTool
+from tests.servers import free_port
+
+TOKEN = "test-token-123"
+
+
+def build_index(corpus: Path, index_dir: Path, *overrides: str, check=True) -> subprocess.CompletedProcess:
+    args = [sys.executable, "-m", "retriever.build", f"corpus={corpus}", f"index_dir={index_dir}", *overrides]
+    return subprocess.run(args, capture_output=True, text=True, timeout=600, check=check)
+
+
+@pytest.fixture(scope="module")
+def index_dir(toy, tmp_path_factory) -> Path:
+    out = tmp_path_factory.mktemp("index")
+    build_index(toy / "corpus.jsonl", out)
+    return out
+
+
+@pytest.fixture(scope="module")
+def server(index_dir):
+    port = free_port()
+    env = dict(os.environ, RETRIEVER_TOKEN=TOKEN)
+    proc = subprocess.Popen(
+        [
+            sys.executable,
+            "-m",
+            "retriever.server",
+            f"index_dir={index_dir}",
+            f"serve.port={port}",
+            "serve.token_env=RETRIEVER_TOKEN",
+            "serve.max_body_bytes=200000",
+        ],
+        env=env,
+        stdout=subprocess.DEVNULL,
+        stderr=subprocess.PIPE,
+    )
+    url = f"http://127.0.0.1:{port}"
+    deadline = time.monotonic() + 120
+    while True:
+        try:
+            if httpx.get(f"{url}/health", timeout=1).json()["status"] == "ok":
+                break
+        except (httpx.HTTPError, ValueError):
+            pass
+        assert proc.poll() is None, proc.stderr.read().decode()[-2000:]
+        assert time.monotonic() < deadline, "the retriever did not start"
+        time.sleep(0.3)
+    yield url
+    proc.send_signal(signal.SIGTERM)
+    proc.wait(timeout=30)
+
+
+def post(url, path, body, token=TOKEN, **kw):
+    headers = {"Authorization": f"Bearer {token}"} if token else {}
+    return httpx.post(f"{url}{path}", json=body, headers=headers, timeout=30, **kw)
+
+
+def search_questions(toy: Path):
+    """Held-out questions needing a search, with the title of the document that answers them."""
+    corpus = [json.loads(line) for line in (toy / "corpus.jsonl").read_text().splitlines()]
+    titles = sorted((d["title"] for d in corpus), key=len, reverse=True)
+    out = []
+    for q in read_questions(toy / "questions" / "test.jsonl"):
+        if q.source in ("toy_search", "toy_both"):
+            out.append((q.question, next(t for t in titles if t in q.question)))
+    return out
+
+
+def test_health_reports_the_index(server):
+    health = httpx.get(f"{server}/health").json()
+    assert health["status"] == "ok" and health["documents"] == 300 and health["index"] == "IndexFlatIP"
+    assert health["methods"] == ["dense", "bm25", "hybrid"] and "minilm" in health["encoder"]
+
+
+@pytest.mark.parametrize("method", ["dense", "bm25", "hybrid"])
+def test_recall_at_3_on_toy_questions_both_contracts(server, toy, method, capsys):
+    questions = search_questions(toy)
+    texts = [q for q, _ in questions]
+    response = post(server, "/retrieve", {"queries": texts, "topk": 3, "return_scores": True, "method": method})
+    assert response.status_code == 200
+    assert float(response.headers["x-encode-ms"]) >= 0 and "search;dur=" in response.headers["server-timing"]
+    result = response.json()["result"]
+    hits = [any(h["document"]["contents"].startswith(f'"{title}"') for h in row) for row, (_, title) in zip(result, questions)]
+    recall = sum(hits) / len(hits)
+    with capsys.disabled():
+        print(f"\nrecall@3 ({method}, /retrieve) on {len(hits)} held-out toy questions needing search: {recall:.3f}")
+    assert recall >= 0.95
+    scores = [h["score"] for h in result[0]]
+    assert scores == sorted(scores, reverse=True)
+    if method == "dense":  # the paper's contract (server default method: dense) finds the same
+        batch = post(server, "/batch_search", {"query": texts[:20], "top_n": 3}).json()
+        assert [[d["id"] for d in row] for row in batch] == [[h["document"]["id"] for h in row] for row in result[:20]]
+        single = post(server, "/search", {"query": texts[0], "top_n": 3, "return_score": True}).json()
+        assert [d["id"] for d in single[0]] == [h["document"]["id"] for h in result[0]] and len(single[1]) == 3
+
+
+def test_search_tool_through_the_real_server(server, toy):
+    client = RetrieverClient(server, api="search", top_k=2, max_doc_chars=1200, token=TOKEN)
+    out = asyncio.run(SearchTool(client)(search_questions(toy)[0][1]))
+    assert out.ok and out.text.count("\n\n") == 1
+
+
+@pytest.mark.parametrize(
+    "path, body, reason",
+    [
+        ("/retrieve", {"queries": [], "topk": 3}, "no queries"),
+        ("/retrieve", {"queries": ["ok", "  "], "topk": 3}, "query 1 is empty"),
+        ("/retrieve", {"queries": ["a"], "topk": 0}, "topk must be between 1 and 100, got 0"),
+        ("/retrieve", {"queries": ["a"], "topk": 101}, "topk must be between 1 and 100, got 101"),
+        ("/retrieve", {"queries": ["a"] * 513, "topk": 1}, "513 queries in one request; the limit is 512"),
+        ("/retrieve", {"queries": ["a"], "method": "magic"}, "method"),
+        ("/retrieve", {"topk": 3}, "queries"),
+        ("/search", {"query": "", "top_n": 3}, "query 0 is empty"),
+        ("/batch_search", {"query": ["x"], "top_n": 1000}, "topk must be between 1 and 100"),
+        ("/retrieve", {"queries": ["x" * 250_000]}, "over the limit of 200000"),
+    ],
+)
+def test_bad_requests_get_422_with_a_reason(server, path, body, reason):
+    response = post(server, path, body)
+    assert response.status_code == 422
+    assert reason in json.dumps(response.json()["detail"])
+
+
+def test_oversized_chunked_body_is_refused(server):
+    def chunks():
+        yield b'{"queries": ["'
+        for _ in range(30):
+            yield b"y" * 10_000
+        yield b'"]}'
+
+    response = httpx.post(
+        f"{server}/retrieve", content=chunks(), headers={"Authorization": f"Bearer {TOKEN}", "Content-Type": "application/json"}, timeout=30
+    )
+    assert response.status_code == 422 and "over the limit" in response.json()["detail"]
+
+
+def test_token_is_required(server):
+    assert post(server, "/retrieve", {"queries": ["a"]}, token=None).status_code == 401
+    assert post(server, "/retrieve", {"queries": ["a"]}, token="wrong").status_code == 401
+    assert httpx.get(f"{server}/health").status_code == 200
+
+
+def test_survives_clients_that_disconnect_mid_request(server):
+    port = int(server.rsplit(":", 1)[1])
+    body = json.dumps({"queries": ["Quellport"] * 64, "topk": 5}).encode()
+    head = f"POST /retrieve HTTP/1.1\r\nHost: x\r\nAuthorization: Bearer {TOKEN}\r\nContent-Type: application/json\r\nContent-Length: {len(body)}\r\n\r\n".encode()
+    for cut in (len(head) // 2, len(head) + len(body) // 2, len(head) + len(body)):
+        for _ in range(5):
+            s = socket.create_connection(("127.0.0.1", port))
+            s.sendall((head + body)[:cut])
+            s.close()  # gone before (or while) the server answers
+    time.sleep(0.5)
+    response = post(server, "/retrieve", {"queries": ["Quellport"], "topk": 1})
+    assert response.status_code == 200 and len(response.json()["result"][0]) == 1
+    assert httpx.get(f"{server}/health").json()["status"] == "ok"
+
+
+def test_2000_requests_at_concurrency_32(server, toy, capsys):
+    questions = [q for q, _ in search_questions(toy)]
+    rng = random.Random(0)
+
+    async def main():
+        limit = asyncio.Semaphore(32)
+        errors, latencies = [], []
+        async with httpx.AsyncClient(
+            headers={"Authorization": f"Bearer {TOKEN}"}, timeout=60, limits=httpx.Limits(max_connections=32)
+        ) as client:
+
+            async def one(i):
+                body = {"queries": [rng.choice(questions)], "topk": 3, "return_scores": True, "method": "dense" if i % 3 else "bm25"}
+                async with limit:
+                    start = time.perf_counter()
+                    try:
+                        r = await client.post(f"{server}/retrieve", json=body)
+                        # BM25 returns only documents sharing a term with the query (maybe fewer than 3)
+                        expected = range(3, 4) if body["method"] == "dense" else range(1, 4)
+                        if r.status_code != 200 or len(r.json()["result"][0]) not in expected:
+                            errors.append(r.status_code)
+                    except httpx.HTTPError as exc:
+                        errors.append(repr(exc))
+                    latencies.append(time.perf_counter() - start)
+
+            start = time.perf_counter()
+            await asyncio.gather(*(one(i) for i in range(2000)))
+            return errors, time.perf_counter() - start, sorted(latencies)
+
+    errors, seconds, latencies = asyncio.run(main())
+    with capsys.disabled():
+        print(
+            f"\n2000 requests at concurrency 32: {2000 / seconds:.0f} req/s, p50 {latencies[1000] * 1000:.0f} ms, p99 {latencies[1980] * 1000:.0f} ms, errors {len(errors)}"
+        )
+    assert errors == []
+
+
+# --- building ------------------------------------------------------------------------------------
+
+
+def fingerprint(index_dir: Path) -> dict:
+    db = sqlite3.connect(index_dir / "docs.sqlite")
+    docs = db.execute("SELECT position, id, title, contents FROM docs ORDER BY position").fetchall()
+    db.close()
+    bm25 = {p.name: hashlib.sha256(p.read_bytes()).hexdigest() for p in sorted((index_dir / "bm25").iterdir())}
+    return {"faiss": hashlib.sha256((index_dir / "index.faiss").read_bytes()).hexdigest(), "docs": docs, "bm25": bm25}
+
+
+def test_kill_9_during_build_then_rerun_gives_the_same_index(toy, tmp_path):
+    corpus = toy / "corpus.jsonl"
+    settings = ["build.chunk_size=20", "build.keep_embeddings=true"]
+    whole = tmp_path / "whole"
+    build_index(corpus, whole, *settings)
+
+    killed = tmp_path / "killed"
+    proc = subprocess.Popen(
+        [sys.executable, "-m", "retriever.build", f"corpus={corpus}", f"index_dir={killed}", *settings],
+        stdout=subprocess.DEVNULL,
+        stderr=subprocess.DEVNULL,
+    )
+    deadline = time.monotonic() + 300
+    while len(list((killed / "embeddings").glob("part-*.npy"))) < 4:
+        assert proc.poll() is None and time.monotonic() < deadline, "the build ended before it could be killed"
+        time.sleep(0.05)
+    proc.send_signal(signal.SIGKILL)
+    proc.wait()
+    done_before = len(list((killed / "embeddings").glob("part-*.npy")))
+    assert 4 <= done_before < 15 and not (killed / "index.faiss").exists()
+
+    resumed = build_index(corpus, killed, *settings)
+    assert fingerprint(killed) == fingerprint(whole)
+    assert json.loads((killed / "manifest.json").read_text())["counts"]["passages"] == 300
+    assert "index in" in resumed.stdout
+
+
+def test_bad_corpus_line_names_file_line_and_field(tmp_path):
+    corpus = tmp_path / "corpus.jsonl"
+    corpus.write_text('{"id": "1", "contents": "a"}\n{"id": "2"}\n')
+    result = build_index(corpus, tmp_path / "idx", check=False)
+    assert result.returncode != 0
+    assert f"{corpus}:2: field 'contents': missing or empty" in result.stderr
+
+
+def test_other_index_types_build_and_serve(toy, tmp_path):
+    """HNSW and IVF-PQ through the same server code (in-process app, real index files)."""
+    from fastapi.testclient import TestClient
+
+    from retriever.server import create_app
+
+    corpus = toy / "corpus.jsonl"
+    for kind, extra in (("HNSW", []), ("IVF-PQ", ["build.ivf_lists=4", "build.pq_m=8", "serve.nprobe=4"])):
+        out = tmp_path / kind
+        build_index(corpus, out, f"build.index_type={kind}", "build.bm25=false", *extra)
+        cfg = load_config("retriever", "tiny", [f"index_dir={out}", f"build.index_type={kind}", *extra])
+        with TestClient(create_app(cfg)) as client:
+            health = client.get("/health").json()
+            assert health["methods"] == ["dense"]
+            hits = client.post("/retrieve", json={"queries": ["Quellport", "Zorvak"], "topk": 2}).json()["result"]
+            assert len(hits) == 2 and all(len(row) == 2 for row in hits)
+            assert client.post("/retrieve", json={"queries": ["a"], "method": "bm25"}).status_code == 422
