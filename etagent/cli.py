@@ -5,6 +5,7 @@
     etagent tool python [FILE] [overrides]         run code in the sandbox, print the call record
     etagent tool search --query Q [overrides]      run a search, print the call record
     etagent retriever build|serve [overrides]      index a corpus / serve it (retriever/)
+    etagent sample [--preset P] [overrides]        n rollouts per question (etagent/sampling.py)
 
 Stage subcommands take ``--preset NAME`` (``configs/<stage>/NAME.yaml``, default ``tiny``) and
 Hydra overrides (``key=value``); each also runs as ``python -m <stage>.run``. Stages join this
@@ -133,6 +134,7 @@ def main(argv: list[str] | None = None) -> int:
         "score": "score predictions given as JSON lines",
         "tool": "run one tool call (python or search) with the tools config",
         "retriever": "build an index (build) or serve it (serve): etagent retriever build|serve [overrides]",
+        "sample": "n rollouts per question with the agent loop: etagent sample [--preset P] [overrides]",
     }
     if not argv or argv[0] in ("-h", "--help") or argv[0] not in commands:
         print(__doc__.strip())
@@ -151,6 +153,11 @@ def main(argv: list[str] | None = None) -> int:
         return 0
     if command == "tool":
         return tool_main(rest)
+    if command == "sample":
+        from etagent.sampling import main as sample_main
+
+        sample_main(rest)
+        return 0
     if command == "retriever":
         if not rest or rest[0] not in ("build", "serve"):
             print("usage: etagent retriever build|serve [--preset NAME] [overrides ...]", file=sys.stderr)

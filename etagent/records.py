@@ -130,7 +130,9 @@ class Trajectory(Record):
     truth); data made from text alone (seed trajectories, imported files) has no ids.
     ``response_mask`` is 1 where the policy generated the token and 0 where it was inserted (tool
     results, hints); ``logprobs`` has one entry per response token (0.0 at inserted ones).
-    ``entropies`` holds the entropy of the first tokens generated after each tool result.
+    ``entropies`` holds, per generated segment (the first, then one after each tool result), the
+    entropy of its first tokens as ARPO computes it from top-k log-probabilities;
+    ``entropies_exact`` the same from full distributions, where the engine had them.
     ``provenance`` says which stage or flywheel operation made it and from which parent.
     """
 
@@ -146,6 +148,7 @@ class Trajectory(Record):
     response_mask: list[int] | None = None
     logprobs: list[float] | None = None
     entropies: list[float] = []
+    entropies_exact: list[float] | None = None
     provenance: dict[str, Any] = {}
 
     @model_validator(mode="after")

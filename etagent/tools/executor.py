@@ -16,6 +16,7 @@ left for the model to hallucinate a result to).
 from __future__ import annotations
 
 import asyncio
+import os
 import time
 from collections.abc import Callable, Sequence
 from typing import Any
@@ -128,6 +129,7 @@ def build_executor(cfg) -> ToolExecutor:
             method=se.local.method,
             timeout_s=se.timeout_s,
             attempts=se.attempts,
+            token=os.environ.get(se.local.token_env) if se.local.token_env else None,
         )
     elif se.backend in ("serper", "brightdata", "bing"):
         web = se.web

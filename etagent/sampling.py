@@ -1,0 +1,176 @@
+"""Sample n rollouts per question with the agent loop, in one process or across a Ray cluster.
+
+    etagent sample [--preset tiny|paper] questions=FILE engine.model=MODEL n=8 out_dir=DIR
+    python -m etagent.sampling ...                         (the same)
+
+Writes ``out_dir/trajectories.jsonl`` (one :class:`TrajectoryGroup` per question, each rollout
+scored with :func:`etagent.scoring.rule_correctness`) and ``manifest.json``. Questions already in
+the output are skipped, so a killed run resumes where it stopped and never duplicates a question.
+
+With ``ray.workers > 0`` the questions are split into batches and fanned out to a pool of Ray
+actors, each holding its own engine (one per GPU with ``ray.num_gpus_per_worker: 1``) and tools;
+the driver writes the results as they come back. With ``ray.workers: 0`` everything runs here.
+
+This is the sampling every rollout stage shares (direct rollout, evaluation, the flywheel's
+initial rollouts); what a stage does with the rollouts is that stage's business.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import logging
+import time
+from collections import Counter
+from collections.abc import Iterator, Sequence
+from pathlib import Path
+
+from omegaconf import DictConfig, OmegaConf
+from tqdm import tqdm
+
+from etagent.agent import AgentConfig, AgentLoop
+from etagent.records import JsonlAppender, Question, TrajectoryGroup, read_questions, write_manifest
+from etagent.scoring import rule_correctness
+
+log = logging.getLogger(__name__)
+
+
+def agent_config(cfg) -> AgentConfig:
+    return AgentConfig(**OmegaConf.to_container(cfg, resolve=True))
+
+
+class Sampler:
+    """An engine, the tools and the agent loop: turns questions into scored trajectory groups."""
+
+    def __init__(self, engine, executor, config: AgentConfig, n: int, stage: str = "sample"):
+        self.loop = AgentLoop(engine, executor, config)
+        self.n, self.stage = n, stage
+
+    def sample(self, questions: Sequence[Question]) -> list[TrajectoryGroup]:
+        states = [self.loop.new(q, f"{q.id}/{k}", stage=self.stage) for q in questions for k in range(self.n)]
+        asyncio.run(self.loop.run(states))
+        groups = []
+        for i, q in enumerate(questions):
+            records = [self.loop.to_record(s) for s in states[i * self.n : (i + 1) * self.n]]
+            for record in records:
+                record.score = rule_correctness(record.prediction, q.answer, q.kind)
+            groups.append(TrajectoryGroup.for_question(q, records))
+        return groups
+
+
+def _batches(items: Sequence, size: int) -> Iterator[list]:
+    for start in range(0, len(items), size):
+        yield list(items[start : start + size])
+
+
+def _local(cfg: DictConfig, todo: list[Question]) -> Iterator[list[TrajectoryGroup]]:
+    from etagent.llm import make_engine
+    from etagent.tools.executor import build_executor
+
+    engine = make_engine(cfg.engine)
+    with build_executor(cfg.tools) as executor:
+        sampler = Sampler(engine, executor, agent_config(cfg.agent), cfg.n, cfg.stage)
+        for batch in _batches(todo, cfg.batch_questions):
+            yield sampler.sample(batch)
+
+
+def _ray(cfg: DictConfig, todo: list[Question]) -> Iterator[list[TrajectoryGroup]]:
+    import ray
+    from ray.util import ActorPool
+
+    if not ray.is_initialized():
+        if cfg.ray.address:
+            ray.init(address=cfg.ray.address)
+        else:
+            ray.init(num_cpus=cfg.ray.workers * cfg.ray.num_cpus_per_worker, include_dashboard=False, log_to_driver=False)
+    plain = OmegaConf.to_container(cfg, resolve=True)
+
+    @ray.remote
+    class SamplingWorker:
+        def __init__(self, config: dict):
+            import torch
+
+            from etagent.llm import make_engine
+            from etagent.tools.executor import build_executor
+
+            config = OmegaConf.create(config)
+            torch.set_num_threads(max(1, config.ray.num_cpus_per_worker))
+            self.executor = build_executor(config.tools)
+            self.sampler = Sampler(make_engine(config.engine), self.executor, agent_config(config.agent), config.n, config.stage)
+
+        def sample(self, questions: list[dict]) -> list[dict]:
+            groups = self.sampler.sample([Question.model_validate(q) for q in questions])
+            return [g.to_json() for g in groups]
+
+    options = {"num_cpus": cfg.ray.num_cpus_per_worker, "num_gpus": cfg.ray.num_gpus_per_worker}
+    workers = [SamplingWorker.options(**options).remote(plain) for _ in range(cfg.ray.workers)]
+    pool = ActorPool(workers)
+    batches = [[q.to_json() for q in batch] for batch in _batches(todo, cfg.batch_questions)]
+    for result in pool.map_unordered(lambda worker, batch: worker.sample.remote(batch), batches):
+        yield [TrajectoryGroup.model_validate(g) for g in result]
+
+
+def run_sampling(cfg: DictConfig) -> dict:
+    """Sample every question of cfg.questions not yet in the output; return summary metrics."""
+    started = time.time()
+    out = Path(cfg.out_dir)
+    out.mkdir(parents=True, exist_ok=True)
+    questions = read_questions(cfg.questions)
+    if cfg.limit:
+        questions = questions[: cfg.limit]
+    with JsonlAppender(out / "trajectories.jsonl") as writer:
+        todo = [q for q in questions if q.id not in writer.done]
+        log.info("%d questions, %d already done, %d to sample x %d", len(questions), len(questions) - len(todo), len(todo), cfg.n)
+        progress = tqdm(total=len(todo), desc="sampling", unit="question", dynamic_ncols=True, disable=None)
+        runner = _ray if cfg.ray.workers > 0 else _local
+        trajectories = 0
+        for groups in runner(cfg, todo):
+            for group in groups:
+                writer.write(group)
+            trajectories += sum(len(g.trajectories) for g in groups)
+            progress.update(len(groups))
+            progress.set_postfix(trajectories_per_s=f"{trajectories / max(time.time() - started, 1e-9):.2f}")
+        progress.close()
+    metrics = summarise(out / "trajectories.jsonl")
+    write_manifest(
+        out,
+        stage=cfg.stage,
+        config=OmegaConf.to_container(cfg, resolve=True),
+        inputs=[cfg.questions],
+        counts={"questions": metrics["questions"], "trajectories": metrics["trajectories"]},
+        seed=cfg.agent.seed,
+        started_at=started,
+        metrics=metrics,
+    )
+    return metrics
+
+
+def summarise(path: Path) -> dict:
+    """Score, tool use and finish reasons over a trajectories file."""
+    from etagent.records import read_jsonl
+
+    groups = read_jsonl(path, TrajectoryGroup)
+    trajectories = [t for g in groups for t in g.trajectories]
+    n = max(len(trajectories), 1)
+    return {
+        "questions": len(groups),
+        "trajectories": len(trajectories),
+        "mean_score": round(sum(t.score or 0.0 for t in trajectories) / n, 4),
+        "mean_tool_calls": round(sum(len(t.tool_calls) for t in trajectories) / n, 4),
+        "mean_tokens": round(sum(t.n_tokens for t in trajectories) / n, 1),
+        "finish_reasons": dict(Counter(t.finish_reason for t in trajectories)),
+    }
+
+
+def main(argv: list[str] | None = None) -> None:
+    from etagent.config import parse_stage_args
+
+    logging.basicConfig(level=logging.INFO, format="%(asctime)s %(name)s %(message)s")
+    cfg = parse_stage_args("sample", argv, prog="etagent sample", doc=__doc__)
+    metrics = run_sampling(cfg)
+    print(
+        f"sampled {metrics['trajectories']} trajectories for {metrics['questions']} questions into {cfg.out_dir}: mean score {metrics['mean_score']}, {metrics['mean_tool_calls']} tool calls, finish {metrics['finish_reasons']}"
+    )
+
+
+if __name__ == "__main__":
+    main()

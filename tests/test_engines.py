@@ -1,0 +1,211 @@
+"""Generation engines: the hf engine on the tiny toy model (log-probabilities against a forward
+pass, stops, seeds, left padding), and the openai engine's pool against local servers speaking
+vLLM's completions format."""
+
+from __future__ import annotations
+
+import asyncio
+import math
+
+import pytest
+import torch
+from fastapi import FastAPI, Request
+from fastapi.responses import JSONResponse
+
+from etagent import protocol
+from etagent.llm import GenerationRequest
+from etagent.llm.hf import HFEngine
+from etagent.llm.openai_engine import OpenAIEngine
+from etagent.net import ExternalCallError
+from tests.servers import free_port, serve
+
+
+@pytest.fixture(scope="module")
+def hf(toy):
+    torch.manual_seed(0)
+    return HFEngine(str(toy / "model"), max_batch_size=8)
+
+
+def prompts(engine, questions=("What is 12 times 7?", "In which year was Zorvak Telmin born?", "Hi")):
+    return [protocol.encode_prompt(engine.tokenizer, q) for q in questions]
+
+
+def forward_logprobs(engine, prompt, tokens):
+    with torch.no_grad():
+        logits = engine.model(torch.tensor([prompt + tokens])).logits[0].float()
+    raw = torch.log_softmax(logits, -1)
+    return raw[len(prompt) - 1 : len(prompt) - 1 + len(tokens)], [raw[len(prompt) - 1 + i, t].item() for i, t in enumerate(tokens)]
+
+
+def test_logprobs_and_entropy_match_a_forward_pass_in_a_left_padded_batch(hf):
+    ps = prompts(hf)
+    assert len({len(p) for p in ps}) == 3  # different lengths: the batch is left-padded
+    requests = [GenerationRequest(tuple(p), n=2, temperature=1.0, max_new_tokens=12, logprobs=3, seed=i) for i, p in enumerate(ps)]
+    results = hf.generate(requests)
+    for p, samples in zip(ps, results):
+        assert len(samples) == 2
+        for s in samples:
+            assert len(s.token_ids) == len(s.logprobs) == len(s.top_logprobs) == len(s.entropy) == 12 and s.finish_reason == "length"
+            raw, expected = forward_logprobs(hf, p, s.token_ids)
+            assert max(abs(a - b) for a, b in zip(expected, s.logprobs)) < 1e-4
+            exact = (-(raw.exp() * raw).sum(-1)).tolist()
+            assert max(abs(a - b) for a, b in zip(exact, s.entropy)) < 1e-4
+            for position, top in enumerate(s.top_logprobs):
+                best = raw[position].topk(3)
+                assert set(best.indices.tolist()) <= set(top) and s.token_ids[position] in top
+
+
+def test_seeded_samples_do_not_depend_on_the_batch(hf):
+    p = prompts(hf)[0]
+    alone = hf.generate([GenerationRequest(tuple(p), n=3, max_new_tokens=10, seed=7)])[0]
+    others = [GenerationRequest(tuple(q), n=2, max_new_tokens=5, seed=1) for q in prompts(hf)]
+    mixed = hf.generate([others[1], GenerationRequest(tuple(p), n=3, max_new_tokens=10, seed=7), others[2]])[1]
+    assert [s.token_ids for s in alone] == [s.token_ids for s in mixed]
+    assert len({tuple(s.token_ids) for s in alone}) == 3  # the n samples differ
+    again = hf.generate([GenerationRequest(tuple(p), n=1, max_new_tokens=10, seed=8)])[0][0]
+    assert again.token_ids != alone[0].token_ids
+
+
+def test_greedy_and_filters(hf):
+    p = prompts(hf)[1]
+    greedy = hf.generate([GenerationRequest(tuple(p), temperature=0, max_new_tokens=8)])[0][0]
+    top1 = hf.generate([GenerationRequest(tuple(p), temperature=1.0, top_k=1, max_new_tokens=8, seed=3)])[0][0]
+    tiny_p = hf.generate([GenerationRequest(tuple(p), temperature=1.0, top_p=1e-9, max_new_tokens=8, seed=4)])[0][0]
+    assert greedy.token_ids == top1.token_ids == tiny_p.token_ids
+    raw, _ = forward_logprobs(hf, p, greedy.token_ids)
+    assert greedy.token_ids == raw.argmax(-1).tolist()
+
+
+def test_stop_strings_are_enforced_while_generating(hf):
+    p = prompts(hf)[0]
+    free = hf.generate([GenerationRequest(tuple(p), temperature=0, max_new_tokens=20)])[0][0]
+    # stop on the text of the 5th greedy token: generation must end exactly there, keeping it
+    stop_text = hf.tokenizer.decode(free.token_ids[4:5])
+    first = next(i for i in range(20) if stop_text in hf.tokenizer.decode(free.token_ids[: i + 1]))
+    stopped = hf.generate([GenerationRequest(tuple(p), temperature=0, max_new_tokens=20, stop=("never-there", stop_text))])[0][0]
+    assert stopped.finish_reason == "stop" and stopped.stop == stop_text
+    assert stopped.token_ids == free.token_ids[: first + 1]
+
+
+def test_repetition_penalty_changes_greedy_choices(hf):
+    p = prompts(hf)[2]
+    plain = hf.generate([GenerationRequest(tuple(p), temperature=0, max_new_tokens=30)])[0][0]
+    penalised = hf.generate([GenerationRequest(tuple(p), temperature=0, max_new_tokens=30, repetition_penalty=5.0)])[0][0]
+    assert plain.token_ids != penalised.token_ids
+    assert len(set(penalised.token_ids)) >= len(set(plain.token_ids))
+
+
+# --- the openai engine ----------------------------------------------------------------------------
+
+
+def fake_vllm_server(name, log, fail=0):
+    """Answers /v1/completions in vLLM's format (token ids as "token_id:N" with logprobs) and
+    /v1/chat/completions; a scripted stand-in for `vllm serve` to test the pool's control flow."""
+    app = FastAPI()
+    state = {"fail": fail}
+
+    @app.post("/v1/completions")
+    async def completions(request: Request):
+        body = await request.json()
+        log.append((name, body))
+        if state["fail"]:
+            state["fail"] -= 1
+            return JSONResponse({"error": "overloaded"}, status_code=503)
+        if isinstance(body["prompt"], str):
+            return {"choices": [{"index": 0, "text": f"{name} says hi", "finish_reason": "stop", "stop_reason": None}]}
+        choices = []
+        for i in range(body["n"]):
+            tokens = [10 + i, 11, 12]
+            finish, stop_reason = [("stop", "</search>"), ("stop", None), ("length", None)][i % 3]
+            choices.append(
+                {
+                    "index": i,
+                    "text": "...",
+                    "finish_reason": finish,
+                    "stop_reason": stop_reason,
+                    "logprobs": {
+                        "tokens": [f"token_id:{t}" for t in tokens],
+                        "token_logprobs": [-0.5, -0.25, -0.125],
+                        "top_logprobs": [{f"token_id:{t}": -0.5, "token_id:99": -1.0, "token_id:98": -2.0} for t in tokens],
+                    },
+                }
+            )
+        return {"choices": choices[::-1]}  # out of order on purpose
+
+    @app.post("/v1/chat/completions")
+    async def chat(request: Request):
+        body = await request.json()
+        log.append((name, body))
+        return {"choices": [{"message": {"content": f"{name}: {body['messages'][-1]['content']}"}}]}
+
+    return app
+
+
+def test_openai_engine_sends_every_setting_and_parses_token_ids():
+    log = []
+    with serve(fake_vllm_server("a", log)) as url:
+        engine = OpenAIEngine([url + "/v1"], "policy")
+        request = GenerationRequest(
+            (1, 2, 3),
+            n=3,
+            temperature=0.7,
+            top_p=0.9,
+            top_k=20,
+            min_p=0.05,
+            repetition_penalty=1.1,
+            max_new_tokens=64,
+            stop=("</search>",),
+            logprobs=2,
+            seed=5,
+            session="q1",
+        )
+        [samples] = engine.generate([request])
+    body = log[0][1]
+    assert body["prompt"] == [1, 2, 3] and body["top_k"] == 20 and body["min_p"] == 0.05 and body["repetition_penalty"] == 1.1
+    assert body["stop"] == ["</search>"] and body["include_stop_str_in_output"] and body["return_tokens_as_token_ids"] and body["seed"] == 5
+    assert [s.token_ids for s in samples] == [[10, 11, 12], [11, 11, 12], [12, 11, 12]]
+    assert [(s.finish_reason, s.stop) for s in samples] == [("stop", "</search>"), ("eos", None), ("length", None)]
+    assert samples[0].logprobs == [-0.5, -0.25, -0.125]
+    assert samples[0].top_logprobs[0] == {10: -0.5, 99: -1.0}
+
+
+def test_openai_engine_pins_sessions_and_fails_over():
+    log = []
+    with serve(fake_vllm_server("a", log)) as a, serve(fake_vllm_server("b", log, fail=100)) as b:
+        engine = OpenAIEngine([a + "/v1", b + "/v1"], "policy", attempts=2, timeout_s=5)
+        r = lambda session: GenerationRequest((1,), max_new_tokens=3, session=session)  # noqa: E731
+        engine.generate([r("s1")])  # s1 pinned to a
+        engine.generate([r("s2")])  # s2 pinned to b, which fails twice, then a answers
+        engine.generate([r("s1"), r("s2"), r("s1")])
+    servers = [name for name, _ in log]
+    assert servers[0] == "a"
+    assert servers[1:4] == ["b", "b", "a"]  # two attempts on the pinned server, then fail-over
+    assert servers[4:] == ["a", "a", "a"]  # s2 re-pinned to a
+    dead = OpenAIEngine([f"http://127.0.0.1:{free_port()}/v1"], "policy", attempts=1, timeout_s=1)
+    with pytest.raises(ExternalCallError, match="every server failed"):
+        dead.generate([r("x")])
+
+
+def test_openai_engine_text_completions_and_chat():
+    log = []
+    with serve(fake_vllm_server("a", log)) as url:
+        engine = OpenAIEngine([url + "/v1"], "judge")
+
+        async def main():
+            return await engine.complete("Is 2+2 4?", max_tokens=8, top_k=5), await engine.chat(
+                [{"role": "user", "content": "hello"}], max_tokens=8
+            )
+
+        text, chat = asyncio.run(main())
+    assert text == "a says hi" and chat == "a: hello"
+    assert log[0][1]["top_k"] == 5 and log[0][1]["temperature"] == 0.0 and log[1][1]["messages"] == [{"role": "user", "content": "hello"}]
+
+
+def test_entropy_helpers():
+    from etagent.llm import exact_segment_entropy, topk_segment_entropy
+
+    top = [{1: math.log(0.5), 2: math.log(0.25)}] * 30
+    per_position = -(0.5 * math.log(0.5) + 0.25 * math.log(0.25))
+    assert topk_segment_entropy(top, vocab_size=100, window=20) == pytest.approx(20 * per_position / math.log(100))
+    assert exact_segment_entropy([1.0] * 25, 100, window=20) == pytest.approx(20 / math.log(100))
+    assert exact_segment_entropy(None, 100) is None
