@@ -6,6 +6,7 @@
     etagent tool search --query Q [overrides]      run a search, print the call record
     etagent retriever build|serve [overrides]      index a corpus / serve it (retriever/)
     etagent sample [--preset P] [overrides]        n rollouts per question (etagent/sampling.py)
+    etagent sft [--preset P] [overrides]           fine-tune on trajectories (sft/run.py)
 
 Stage subcommands take ``--preset NAME`` (``configs/<stage>/NAME.yaml``, default ``tiny``) and
 Hydra overrides (``key=value``); each also runs as ``python -m <stage>.run``. Stages join this
@@ -135,6 +136,7 @@ def main(argv: list[str] | None = None) -> int:
         "tool": "run one tool call (python or search) with the tools config",
         "retriever": "build an index (build) or serve it (serve): etagent retriever build|serve [overrides]",
         "sample": "n rollouts per question with the agent loop: etagent sample [--preset P] [overrides]",
+        "sft": "fine-tune on trajectories with tool results masked: etagent sft [--preset P] [overrides]",
     }
     if not argv or argv[0] in ("-h", "--help") or argv[0] not in commands:
         print(__doc__.strip())
@@ -153,6 +155,11 @@ def main(argv: list[str] | None = None) -> int:
         return 0
     if command == "tool":
         return tool_main(rest)
+    if command == "sft":
+        from sft.run import main as sft_main
+
+        sft_main(rest)
+        return 0
     if command == "sample":
         from etagent.sampling import main as sample_main
 

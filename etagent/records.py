@@ -208,9 +208,17 @@ class SFTExample(Record):
     id: str
     messages: list[Message]
     segments: list[Segment]
+    # The token ids and mask of the rollout this example came from, when it came from the agent
+    # loop: SFT then trains on exactly those ids (if they decode to the assistant text).
+    response_ids: list[int] | None = None
+    response_mask: list[int] | None = None
 
     @model_validator(mode="after")
     def _segments_match_assistant(self) -> SFTExample:
+        if (self.response_ids is None) != (self.response_mask is None):
+            raise ValueError("response_ids and response_mask go together")
+        if self.response_ids is not None and len(self.response_ids) != len(self.response_mask):
+            raise ValueError(f"response_mask has {len(self.response_mask)} entries but response_ids has {len(self.response_ids)}")
         roles = [m.role for m in self.messages]
         if roles not in (["system", "user", "assistant"], ["user", "assistant"]):
             raise ValueError(f"messages must be [system,] user, assistant; got {roles}")

@@ -73,3 +73,22 @@ def server(index_dir):
     yield url
     proc.send_signal(signal.SIGTERM)
     proc.wait(timeout=30)
+
+
+@pytest.fixture(scope="session")
+def sft_model(toy, tmp_path_factory) -> Path:
+    """The toy model after the tiny SFT preset (the demo's SFT step): a policy that writes the
+    protocol and calls tools, for the tests of everything downstream of SFT."""
+    out = tmp_path_factory.mktemp("sft")
+    command = [
+        sys.executable,
+        "-m",
+        "sft.run",
+        f"model={toy / 'model'}",
+        f"data.path={toy / 'sft.jsonl'}",
+        f"out_dir={out}",
+        "train.progress_bar=false",
+        "threads=2",
+    ]
+    subprocess.run(command, check=True, capture_output=True, timeout=1800)
+    return out

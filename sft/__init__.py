@@ -1,0 +1,1 @@
+"""SFT: fine-tune the policy on trajectories with tool results masked (entry: sft.run)."""

@@ -1,0 +1,203 @@
+"""SFT: fine-tune the policy on tool-integrated trajectories, training only on what it writes.
+
+    python -m sft.run [--preset tiny|paper] [overrides]             # or: etagent sft ...
+    torchrun --nproc_per_node=4 -m sft.run --preset paper            # multi-GPU (ZeRO-3)
+    bash scripts/sft.sh ...                                          # the same, with launchers
+
+Reads SFT data (``data.path``: our JSONL from ``flywheel export`` or the toy builder, or
+LLaMA-Factory alpaca/sharegpt JSON) and a model; writes ``out_dir/model`` (a plain
+``save_pretrained`` folder with the tokenizer and chat template, loadable by transformers and
+vLLM as is), checkpoints in ``out_dir/checkpoints`` and ``out_dir/manifest.json``.
+
+The recipe: setup (tokenize with the rollout's prompt rendering and tool results masked,
+sequences over ``cutoff_len`` dropped and counted; load the model, optionally with LoRA) ->
+train (the transformers Trainer: full fine-tuning by default, DeepSpeed ZeRO-3 or FSDP across
+GPUs, bf16, gradient checkpointing, length-grouped batches, or packed batches with correct
+attention boundaries under flash-attention) -> save. A run resumes from its last checkpoint.
+
+Deliberate differences from the paper's SFT (LLaMA-Factory, paper_data_stages.md §3): tool
+results are masked out of the loss (the paper trained on them), and the protocol prompt is in the
+system turn as at rollout time (the paper's alpaca layout put it in the user turn).
+"""
+
+from __future__ import annotations
+
+import json
+import logging
+import os
+import time
+from pathlib import Path
+
+import torch
+from omegaconf import DictConfig, OmegaConf
+
+from etagent.records import write_manifest
+from sft.data import IGNORE, build_dataset, load_examples
+
+log = logging.getLogger("sft")
+
+
+class Collator:
+    """Right-pads a batch; labels pad with -100. With ``flatten`` the batch becomes one packed row
+    with position ids restarting per example (flash-attention keeps examples apart)."""
+
+    def __init__(self, pad_id: int, flatten: bool):
+        self.pad_id, self.flatten = pad_id, flatten
+
+    def __call__(self, rows: list[dict]) -> dict:
+        if self.flatten:
+            ids = [t for r in rows for t in r["input_ids"]]
+            labels = [label for r in rows for label in ([IGNORE] + r["labels"][1:])]  # no loss across a boundary
+            positions = [p for r in rows for p in range(len(r["input_ids"]))]
+            return {"input_ids": torch.tensor([ids]), "labels": torch.tensor([labels]), "position_ids": torch.tensor([positions])}
+        longest = max(len(r["input_ids"]) for r in rows)
+        pad = lambda seq, value: seq + [value] * (longest - len(seq))  # noqa: E731
+        return {
+            "input_ids": torch.tensor([pad(r["input_ids"], self.pad_id) for r in rows]),
+            "labels": torch.tensor([pad(r["labels"], IGNORE) for r in rows]),
+            "attention_mask": torch.tensor([pad([1] * len(r["input_ids"]), 0) for r in rows]),
+        }
+
+
+def training_arguments(cfg: DictConfig, out: Path):
+    from transformers import TrainingArguments
+
+    t = cfg.train
+    report_to = ["wandb"] if cfg.wandb.enabled else []
+    if cfg.wandb.enabled:
+        os.environ.setdefault("WANDB_MODE", cfg.wandb.mode)
+        os.environ.setdefault("WANDB_PROJECT", cfg.wandb.project)
+    return TrainingArguments(
+        output_dir=str(out / "checkpoints"),
+        per_device_train_batch_size=t.batch_size,
+        gradient_accumulation_steps=t.gradient_accumulation_steps,
+        learning_rate=t.learning_rate,
+        num_train_epochs=t.epochs,
+        max_steps=t.max_steps,
+        lr_scheduler_type=t.lr_scheduler,
+        warmup_steps=t.warmup_ratio,
+        weight_decay=t.weight_decay,
+        max_grad_norm=t.max_grad_norm,
+        logging_steps=t.logging_steps,
+        logging_first_step=True,
+        save_strategy="steps",
+        save_steps=t.save_steps,
+        save_total_limit=t.save_total_limit,
+        seed=cfg.seed,
+        data_seed=cfg.seed,
+        bf16=t.bf16,
+        gradient_checkpointing=t.gradient_checkpointing,
+        deepspeed=t.deepspeed,
+        fsdp=t.fsdp,
+        train_sampling_strategy="sequential" if t.packing else t.sampling,
+        length_column_name="length",
+        report_to=report_to,
+        run_name=cfg.wandb.run_name,
+        disable_tqdm=not t.progress_bar,
+        dataloader_num_workers=0,
+        use_cpu=not torch.cuda.is_available(),
+        remove_unused_columns=False,
+    )
+
+
+def load_model(cfg: DictConfig):
+    from transformers import AutoModelForCausalLM
+
+    kwargs = {"dtype": getattr(torch, cfg.model_dtype)}
+    if cfg.attn_implementation:
+        kwargs["attn_implementation"] = cfg.attn_implementation
+    model = AutoModelForCausalLM.from_pretrained(cfg.model, **kwargs)
+    if cfg.lora.enabled:
+        from peft import LoraConfig, get_peft_model
+
+        lora = LoraConfig(
+            r=cfg.lora.rank,
+            lora_alpha=cfg.lora.alpha,
+            lora_dropout=cfg.lora.dropout,
+            target_modules=list(cfg.lora.target_modules),
+            task_type="CAUSAL_LM",
+        )
+        model = get_peft_model(model, lora)
+    return model
+
+
+def run(cfg: DictConfig) -> dict:
+    from transformers import AutoTokenizer, Trainer
+    from transformers.trainer_utils import get_last_checkpoint
+
+    started = time.time()
+    out = Path(cfg.out_dir)
+    out.mkdir(parents=True, exist_ok=True)
+    if cfg.threads:
+        torch.set_num_threads(cfg.threads)
+    tokenizer = AutoTokenizer.from_pretrained(cfg.model)
+    if cfg.train.packing and cfg.attn_implementation != "flash_attention_2":
+        raise ValueError(
+            "train.packing needs attn_implementation=flash_attention_2 (only it keeps packed examples apart); on CPU use train.sampling=group_by_length"
+        )
+
+    # -- setup ------------------------------------------------------------------------------
+    examples = load_examples(cfg.data.path, cfg.data.format)
+    rows, data_report = build_dataset(examples, tokenizer, cfg.cutoff_len)
+    if not rows:
+        raise ValueError(f"{cfg.data.path}: no example left to train on ({data_report})")
+    dataset = [{"input_ids": r.input_ids, "labels": r.labels, "length": len(r)} for r in rows]
+    log.info("data: %s", data_report)
+    model = load_model(cfg)
+
+    # -- train ------------------------------------------------------------------------------
+    args = training_arguments(cfg, out)
+    trainer = Trainer(
+        model=model,
+        args=args,
+        train_dataset=dataset,
+        data_collator=Collator(tokenizer.pad_token_id, cfg.train.packing),
+        processing_class=tokenizer,
+    )
+    last = get_last_checkpoint(args.output_dir) if Path(args.output_dir).exists() else None
+    if last:
+        log.info("resuming from %s", last)
+    result = trainer.train(resume_from_checkpoint=last)
+
+    # -- save -------------------------------------------------------------------------------
+    model_dir = out / "model"
+    if cfg.lora.enabled:  # a plain model directory, usable by vLLM without peft
+        merged = trainer.model.merge_and_unload()
+        if trainer.is_world_process_zero():
+            merged.save_pretrained(model_dir)
+    else:
+        trainer.save_model(str(model_dir))  # gathers ZeRO-3 / FSDP shards
+    losses = [entry["loss"] for entry in trainer.state.log_history if "loss" in entry]
+    metrics = {
+        "data": data_report,
+        "steps": trainer.state.global_step,
+        "train_loss": round(result.training_loss, 5),
+        "final_logged_loss": losses[-1] if losses else None,
+        "resumed_from": last,
+    }
+    if trainer.is_world_process_zero():
+        tokenizer.save_pretrained(model_dir)
+        (out / "loss_history.json").write_text(json.dumps(trainer.state.log_history, indent=1))
+        write_manifest(
+            out,
+            stage="sft",
+            config=OmegaConf.to_container(cfg, resolve=True),
+            inputs=[cfg.data.path],
+            counts={"examples": data_report["kept"], "steps": trainer.state.global_step},
+            seed=cfg.seed,
+            started_at=started,
+            metrics=metrics,
+        )
+        print(f"SFT done: {trainer.state.global_step} steps, final logged loss {metrics['final_logged_loss']}, model in {model_dir}")
+    return metrics
+
+
+def main(argv: list[str] | None = None) -> None:
+    from etagent.config import parse_stage_args
+
+    logging.basicConfig(level=logging.INFO, format="%(asctime)s %(name)s %(message)s")
+    run(parse_stage_args("sft", argv, prog="python -m sft.run", doc=__doc__))
+
+
+if __name__ == "__main__":
+    main()
