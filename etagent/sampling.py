@@ -165,6 +165,7 @@ def main(argv: list[str] | None = None) -> None:
     from etagent.config import parse_stage_args
 
     logging.basicConfig(level=logging.INFO, format="%(asctime)s %(name)s %(message)s")
+    logging.getLogger("httpx").setLevel(logging.WARNING)  # one line per tool request is noise
     cfg = parse_stage_args("sample", argv, prog="etagent sample", doc=__doc__)
     metrics = run_sampling(cfg)
     print(

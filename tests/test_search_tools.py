@@ -375,3 +375,12 @@ def test_etagent_tool_cli(retriever, tmp_path):
     assert out.returncode == 1 and "ZeroDivisionError" in json.loads(out.stdout)["output"]
     out = run("search", "--query", "Quellport", f"tools.search.local.url={url}")
     assert out.returncode == 0 and "founded in 1204" in json.loads(out.stdout)["output"]
+
+
+def test_retriever_client_works_across_event_loops(retriever):
+    """Stages run one asyncio loop per batch: the client must not reuse a pool bound to a closed loop."""
+    url, _ = retriever
+    tool = SearchTool(RetrieverClient(url, top_k=1))
+    for _ in range(3):
+        out = asyncio.run(tool("Quellport"))
+        assert out.ok and "Quellport" in out.text

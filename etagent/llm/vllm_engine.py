@@ -69,7 +69,9 @@ class VLLMEngine:
             kwargs.update(gpu_memory_utilization=gpu_memory_utilization, enable_sleep_mode=True)
         else:
             os.environ.setdefault("VLLM_ENABLE_V1_MULTIPROCESSING", "0")
-            kwargs.update(kv_cache_memory_bytes=int(cpu_kv_cache_gb * (1 << 30)))
+            # Chunked prefill on CPU crashes seeded sampling in vLLM 0.32 (it rewinds the offset of
+            # a CPU random generator, which has none): prefill whole prompts instead.
+            kwargs.update(kv_cache_memory_bytes=int(cpu_kv_cache_gb * (1 << 30)), enable_chunked_prefill=False)
         self.model_path = model_path
         self.llm = vllm.LLM(**kwargs)
         self.tokenizer = self.llm.get_tokenizer()

@@ -18,6 +18,7 @@ import os
 import re
 import sys
 import time
+import weakref
 from collections.abc import Sequence
 from dataclasses import dataclass
 from urllib.parse import urlencode
@@ -155,12 +156,16 @@ class RetrieverClient:
         self.headers = {"Authorization": f"Bearer {token}"} if token else {}
         self.name = "local"
         self.params = {"url": self.url, "top_k": top_k, "max_doc_chars": max_doc_chars, "method": method}
-        self._client: httpx.AsyncClient | None = None
+        # one connection pool per event loop: a client is bound to the loop it was made in, and
+        # callers may run several loops one after another (asyncio.run per batch)
+        self._clients: weakref.WeakKeyDictionary[asyncio.AbstractEventLoop, httpx.AsyncClient] = weakref.WeakKeyDictionary()
 
     def _http(self) -> httpx.AsyncClient:
-        if self._client is None or self._client.is_closed:
-            self._client = httpx.AsyncClient(limits=httpx.Limits(max_connections=64))
-        return self._client
+        loop = asyncio.get_running_loop()
+        client = self._clients.get(loop)
+        if client is None or client.is_closed:
+            client = self._clients[loop] = httpx.AsyncClient(limits=httpx.Limits(max_connections=64))
+        return client
 
     async def documents(self, queries: Sequence[str]) -> list[list[dict]]:
         """Top-k documents ({id, contents[, score]}) for each query, in order."""
@@ -189,8 +194,10 @@ class RetrieverClient:
         return SearchResult(format_documents([d["contents"] for d in docs], self.max_doc_chars), docs)
 
     async def aclose(self) -> None:
-        if self._client is not None:
-            await self._client.aclose()
+        """Close this event loop's connection pool."""
+        client = self._clients.pop(asyncio.get_running_loop(), None)
+        if client is not None:
+            await client.aclose()
 
 
 def _language(query: str) -> str:

@@ -1,0 +1,145 @@
+"""Agent-loop cost: tokens generated per token kept, and trajectories per second, hf vs vllm.
+
+    python bench/bench_agent.py [--model DIR] [--questions 40] [--n 2]
+
+Runs the agent loop (the tiny SFT'd toy policy, real tools: the sandbox and the retriever
+service) over held-out toy questions with each engine, and reports:
+
+- generated / kept tokens: every token the engine generated, over the policy tokens kept in the
+  final trajectories. With engine-side stops the two are the same tokens (1.00).
+- the reference design's generated / kept: the paper's client sent no stop strings and cut the
+  text at the first closing tag afterwards (paper_eval_radar_retriever.md §1.5.1), so every call
+  decodes to EOS or max_tokens. We replay each of our generation calls from the same prefix with
+  no stop strings (same engine, same seed, same per-call max_tokens) and count what it generates.
+- trajectories per second for each engine, same questions, same settings.
+
+Without --model, builds the toy world and runs the tiny SFT preset first (a few minutes).
+Printed, never asserted.
+"""
+
+from __future__ import annotations
+
+import argparse
+import asyncio
+import dataclasses
+import os
+import subprocess
+import sys
+import tempfile
+import time
+from pathlib import Path
+
+import httpx
+
+ROOT = Path(__file__).resolve().parents[1]
+
+
+class CountingEngine:
+    """Wraps an engine and records every request and the tokens it generated."""
+
+    def __init__(self, engine):
+        self.engine, self.tokenizer = engine, engine.tokenizer
+        self.requests, self.generated = [], 0
+
+    async def agenerate(self, requests):
+        results = await self.engine.agenerate(requests)
+        self.requests += requests
+        self.generated += sum(len(s.token_ids) for samples in results for s in samples)
+        return results
+
+
+def run_loop(engine, executor, questions, n, seed):
+    from etagent.agent import AgentConfig, AgentLoop
+
+    counting = CountingEngine(engine)
+    loop = AgentLoop(counting, executor, AgentConfig(max_response_tokens=1024, max_segment_tokens=512, seed=seed))
+    states = [loop.new(q, f"{q.id}/{k}") for q in questions for k in range(n)]
+    start = time.perf_counter()
+    asyncio.run(loop.run(states))
+    seconds = time.perf_counter() - start
+    kept = sum(sum(s.mask) for s in states)
+    return counting, states, kept, seconds
+
+
+def replay_without_stops(engine, requests) -> int:
+    """Tokens the no-stop design generates for the same calls (same prefix, seed and limit)."""
+    unstopped = [dataclasses.replace(r, stop=()) for r in requests]
+    total = 0
+    for start in range(0, len(unstopped), 32):
+        total += sum(len(s.token_ids) for samples in engine.generate(unstopped[start : start + 32]) for s in samples)
+    return total
+
+
+def main() -> None:
+    parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    parser.add_argument("--model", help="an SFT'd toy model directory (default: build one)")
+    parser.add_argument("--toy", help="the toy world directory the model belongs to")
+    parser.add_argument("--questions", type=int, default=40)
+    parser.add_argument("--n", type=int, default=2)
+    args = parser.parse_args()
+    os.environ.update(HF_HUB_OFFLINE="1", VLLM_ENABLE_V1_MULTIPROCESSING="0", TOKENIZERS_PARALLELISM="false")
+    work = Path(tempfile.mkdtemp(prefix="etagent-bench-agent-"))
+    toy = Path(args.toy) if args.toy else work / "toy"
+    run = lambda *command: subprocess.run(command, check=True, cwd=ROOT, stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL)  # noqa: E731
+    if not args.toy:
+        run(sys.executable, "-m", "etagent.cli", "toy", "build", "--out", str(toy))
+    model = args.model
+    if model is None:
+        run(
+            sys.executable,
+            "-m",
+            "sft.run",
+            f"model={toy / 'model'}",
+            f"data.path={toy / 'sft.jsonl'}",
+            f"out_dir={work / 'sft'}",
+            "train.progress_bar=false",
+        )
+        model = str(work / "sft" / "model")
+    run(sys.executable, "-m", "retriever.build", f"corpus={toy / 'corpus.jsonl'}", f"index_dir={work / 'index'}")
+    port = 18500 + os.getpid() % 1000
+    server = subprocess.Popen(
+        [sys.executable, "-m", "retriever.server", f"index_dir={work / 'index'}", f"serve.port={port}"],
+        cwd=ROOT,
+        stdout=subprocess.DEVNULL,
+        stderr=subprocess.DEVNULL,
+    )
+    try:
+        for _ in range(240):
+            try:
+                if httpx.get(f"http://127.0.0.1:{port}/health", timeout=1).status_code == 200:
+                    break
+            except httpx.HTTPError:
+                time.sleep(0.5)
+        from etagent.config import load_config
+        from etagent.llm.hf import HFEngine
+        from etagent.llm.vllm_engine import VLLMEngine
+        from etagent.records import read_questions
+        from etagent.tools.executor import build_executor
+
+        questions = read_questions(toy / "questions" / "test.jsonl")[: args.questions]
+        tools = load_config("tools", "tiny", [f"tools.search.local.url=http://127.0.0.1:{port}"]).tools
+        rows = []
+        with build_executor(tools) as executor:
+            engines = {
+                "hf": lambda: HFEngine(model),
+                "vllm": lambda: VLLMEngine(model, dtype="float32", max_model_len=2048, cpu_kv_cache_gb=1.0, enforce_eager=True),
+            }
+            for name, make in engines.items():
+                engine = make()
+                run_loop(engine, executor, questions[:2], 1, seed=99)  # warm up
+                counting, states, kept, seconds = run_loop(engine, executor, questions, args.n, seed=0)
+                reference = replay_without_stops(engine, counting.requests)
+                rows.append((name, len(states), seconds, counting.generated, kept, reference))
+                del engine
+    finally:
+        server.terminate()
+    print(f"{os.cpu_count()} CPUs; tiny SFT'd toy policy; {args.questions} held-out questions x {args.n}; max 512 tokens per call")
+    print(
+        f"{'engine':<6} {'trajectories/s':>15} {'generated':>10} {'kept':>8} {'generated/kept':>15} {'no-stop design generated/kept':>31}"
+    )
+    for name, count, seconds, generated, kept, reference in rows:
+        print(f"{name:<6} {count / seconds:>15.2f} {generated:>10} {kept:>8} {generated / kept:>15.3f} {reference / kept:>31.2f}")
+
+
+if __name__ == "__main__":
+    main()
