@@ -275,8 +275,13 @@ def test_the_sandbox_runs_as_an_unprivileged_host_user(world_writable_dir):
     and the system Python, which nobody can read)."""
     if os.getuid() != 0 or not Path("/usr/bin/setpriv").exists() or not Path("/usr/bin/python3").exists():
         pytest.skip("needs root, setpriv and /usr/bin/python3 to start an unprivileged user")
-    zygote = Path(__file__).resolve().parents[1] / "etagent" / "tools" / "zygote.py"
+    import shutil
+
     work = world_writable_dir
+    # a copy nobody can read (the checkout itself may be private, e.g. a fresh clone in a 0700 dir)
+    zygote = work / "zygote.py"
+    shutil.copy(Path(__file__).resolve().parents[1] / "etagent" / "tools" / "zygote.py", zygote)
+    os.chmod(zygote, 0o644)
     client = f"""
 import json, os, socket, struct, subprocess, sys, time
 sock_path, root = {str(work)!r} + "/z.sock", {str(work)!r} + "/root"
