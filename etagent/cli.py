@@ -7,6 +7,8 @@
     etagent retriever build|serve [overrides]      index a corpus / serve it (retriever/)
     etagent sample [--preset P] [overrides]        n rollouts per question (etagent/sampling.py)
     etagent sft [--preset P] [overrides]           fine-tune on trajectories (sft/run.py)
+    etagent evaluate [--preset P] [overrides]      benchmarks and the paper's table (evaluation/run.py)
+    etagent radar [--preset P] [overrides]         radar metrics and chart (radar/run.py)
 
 Stage subcommands take ``--preset NAME`` (``configs/<stage>/NAME.yaml``, default ``tiny``) and
 Hydra overrides (``key=value``); each also runs as ``python -m <stage>.run``. Stages join this
@@ -137,6 +139,8 @@ def main(argv: list[str] | None = None) -> int:
         "retriever": "build an index (build) or serve it (serve): etagent retriever build|serve [overrides]",
         "sample": "n rollouts per question with the agent loop: etagent sample [--preset P] [overrides]",
         "sft": "fine-tune on trajectories with tool results masked: etagent sft [--preset P] [overrides]",
+        "evaluate": "benchmarks: rollouts, metrics, the paper's table: etagent evaluate [--preset P] [overrides]",
+        "radar": "radar metrics and chart over evaluation runs: etagent radar [--preset P] [overrides]",
     }
     if not argv or argv[0] in ("-h", "--help") or argv[0] not in commands:
         print(__doc__.strip())
@@ -155,6 +159,16 @@ def main(argv: list[str] | None = None) -> int:
         return 0
     if command == "tool":
         return tool_main(rest)
+    if command == "evaluate":
+        from evaluation.run import main as evaluate_main
+
+        evaluate_main(rest)
+        return 0
+    if command == "radar":
+        from radar.run import main as radar_main
+
+        radar_main(rest)
+        return 0
     if command == "sft":
         from sft.run import main as sft_main
 

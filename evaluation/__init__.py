@@ -1,0 +1,1 @@
+"""Evaluation on benchmarks: rollouts, metrics, the paper's table (entry: evaluation.run)."""

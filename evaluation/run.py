@@ -1,0 +1,166 @@
+"""Evaluate a policy on benchmarks: rollouts with the tools, metrics, and the paper's table.
+
+    python -m evaluation.run [--preset tiny|paper] [overrides]         # or: etagent evaluate ...
+    python -m evaluation.run --preset paper engine.kind=openai engine.openai.urls=[http://127.0.0.1:8011/v1] ...
+
+For each dataset in ``datasets`` (files under ``data_dir``, formats in evaluation/benchmarks.py):
+
+1. rollouts: ``n`` samples per question with the agent loop and the paper's sampling and budget
+   settings, through etagent.sampling (any engine; a served policy through the openai engine is
+   the common case; Ray fan-out with ``ray.workers``). Knowledge-QA datasets search the local
+   retriever; the others use web search when ``web_search.backend`` is set, else the local one;
+2. scoring: per-sample metrics (evaluation/metrics.py) and, for the kinds in ``judge.kinds``, the
+   LLM judge through an OpenAI-compatible server; judge failures are recorded, counted and fall
+   back to math equivalence;
+3. aggregates: ``{out_dir}/{dataset}/metrics.json`` (correctness, efficiency, tool productivity,
+   pass@k, bootstrap 95% intervals, ...).
+
+Then ``{out_dir}/summary.{json,md,csv}``: one row shaped like the paper's main table (cells are
+correctness/efficiency x100). Put several runs side by side with ``python -m evaluation.table``.
+
+Every step resumes: rollouts skip questions already sampled, scoring skips questions already
+scored (so no sample is judged twice), and a rerun of a finished evaluation recomputes only the
+aggregates.
+"""
+
+from __future__ import annotations
+
+import json
+import logging
+import time
+from pathlib import Path
+
+from omegaconf import DictConfig, OmegaConf
+from tqdm import tqdm
+
+from etagent.records import JsonlAppender, Question, TrajectoryGroup, iter_jsonl, read_jsonl, write_jsonl, write_manifest
+from etagent.sampling import run_sampling
+from evaluation.benchmarks import BENCHMARKS, benchmark_file, load_benchmark
+from evaluation.metrics import aggregate, sample_metrics
+from evaluation.table import summary_rows, write_table
+
+log = logging.getLogger("evaluation")
+
+
+def sampling_config(cfg: DictConfig, name: str, questions_path: Path, out: Path) -> DictConfig:
+    """The sampling stage's config for one dataset: this evaluation's engine, agent and tools,
+    with the dataset's search routing."""
+    tools = OmegaConf.to_container(cfg.tools, resolve=True)
+    if BENCHMARKS[name].search == "web" and cfg.web_search.backend:
+        tools["search"]["backend"] = cfg.web_search.backend
+    return OmegaConf.create(
+        {
+            "engine": OmegaConf.to_container(cfg.engine, resolve=True),
+            "agent": OmegaConf.to_container(cfg.agent, resolve=True),
+            "tools": tools,
+            "ray": OmegaConf.to_container(cfg.ray, resolve=True),
+            "questions": str(questions_path),
+            "limit": None,
+            "out_dir": str(out),
+            "n": cfg.n,
+            "batch_questions": cfg.batch_questions,
+            "stage": f"evaluation/{name}",
+        }
+    )
+
+
+def make_judge(cfg: DictConfig):
+    if not cfg.judge.url:
+        return None
+    import os
+
+    from etagent.scoring import LLMJudge
+
+    key = os.environ.get(cfg.judge.api_key_env) if cfg.judge.api_key_env else None
+    return LLMJudge(
+        cfg.judge.url,
+        cfg.judge.model,
+        api_key=key,
+        timeout=cfg.judge.timeout_s,
+        attempts=cfg.judge.attempts,
+        max_tokens=cfg.judge.max_tokens,
+    )
+
+
+def score(cfg: DictConfig, out: Path, judge) -> None:
+    """Score every sampled question not yet in scored.jsonl (judging where configured)."""
+    groups = read_jsonl(out / "trajectories.jsonl", TrajectoryGroup)
+    with JsonlAppender(out / "scored.jsonl") as writer:
+        todo = [g for g in groups if g.id not in writer.done]
+        progress = tqdm(total=len(todo), desc=f"scoring {out.name}", unit="question", disable=None)
+        for start in range(0, len(todo), cfg.judge.batch_questions):
+            batch = todo[start : start + cfg.judge.batch_questions]
+            rows = []
+            for group in batch:
+                question = Question(id=group.id, question=group.question, answer=group.answer, source=group.source, kind=group.kind)
+                rows.append((group, [sample_metrics(t, question) for t in group.trajectories]))
+            if judge is not None:
+                needing = [(m, g, t) for g, ms in rows if g.kind in cfg.judge.kinds for m, t in zip(ms, g.trajectories)]
+                verdicts = judge.judge_many(
+                    [(g.question, g.answer, t.prediction) for _, g, t in needing], concurrency=cfg.judge.concurrency
+                )
+                for (m, _, _), verdict in zip(needing, verdicts):
+                    m.update(llm_judge=verdict.correct, llm_judge_reason=verdict.reason, llm_judge_response=verdict.response)
+            for group, metrics in rows:
+                writer.write({"id": group.id, "kind": group.kind, "source": group.source, "samples": metrics})
+            progress.update(len(batch))
+        progress.close()
+
+
+def evaluate_dataset(cfg: DictConfig, name: str, judge) -> dict:
+    out = Path(cfg.out_dir) / name
+    out.mkdir(parents=True, exist_ok=True)
+    path = Path(cfg.files[name]) if name in cfg.files else benchmark_file(cfg.data_dir, name)
+    questions = load_benchmark(name, path, cfg.limit)
+    write_jsonl(out / "questions.jsonl", questions)
+    run_sampling(sampling_config(cfg, name, out / "questions.jsonl", out))
+    score(cfg, out, judge)
+    wanted = {q.id for q in questions}
+    scored = [row for _, row in iter_jsonl(out / "scored.jsonl") if row["id"] in wanted]
+    metrics = {"dataset": name, "file": str(path), "kinds": sorted({row["kind"] for row in scored})}
+    metrics.update(aggregate([(row["kind"], row["samples"]) for row in scored], cfg.bootstrap_rounds, cfg.seed))
+    (out / "metrics.json").write_text(json.dumps(metrics, indent=2) + "\n")
+    return metrics
+
+
+def run(cfg: DictConfig) -> dict:
+    started = time.time()
+    out = Path(cfg.out_dir)
+    out.mkdir(parents=True, exist_ok=True)
+    judge = make_judge(cfg)
+    results = {}
+    for name in cfg.datasets:
+        log.info("evaluating %s", name)
+        results[name] = evaluate_dataset(cfg, name, judge)
+    summary = {"run": cfg.run_name or out.name, "datasets": results}
+    (out / "summary.json").write_text(json.dumps(summary, indent=2) + "\n")
+    write_table(summary_rows([out]), out / "summary")
+    write_manifest(
+        out,
+        stage="evaluation",
+        config=OmegaConf.to_container(cfg, resolve=True),
+        inputs=[str(Path(cfg.out_dir) / name / "questions.jsonl") for name in cfg.datasets],
+        counts={name: r["samples"] for name, r in results.items()},
+        seed=cfg.seed,
+        started_at=started,
+        metrics={name: {k: r.get(k) for k in ("correctness", "efficiency", "judge_failures")} for name, r in results.items()},
+    )
+    for name, r in results.items():
+        failures = f", {r['judge_failures']} judge failures" if r.get("judge_failures") else ""
+        print(
+            f"{name}: correctness {r['correctness']:.1f}, efficiency {r['efficiency']:.1f}, {r['tool_calls']:.2f} tool calls, {r['samples']} samples{failures}"
+        )
+    print(f"table: {out / 'summary.md'}")
+    return summary
+
+
+def main(argv: list[str] | None = None) -> None:
+    from etagent.config import parse_stage_args
+
+    logging.basicConfig(level=logging.INFO, format="%(asctime)s %(name)s %(message)s")
+    logging.getLogger("httpx").setLevel(logging.WARNING)
+    run(parse_stage_args("evaluation", argv, prog="python -m evaluation.run", doc=__doc__))
+
+
+if __name__ == "__main__":
+    main()

@@ -1,0 +1,75 @@
+"""The paper's main table from evaluation runs, several runs side by side.
+
+    python -m evaluation.table runs/eval-sft runs/eval-rl [--out runs/table]
+
+Rows are runs, columns datasets (the paper's six first, in its order), each cell
+``correctness / efficiency`` (x100: LLM judge or math equivalence for math, F1 for QA), then the
+plain averages "Avg P" and "Avg Effi" over the datasets the runs share, as the paper computes them.
+Writes ``{out}.md`` and ``{out}.csv`` (one column per number).
+"""
+
+from __future__ import annotations
+
+import argparse
+import csv
+import json
+from pathlib import Path
+
+from evaluation.benchmarks import PAPER_TABLE
+
+
+def summary_rows(run_dirs: list[Path]) -> list[dict]:
+    rows = []
+    for run_dir in run_dirs:
+        summary = json.loads((Path(run_dir) / "summary.json").read_text())
+        rows.append(
+            {"run": summary["run"], "datasets": {name: (d["correctness"], d["efficiency"]) for name, d in summary["datasets"].items()}}
+        )
+    return rows
+
+
+def columns(rows: list[dict]) -> list[str]:
+    names = {name for row in rows for name in row["datasets"]}
+    return [n for n in PAPER_TABLE if n in names] + sorted(names - set(PAPER_TABLE))
+
+
+def write_table(rows: list[dict], out: Path) -> tuple[Path, Path]:
+    names = columns(rows)
+    shared = [n for n in names if all(n in row["datasets"] for row in rows)]
+    md = ["| run | " + " | ".join(f"{n} P/Effi" for n in names) + " | Avg P / Avg Effi |", "|---" * (len(names) + 2) + "|"]
+    table = []
+    for row in rows:
+        cells = [f"{row['datasets'][n][0]:.1f} / {row['datasets'][n][1]:.1f}" if n in row["datasets"] else "-" for n in names]
+        avg_p = sum(row["datasets"][n][0] for n in shared) / len(shared) if shared else float("nan")
+        avg_e = sum(row["datasets"][n][1] for n in shared) / len(shared) if shared else float("nan")
+        md.append(f"| {row['run']} | " + " | ".join(cells) + f" | {avg_p:.1f} / {avg_e:.1f} |")
+        record = {"run": row["run"]}
+        for n in names:
+            p, e = row["datasets"].get(n, (None, None))
+            record[f"{n}_correctness"], record[f"{n}_efficiency"] = p, e
+        record["avg_correctness"], record["avg_efficiency"] = round(avg_p, 2), round(avg_e, 2)
+        table.append(record)
+    out = Path(out)
+    out.parent.mkdir(parents=True, exist_ok=True)
+    md_path, csv_path = out.with_suffix(".md"), out.with_suffix(".csv")
+    md_path.write_text("\n".join(md) + "\n")
+    with csv_path.open("w", newline="") as f:
+        writer = csv.DictWriter(f, fieldnames=list(table[0]))
+        writer.writeheader()
+        writer.writerows(table)
+    return md_path, csv_path
+
+
+def main(argv: list[str] | None = None) -> None:
+    parser = argparse.ArgumentParser(
+        prog="python -m evaluation.table", description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter
+    )
+    parser.add_argument("runs", nargs="+", help="evaluation output directories (each with summary.json)")
+    parser.add_argument("--out", default="runs/table", help="output path without extension")
+    args = parser.parse_args(argv)
+    md_path, _ = write_table(summary_rows([Path(r) for r in args.runs]), Path(args.out))
+    print(md_path.read_text())
+
+
+if __name__ == "__main__":
+    main()

@@ -1,0 +1,1 @@
+"""Radar metrics (conciseness, successful execution, reasoning length) and the chart (entry: radar.run)."""

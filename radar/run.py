@@ -1,0 +1,193 @@
+"""The radar: five axes per evaluation run, and the chart with several runs overlaid.
+
+    python -m radar.run runs=[runs/eval-sft,runs/eval-rl] [--preset tiny|paper] [overrides]
+
+Reads evaluation runs (evaluation/run.py output: per dataset its trajectories, scored samples
+and metrics) and computes, per run and dataset, the metrics of radar/metrics.py; then averages
+each axis over the datasets, as the paper's figure does:
+
+- Correctness: the table's correctness (x100);
+- Efficiency: the table's efficiency (x100);
+- Conciseness: the share of trajectories with no redundant or ineffective tool call (x100);
+- Successful Execution: mean over trajectories of correctness / max(failed tool calls, 1) (x100),
+  by the corrected rule unless ``execution_rule: paper`` (both are in radar.json);
+- Reasoning Length: correctness per 1000 tokens of reasoning (text outside tool results).
+
+The paper released no plotting code; our chart's normalisation: the four percentage axes are
+drawn on a fixed 0-100 scale, Reasoning Length relative to the largest value among the plotted
+runs (its raw values are in the legend and in radar.json). The caption under the chart says so.
+
+Writes ``{out_dir}/radar.json``, ``radar.md``, ``radar.png`` and ``radar.svg``. Judgements are
+cached in ``{out_dir}/{run}/{dataset}/conciseness.jsonl``, so a killed run resumes.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import json
+import logging
+import time
+from pathlib import Path
+
+from omegaconf import DictConfig, OmegaConf
+
+from etagent.records import JsonlAppender, TrajectoryGroup, iter_jsonl, read_jsonl, write_manifest
+from evaluation.metrics import correctness
+from radar.chart import AXES, draw
+from radar.metrics import REDUNDANCY_PROMPT, execution, majority_redundant, parse_redundancy, reasoning_tokens, toy_redundant
+
+log = logging.getLogger("radar")
+
+
+def judge_engine(cfg: DictConfig):
+    from etagent.llm.openai_engine import OpenAIEngine
+
+    return OpenAIEngine(
+        list(cfg.judge.urls),
+        cfg.judge.model,
+        api_key_env=cfg.judge.api_key_env,
+        timeout_s=cfg.judge.timeout_s,
+        attempts=cfg.judge.attempts,
+        concurrency=cfg.judge.concurrency,
+    )
+
+
+async def _votes(engine, cfg: DictConfig, group: TrajectoryGroup, text: str, key: str) -> list[bool | None]:
+    prompt = REDUNDANCY_PROMPT.format(
+        question=group.question, answer=" | ".join(group.answer), trajectory=text[: cfg.judge.max_trajectory_chars]
+    )
+    j = cfg.judge
+
+    async def one(round_: int):
+        try:
+            reply = await engine.chat(
+                [{"role": "user", "content": prompt}],
+                temperature=j.temperature,
+                top_p=j.top_p,
+                max_tokens=j.max_tokens,
+                stop=["</answer>"],
+                session=f"{key}/{round_}",
+            )
+        except Exception as exc:  # a failed judgement is recorded as no vote ("NA"), never fatal
+            log.warning("judge call failed for %s: %s", key, exc)
+            return None
+        return parse_redundancy(reply)
+
+    return list(await asyncio.gather(*(one(r) for r in range(j.rounds))))
+
+
+def conciseness(cfg: DictConfig, groups: list[TrajectoryGroup], out: Path) -> dict[str, bool]:
+    """Redundancy verdict per trajectory id, judged once and cached in conciseness.jsonl."""
+    path = out / "conciseness.jsonl"
+    with JsonlAppender(path) as writer:
+        todo = [(g, t) for g in groups for t in g.trajectories if t.id not in writer.done]
+        if cfg.judge.mode == "toy_oracle":
+            for g, t in todo:
+                writer.write({"id": t.id, "redundant": toy_redundant(g.source, t.tool_calls), "votes": None})
+        elif todo:
+            engine = judge_engine(cfg)
+
+            async def judge_all():
+                for start in range(0, len(todo), cfg.judge.batch):
+                    batch = todo[start : start + cfg.judge.batch]
+                    votes = await asyncio.gather(*(_votes(engine, cfg, g, t.text, t.id) for g, t in batch))
+                    for (_, t), v in zip(batch, votes):
+                        writer.write(
+                            {
+                                "id": t.id,
+                                "redundant": majority_redundant(v),
+                                "votes": ["NA" if x is None else ("yes" if x else "no") for x in v],
+                            }
+                        )
+
+            asyncio.run(judge_all())
+    return {row["id"]: row["redundant"] for _, row in iter_jsonl(path)}
+
+
+def dataset_metrics(cfg: DictConfig, run_dir: Path, dataset: str, out: Path, tokenizer) -> dict:
+    groups = read_jsonl(run_dir / dataset / "trajectories.jsonl", TrajectoryGroup)
+    scored = {row["id"]: row for _, row in iter_jsonl(run_dir / dataset / "scored.jsonl")}
+    table = json.loads((run_dir / dataset / "metrics.json").read_text())
+    out.mkdir(parents=True, exist_ok=True)
+    redundant = conciseness(cfg, groups, out)
+    rows = []
+    for g in groups:
+        for t, m in zip(g.trajectories, scored[g.id]["samples"]):
+            c = correctness(m, g.kind)
+            ex = execution(t.text, t.tool_calls)
+            length = reasoning_tokens(t.text, tokenizer)
+            rows.append((c, ex, length, redundant[t.id]))
+    n = len(rows)
+    sums = {key: sum(ex[key] for _, ex, _, _ in rows) for key in ("paper_total", "paper_failed", "corrected_total", "corrected_failed")}
+    return {
+        "trajectories": n,
+        "correctness": table["correctness"],
+        "efficiency": table["efficiency"],
+        "conciseness": round(100 * sum(not r for *_, r in rows) / n, 2),
+        "execution_paper": round(100 * sum(c / max(ex["paper_failed"], 1) for c, ex, _, _ in rows) / n, 2),
+        "execution_corrected": round(100 * sum(c / max(ex["corrected_failed"], 1) for c, ex, _, _ in rows) / n, 2),
+        "successful_calls_paper": round(100 * (1 - sums["paper_failed"] / sums["paper_total"]), 2) if sums["paper_total"] else None,
+        "successful_calls_corrected": round(100 * (1 - sums["corrected_failed"] / sums["corrected_total"]), 2)
+        if sums["corrected_total"]
+        else None,
+        "reasoning_tokens": round(sum(length for _, _, length, _ in rows) / n, 1),
+        "correctness_per_1k_reasoning_tokens": round(1000 * sum(c / max(length, 1) for c, _, length, _ in rows) / n, 3),
+    }
+
+
+def axes(per_dataset: dict[str, dict], rule: str) -> dict[str, float]:
+    mean = lambda key: round(sum(d[key] for d in per_dataset.values()) / len(per_dataset), 3)  # noqa: E731
+    return {
+        "Correctness": mean("correctness"),
+        "Efficiency": mean("efficiency"),
+        "Conciseness": mean("conciseness"),
+        "Successful Execution": mean(f"execution_{rule}"),
+        "Reasoning Length": mean("correctness_per_1k_reasoning_tokens"),
+    }
+
+
+def run(cfg: DictConfig) -> dict:
+    from transformers import AutoTokenizer
+
+    started = time.time()
+    out = Path(cfg.out_dir)
+    out.mkdir(parents=True, exist_ok=True)
+    tokenizer = AutoTokenizer.from_pretrained(cfg.tokenizer)
+    labels = list(cfg.labels) if cfg.labels else [Path(r).name for r in cfg.runs]
+    result = {}
+    for label, run_dir in zip(labels, cfg.runs):
+        run_dir = Path(run_dir)
+        datasets = list(cfg.datasets) if cfg.datasets else sorted(p.name for p in run_dir.iterdir() if (p / "metrics.json").exists())
+        per_dataset = {d: dataset_metrics(cfg, run_dir, d, out / label / d, tokenizer) for d in datasets}
+        result[label] = {"run": str(run_dir), "datasets": per_dataset, "axes": axes(per_dataset, cfg.execution_rule)}
+    (out / "radar.json").write_text(json.dumps(result, indent=2) + "\n")
+    lines = ["| run | " + " | ".join(AXES) + " |", "|---" * (len(AXES) + 1) + "|"]
+    lines += [f"| {label} | " + " | ".join(f"{r['axes'][a]:.2f}" for a in AXES) + " |" for label, r in result.items()]
+    (out / "radar.md").write_text("\n".join(lines) + "\n")
+    caption = draw({label: r["axes"] for label, r in result.items()}, out / "radar", rule=cfg.execution_rule)
+    write_manifest(
+        out,
+        stage="radar",
+        config=OmegaConf.to_container(cfg, resolve=True),
+        inputs=[str(Path(r) / "summary.json") for r in cfg.runs],
+        counts={label: sum(d["trajectories"] for d in r["datasets"].values()) for label, r in result.items()},
+        seed=None,
+        started_at=started,
+        metrics={label: r["axes"] for label, r in result.items()},
+    )
+    print((out / "radar.md").read_text())
+    print(caption)
+    print(f"chart: {out / 'radar.png'} and {out / 'radar.svg'}")
+    return result
+
+
+def main(argv: list[str] | None = None) -> None:
+    from etagent.config import parse_stage_args
+
+    logging.basicConfig(level=logging.INFO, format="%(asctime)s %(name)s %(message)s")
+    logging.getLogger("httpx").setLevel(logging.WARNING)
+    run(parse_stage_args("radar", argv, prog="python -m radar.run", doc=__doc__))
+
+
+if __name__ == "__main__":
+    main()

@@ -1,0 +1,301 @@
+"""Evaluation and radar: benchmark formats, metric formulas on hand-made cases, the judge's
+failures, kill-and-resume giving the same metrics, and the toy world end to end with the chart."""
+
+from __future__ import annotations
+
+import json
+import os
+import signal
+import subprocess
+import sys
+import time
+from pathlib import Path
+
+import pytest
+from fastapi import FastAPI, Request
+from fastapi.responses import JSONResponse
+
+from etagent.config import load_config
+from evaluation.benchmarks import BENCHMARKS, benchmark_file, load_benchmark
+from evaluation.metrics import aggregate, correctness
+from radar.metrics import execution, majority_redundant, paper_result_ok, parse_redundancy
+from tests.conftest import TOKEN
+from tests.servers import serve
+
+FIXTURES = Path(__file__).parent / "fixtures" / "benchmarks"
+
+
+# --- benchmark files -------------------------------------------------------------------------------
+
+
+def test_every_benchmark_format_loads():
+    expected = {
+        "aime24": ("Find 2+3.", ["5"], "math"),
+        "aime25": ("Find 4+4.", ["8"], "math"),
+        "amc23": ("What is 1/2 + 1/4?", ["\\frac{3}{4}"], "math"),
+        "math500": ("Simplify 6/8.", ["\\frac{3}{4}"], "math"),
+        "gsm8k": ("Tom has 1,000 apples and buys 250. How many?", ["1250"], "math"),
+        "olympiadbench": ("Solve x+1=3.", ["$2$"], "math"),
+        "math": ("What is 7*6?", ["42"], "math"),
+        "2wiki": ("Who directed Film X?", ["Jane Doe", "J. Doe"], "qa"),
+        "gaia": ("How many legs?", ["4"], "qa"),
+        "webwalker": ("会议在哪一年举办？", ["2021"], "qa"),
+        "gpqa": ("Which particle? (A) e (B) mu (C) tau (D) nu", ["(D)", "nu"], "qa"),
+    }
+    for name in BENCHMARKS:
+        if name == "toy":
+            continue
+        questions = load_benchmark(name, benchmark_file(FIXTURES, name))
+        assert questions and all(q.kind == BENCHMARKS[name].kind and q.source == name for q in questions)
+        if name in expected:
+            q = questions[0]
+            assert (q.question, q.answer, q.kind) == expected[name]
+    [mc, assertion] = load_benchmark("csbench", benchmark_file(FIXTURES, "csbench"))
+    assert mc.question == "Which is paging?\n\nA. a\nB. b\nC. c\nD. d" and mc.answer == ["B"]
+    assert assertion.answer == ["True"]
+    [mmlu] = load_benchmark("mmlu-pro", benchmark_file(FIXTURES, "mmlu-pro"))
+    assert mmlu.question.endswith("\n\nA. Ohm\nB. Hooke\nC. Boyle") and mmlu.answer == ["B"]
+
+
+def test_bad_benchmark_rows_name_file_line_and_field(tmp_path):
+    path = tmp_path / "gsm8k" / "test.jsonl"
+    path.parent.mkdir()
+    path.write_text(json.dumps({"question": "q", "answer": "no marker"}) + "\n")
+    with pytest.raises(ValueError, match=r"gsm8k/test.jsonl:1: field 'answer'"):
+        load_benchmark("gsm8k", path)
+
+
+# --- metric formulas ---------------------------------------------------------------------------------
+
+
+def sample(**kw):
+    base = dict(
+        em=0.0,
+        f1=0.0,
+        acc=0.0,
+        em_paper=0.0,
+        f1_paper=0.0,
+        acc_paper=0.0,
+        f1_raw_whitespace=0.0,
+        is_equiv=0.0,
+        math_verify=0.0,
+        math_equal=0.0,
+    )
+    base.update(
+        python_calls=0,
+        search_calls=0,
+        tool_calls=0,
+        executed_calls=0,
+        successful_calls=0,
+        length_chars=10,
+        n_tokens=5,
+        valid_format=True,
+        has_prediction=True,
+        finish_reason="answer",
+    )
+    base.update(kw)
+    return base
+
+
+def test_efficiency_over_zero_one_two_tool_calls():
+    questions = [
+        ("math", [sample(math_equal=1.0, tool_calls=0)]),
+        ("math", [sample(math_equal=1.0, tool_calls=1, executed_calls=1, successful_calls=1)]),
+        ("math", [sample(math_equal=1.0, tool_calls=2, executed_calls=2, successful_calls=1)]),
+        ("math", [sample(math_equal=0.0, tool_calls=3, executed_calls=3)]),
+    ]
+    out = aggregate(questions, bootstrap_rounds=50)
+    assert out["correctness"] == 75.0
+    assert out["efficiency"] == pytest.approx(100 * (1 + 1 + 0.5 + 0) / 4)
+    assert out["tool_calls"] == 1.5 and out["successful_execution"] == pytest.approx(2 / 6, abs=1e-4)
+    assert out["tool_productivity"] == pytest.approx(0.75 * 1.5 / 1.6 * 100, abs=0.01)
+    low, high = out["correctness_ci95"]
+    assert 0 <= low <= 75 <= high <= 100
+
+
+def test_correctness_uses_the_judge_for_math_and_f1_for_qa():
+    assert correctness(sample(math_equal=0.0, llm_judge=True), "math") == 1.0
+    assert correctness(sample(math_equal=1.0, llm_judge=None), "math") == 1.0  # judge failed: rule
+    assert correctness(sample(math_equal=1.0), "math") == 1.0
+    assert correctness(sample(f1_paper=0.4, math_equal=1.0), "qa") == 0.4
+    out = aggregate([("math", [sample(llm_judge=True)]), ("math", [sample(llm_judge=None, math_equal=0.0)])], bootstrap_rounds=10)
+    assert out["judge_failures"] == 1 and out["llm_judge"] == 100.0 and out["correctness"] == 50.0
+
+
+def test_pass_at_k_in_aggregates_matches_brute_force():
+    import itertools
+
+    outcomes = [[1, 0, 0, 1], [0, 0, 0, 0], [1, 1, 1, 1], [0, 1, 0, 0]]
+    questions = [("math", [sample(math_equal=float(o)) for o in row]) for row in outcomes]
+    out = aggregate(questions, bootstrap_rounds=10)
+    for k in (1, 2, 4):
+        brute = (
+            sum(
+                sum(any(row[i] for i in c) for c in itertools.combinations(range(4), k)) / len(list(itertools.combinations(range(4), k)))
+                for row in outcomes
+            )
+            / 4
+        )
+        assert out[f"pass@{k}"] == pytest.approx(100 * brute, abs=0.01)
+
+
+def test_radar_rules():
+    assert paper_result_ok("Paris is the capital.") and not paper_result_ok("")
+    assert not paper_result_ok("The page discusses error correction codes.")  # the paper's rule
+    assert not paper_result_ok("Execution Timeout: stopped")
+    from etagent.records import ToolCallRecord
+
+    calls = [
+        ToolCallRecord(tool="search", input="q", output="error correction codes", ok=True),
+        ToolCallRecord(tool="python", input="1/0", output="ZeroDivisionError: division by zero", ok=False),
+    ]
+    text = "<search>q</search><result>\nerror correction codes\n</result><python>1/0</python><result>\nZeroDivisionError: division by zero\n</result>"
+    assert execution(text, calls) == {"paper_total": 2, "paper_failed": 2, "corrected_total": 2, "corrected_failed": 1}
+    assert parse_redundancy("<answer>Yes.</answer>") is True and parse_redundancy("no") is False
+    assert parse_redundancy("maybe") is None and parse_redundancy(None) is None
+    assert (
+        majority_redundant([True, True, False])
+        and not majority_redundant([True, False])
+        and not majority_redundant([None, None, True, False])
+    )
+
+
+# --- the judge against a server -------------------------------------------------------------------
+
+
+def fake_judge():
+    """An OpenAI-compatible judge scripted by the prediction (a control-flow stand-in for a judge
+    model): 'right' -> Correct, 'wrong' -> Incorrect, 'garbage' -> unreadable, 'slow' -> times out."""
+    app = FastAPI()
+
+    @app.post("/v1/chat/completions")
+    async def chat(request: Request):
+        import asyncio
+        import re
+
+        prompt = (await request.json())["messages"][0]["content"]
+        prediction = re.search(r"Predicted answer: (.*)", prompt).group(1).strip()
+        if prediction == "slow":
+            await asyncio.sleep(2)
+        if prediction == "down":
+            return JSONResponse({"error": "x"}, status_code=500)
+        reply = {"right": "Correct", "wrong": "Incorrect", "garbage": "I refuse"}.get(prediction, "Correct")
+        return {"choices": [{"message": {"content": reply}}]}
+
+    return app
+
+
+def scored_eval(tmp_path, judge_url):
+    from etagent.records import Question, ToolCallRecord, Trajectory, TrajectoryGroup, write_jsonl
+    from evaluation.run import score
+
+    out = tmp_path / "ds"
+    out.mkdir()
+    groups = []
+    for i, prediction in enumerate(["right", "wrong", "garbage", "slow", "down", "7"]):
+        q = Question(id=f"q{i}", question=f"What is {i}?", answer=["7"], source="aime24", kind="math")
+        text = f"<think>x</think><python>print(7)</python><result>\n7\n</result><answer>\\boxed{{{prediction}}}</answer>"
+        t = Trajectory(
+            id=f"q{i}/0",
+            text=text,
+            prediction=prediction,
+            tool_calls=[ToolCallRecord(tool="python", input="print(7)", output="7", ok=True)],
+            finish_reason="answer",
+        )
+        groups.append(TrajectoryGroup.for_question(q, [t]))
+    write_jsonl(out / "trajectories.jsonl", groups)
+    cfg = load_config("evaluation", "tiny", [f"judge.url={judge_url}", "judge.timeout_s=0.5", "judge.attempts=2"])
+    from evaluation.run import make_judge
+
+    score(cfg, out, make_judge(cfg))
+    return [json.loads(line) for line in (out / "scored.jsonl").read_text().splitlines()]
+
+
+def test_judge_timeouts_and_garbage_are_retried_then_counted_as_failures(tmp_path):
+    with serve(fake_judge()) as url:
+        rows = scored_eval(tmp_path, url + "/v1")
+    verdicts = {row["id"]: row["samples"][0] for row in rows}
+    assert verdicts["q0"]["llm_judge"] is True and verdicts["q1"]["llm_judge"] is False
+    for failing in ("q2", "q3", "q4"):
+        assert verdicts[failing]["llm_judge"] is None and verdicts[failing]["llm_judge_reason"].startswith("failed")
+    assert verdicts["q5"]["llm_judge"] is True and verdicts["q5"]["llm_judge_reason"] == "rule"
+    out = aggregate([("math", row["samples"]) for row in rows], bootstrap_rounds=10)
+    assert out["judge_failures"] == 3
+
+
+# --- end to end on the toy world ------------------------------------------------------------------
+
+
+def eval_command(sft_model, toy, server, out, *extra):
+    return [
+        sys.executable,
+        "-m",
+        "evaluation.run",
+        f"engine.model={sft_model / 'model'}",
+        f"files.toy={toy / 'questions' / 'test.jsonl'}",
+        f"out_dir={out}",
+        f"tools.search.local.url={server}",
+        "tools.search.local.token_env=RETRIEVER_TOKEN",
+        "n=2",
+        "batch_questions=8",
+        "judge.batch_questions=16",
+        "bootstrap_rounds=200",
+        *extra,
+    ]
+
+
+def test_toy_evaluation_end_to_end_resumes_after_a_kill_and_draws_the_radar(sft_model, toy, server, tmp_path, capsys):
+    env = dict(os.environ, RETRIEVER_TOKEN=TOKEN)
+    whole = tmp_path / "whole"
+    subprocess.run(eval_command(sft_model, toy, server, whole, "limit=40"), check=True, env=env, capture_output=True, timeout=1200)
+
+    killed = tmp_path / "killed"
+    proc = subprocess.Popen(
+        eval_command(sft_model, toy, server, killed, "limit=40"), env=env, stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL
+    )
+    trajectories = killed / "toy" / "trajectories.jsonl"
+    deadline = time.monotonic() + 600
+    while not (trajectories.exists() and len(trajectories.read_text().splitlines()) >= 16):
+        assert proc.poll() is None and time.monotonic() < deadline
+        time.sleep(0.1)
+    proc.send_signal(signal.SIGKILL)
+    proc.wait()
+    done_before = len(trajectories.read_text().splitlines())
+    assert 16 <= done_before < 40
+    subprocess.run(eval_command(sft_model, toy, server, killed, "limit=40"), check=True, env=env, capture_output=True, timeout=1200)
+
+    a, b = (json.loads((d / "toy" / "metrics.json").read_text()) for d in (whole, killed))
+    ids = [json.loads(line)["id"] for line in (killed / "toy" / "scored.jsonl").read_text().splitlines()]
+    assert len(ids) == len(set(ids)) == 40  # no question scored twice
+    for key in ("questions", "samples", "correctness", "efficiency", "tool_calls", "pass@1", "pass@2", "valid_format"):
+        assert a[key] == b[key], key
+    table = (whole / "summary.md").read_text()
+    assert "toy P/Effi" in table and f"{a['correctness']:.1f} / {a['efficiency']:.1f}" in table
+
+    radar_out = tmp_path / "radar"
+    result = subprocess.run(
+        [
+            sys.executable,
+            "-m",
+            "radar.run",
+            f"runs=[{whole},{killed}]",
+            "labels=[first,resumed]",
+            f"tokenizer={sft_model / 'model'}",
+            f"out_dir={radar_out}",
+        ],
+        check=True,
+        capture_output=True,
+        text=True,
+        timeout=600,
+    )
+    radar = json.loads((radar_out / "radar.json").read_text())
+    axes = radar["first"]["axes"]
+    assert axes == radar["resumed"]["axes"]
+    assert 0 <= axes["Conciseness"] <= 100 and axes["Reasoning Length"] >= 0
+    assert (radar_out / "radar.png").stat().st_size > 10_000 and (radar_out / "radar.svg").exists()
+    with capsys.disabled():
+        print(
+            f"\ntoy evaluation (40 questions x 2): {json.dumps({k: a[k] for k in ('correctness', 'efficiency', 'tool_calls', 'valid_format', 'pass@1', 'pass@2')})}"
+        )
+        print(f"radar axes: {axes}")
+        print(result.stdout[-600:])
