@@ -7,19 +7,19 @@ VENV=${ETAGENT_VENV:-.venv}
 RUN=${1:-runs/demo}
 export PATH="$VENV/bin:$PATH" HF_HUB_OFFLINE=1 TRANSFORMERS_OFFLINE=1 WANDB_MODE=offline TOKENIZERS_PARALLELISM=false
 
-echo "== 1/4 toy world and tiny model -> $RUN/toy"
+echo "== 1/5 toy world and tiny model -> $RUN/toy"
 etagent toy build --out "$RUN/toy"
 
 echo
-echo "== 2/4 retriever index over the toy corpus -> $RUN/index"
+echo "== 2/5 retriever index over the toy corpus -> $RUN/index"
 python -m retriever.build corpus="$RUN/toy/corpus.jsonl" index_dir="$RUN/index"
 
 echo
-echo "== 3/4 SFT of the tiny model on the seed trajectories, tool results masked -> $RUN/sft (a few minutes)"
+echo "== 3/5 SFT of the tiny model on the seed trajectories, tool results masked -> $RUN/sft (a few minutes)"
 python -m sft.run model="$RUN/toy/model" data.path="$RUN/toy/sft.jsonl" out_dir="$RUN/sft" train.progress_bar=false
 
 echo
-echo "== 4/4 rollouts of the SFT policy on the held-out questions, with the real tools -> $RUN/sample"
+echo "== 4/5 evaluation of the SFT policy on the held-out questions, with the real tools -> $RUN/eval"
 PORT=$(python -c 'import socket; s = socket.socket(); s.bind(("127.0.0.1", 0)); print(s.getsockname()[1])')
 python -m retriever.server index_dir="$RUN/index" serve.port="$PORT" > "$RUN/retriever.log" 2>&1 &
 SERVER=$!
@@ -35,20 +35,20 @@ for _ in range(240):
 else:
     sys.exit("the retriever did not start; see its log")
 PY
-etagent sample engine.model="$RUN/sft/model" questions="$RUN/toy/questions/test.jsonl" out_dir="$RUN/sample" n=2 \
-  tools.search.local.url="http://127.0.0.1:$PORT"
+python -m evaluation.run engine.model="$RUN/sft/model" files.toy="$RUN/toy/questions/test.jsonl" out_dir="$RUN/eval" \
+  run_name=toy-sft n=2 tools.search.local.url="http://127.0.0.1:$PORT"
 kill $SERVER
-python - "$RUN/sample/trajectories.jsonl" <<'PY'
+cat "$RUN/eval/summary.md"
+python - "$RUN/eval/toy/trajectories.jsonl" <<'PY'
 import json, sys
-from etagent import protocol
-groups = [json.loads(line) for line in open(sys.argv[1])]
-rollouts = [t for g in groups for t in g["trajectories"]]
-valid = sum(protocol.validate_format(t["text"]) for t in rollouts) / len(rollouts)
-print(f"{len(rollouts)} rollouts: {valid:.1%} follow the protocol's format, {sum(len(t['tool_calls']) for t in rollouts) / len(rollouts):.2f} tool calls each")
-example = next(g for g in groups if g["source"] == "toy_both")
-print(f"example (question: {example['question']}; gold: {example['answer'][0]}):")
+example = next(g for g in map(json.loads, open(sys.argv[1])) if g["source"] == "toy_both")
+print(f"example rollout (question: {example['question']}; gold: {example['answer'][0]}):")
 print("    " + example["trajectories"][0]["text"].replace("\n", "\n    "))
 PY
+
+echo
+echo "== 5/5 radar metrics and chart -> $RUN/radar"
+python -m radar.run runs="[$RUN/eval]" tokenizer="$RUN/sft/model" out_dir="$RUN/radar"
 
 echo
 echo "demo finished: outputs in $RUN"
