@@ -3,7 +3,7 @@
 #   bash scripts/demo.sh [RUN_DIR]      (default runs/demo; rerunning resumes where it stopped)
 set -euo pipefail
 cd "$(dirname "$0")/.."
-VENV=${ETAGENT_VENV:-.venv}
+VENV=$(realpath "${ETAGENT_VENV:-.venv}")
 RUN=${1:-runs/demo}
 export PATH="$VENV/bin:$PATH" HF_HUB_OFFLINE=1 TRANSFORMERS_OFFLINE=1 WANDB_MODE=offline TOKENIZERS_PARALLELISM=false
 

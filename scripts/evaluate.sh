@@ -8,6 +8,6 @@
 # judge model too (vllm serve Qwen/Qwen2.5-72B-Instruct --port 8051 --tensor-parallel-size 4).
 set -euo pipefail
 cd "$(dirname "$0")/.."
-VENV=${ETAGENT_VENV:-.venv}
+VENV=$(realpath "${ETAGENT_VENV:-.venv}")
 export PATH="$VENV/bin:$PATH" HF_HUB_OFFLINE=${HF_HUB_OFFLINE:-1} TOKENIZERS_PARALLELISM=false
 exec python -m evaluation.run --preset "${PRESET:-tiny}" "$@"

@@ -8,6 +8,6 @@
 # preset judges redundancy with the toy world's oracle.
 set -euo pipefail
 cd "$(dirname "$0")/.."
-VENV=${ETAGENT_VENV:-.venv}
+VENV=$(realpath "${ETAGENT_VENV:-.venv}")
 export PATH="$VENV/bin:$PATH" HF_HUB_OFFLINE=${HF_HUB_OFFLINE:-1} TOKENIZERS_PARALLELISM=false
 exec python -m radar.run --preset "${PRESET:-tiny}" "$@"

@@ -9,7 +9,7 @@
 # port 8000. The paper's setting: PRESET=paper bash scripts/retriever.sh up corpus=... index_dir=...
 set -euo pipefail
 cd "$(dirname "$0")/.."
-VENV=${ETAGENT_VENV:-.venv}
+VENV=$(realpath "${ETAGENT_VENV:-.venv}")
 PRESET=${PRESET:-tiny}
 export PATH="$VENV/bin:$PATH" HF_HUB_OFFLINE=${HF_HUB_OFFLINE:-1} TOKENIZERS_PARALLELISM=false
 command=${1:-up}

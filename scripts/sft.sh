@@ -9,7 +9,7 @@
 # Multi-node: add torchrun's --nnodes/--node_rank/--master_addr through TORCHRUN_ARGS.
 set -euo pipefail
 cd "$(dirname "$0")/.."
-VENV=${ETAGENT_VENV:-.venv}
+VENV=$(realpath "${ETAGENT_VENV:-.venv}")
 export PATH="$VENV/bin:$PATH" TOKENIZERS_PARALLELISM=false WANDB_MODE=${WANDB_MODE:-offline}
 NPROC=${NPROC:-1}
 LAUNCHER=${LAUNCHER:-torchrun}

@@ -163,7 +163,9 @@ class PythonSandbox:
     ):
         if isolation not in ("auto", "namespaces", "rlimits"):
             raise ValueError(f"isolation must be auto, namespaces or rlimits, got {isolation!r}")
-        self.python = python or sys.executable
+        # an absolute path: the server starts in its own directory (sys.executable is relative when
+        # Python was found through a relative PATH entry)
+        self.python = os.path.abspath(python or sys.executable) if os.sep in (python or sys.executable) else shutil.which(python) or python
         self.limits = limits
         self.requested_isolation = isolation
         self.preload = tuple(preload)
