@@ -1,18 +1,16 @@
 """The ``etagent`` command: one subcommand per stage and a few utilities.
 
     etagent toy build --out runs/toy [overrides]   build the toy world and tiny model
-    etagent score [FILE] [--judge-url URL ...]     score predictions, one JSON line each
-    etagent tool python [FILE] [overrides]         run code in the sandbox, print the call record
-    etagent tool search --query Q [overrides]      run a search, print the call record
     etagent retriever build|serve [overrides]      index a corpus / serve it (retriever/)
     etagent sample [--preset P] [overrides]        n rollouts per question (etagent/sampling.py)
     etagent sft [--preset P] [overrides]           fine-tune on trajectories (sft/run.py)
     etagent evaluate [--preset P] [overrides]      benchmarks and the paper's table (evaluation/run.py)
     etagent radar [--preset P] [overrides]         radar metrics and chart (radar/run.py)
+    etagent score [FILE] [--judge-url URL ...]     score predictions, one JSON line each
+    etagent tool python|search ...                 run one tool call, print its record
 
 Stage subcommands take ``--preset NAME`` (``configs/<stage>/NAME.yaml``, default ``tiny``) and
-Hydra overrides (``key=value``); each also runs as ``python -m <stage>.run``. Stages join this
-command as they land.
+Hydra overrides (``key=value``); each also runs as ``python -m <module>``.
 """
 
 from __future__ import annotations
@@ -130,66 +128,47 @@ def tool_main(argv: list[str]) -> int:
     return 0 if record.ok else 1
 
 
+# Stage commands: (sub-command or None, module whose main(argv) runs it, help). Each stage module
+# is also runnable as `python -m <module>`.
+STAGES = {
+    "toy": ("build", "etagent.toy.build", "build the toy world and tiny model: etagent toy build --out DIR"),
+    "retriever build": (None, "retriever.build", "index a corpus: etagent retriever build [overrides]"),
+    "retriever serve": (None, "retriever.server", "serve an index: etagent retriever serve [overrides]"),
+    "sample": (None, "etagent.sampling", "n rollouts per question with the agent loop: etagent sample [--preset P] [overrides]"),
+    "sft": (None, "sft.run", "fine-tune on trajectories with tool results masked: etagent sft [--preset P] [overrides]"),
+    "evaluate": (None, "evaluation.run", "benchmarks, metrics and the paper's table: etagent evaluate [--preset P] [overrides]"),
+    "radar": (None, "radar.run", "radar metrics and chart over evaluation runs: etagent radar [--preset P] [overrides]"),
+}
+UTILITIES = {"score": "score predictions given as JSON lines", "tool": "run one tool call (python or search) with the tools config"}
+
+
 def main(argv: list[str] | None = None) -> int:
+    import importlib
+
     argv = list(sys.argv[1:] if argv is None else argv)
-    commands = {
-        "toy": "build the toy world and tiny model: etagent toy build --out DIR",
-        "score": "score predictions given as JSON lines",
-        "tool": "run one tool call (python or search) with the tools config",
-        "retriever": "build an index (build) or serve it (serve): etagent retriever build|serve [overrides]",
-        "sample": "n rollouts per question with the agent loop: etagent sample [--preset P] [overrides]",
-        "sft": "fine-tune on trajectories with tool results masked: etagent sft [--preset P] [overrides]",
-        "evaluate": "benchmarks: rollouts, metrics, the paper's table: etagent evaluate [--preset P] [overrides]",
-        "radar": "radar metrics and chart over evaluation runs: etagent radar [--preset P] [overrides]",
-    }
-    if not argv or argv[0] in ("-h", "--help") or argv[0] not in commands:
-        print(__doc__.strip())
-        print("\ncommands:")
-        for name, help_text in commands.items():
-            print(f"  {name:<10} {help_text}")
-        return 0 if not argv or argv[0] in ("-h", "--help") else 2
-    command, rest = argv[0], argv[1:]
-    if command == "toy":
-        if not rest or rest[0] != "build":
-            print("usage: etagent toy build [--out DIR] [--force] [overrides ...]", file=sys.stderr)
-            return 2
-        from etagent.toy.build import main as toy_main
-
-        toy_main(rest[1:])
+    two_words = " ".join(argv[:2])
+    name = two_words if two_words in STAGES else (argv[0] if argv else "")
+    if name in STAGES:
+        sub, module, _ = STAGES[name]
+        rest = argv[len(name.split()) :]
+        if sub is not None:
+            if not rest or rest[0] != sub:
+                print(f"usage: etagent {name} {sub} ...", file=sys.stderr)
+                return 2
+            rest = rest[1:]
+        importlib.import_module(module).main(rest)
         return 0
-    if command == "tool":
-        return tool_main(rest)
-    if command == "evaluate":
-        from evaluation.run import main as evaluate_main
-
-        evaluate_main(rest)
-        return 0
-    if command == "radar":
-        from radar.run import main as radar_main
-
-        radar_main(rest)
-        return 0
-    if command == "sft":
-        from sft.run import main as sft_main
-
-        sft_main(rest)
-        return 0
-    if command == "sample":
-        from etagent.sampling import main as sample_main
-
-        sample_main(rest)
-        return 0
-    if command == "retriever":
-        if not rest or rest[0] not in ("build", "serve"):
-            print("usage: etagent retriever build|serve [--preset NAME] [overrides ...]", file=sys.stderr)
-            return 2
-        if rest[0] == "build":
-            from retriever.build import main as retriever_main
-        else:
-            from retriever.server import main as retriever_main
-        retriever_main(rest[1:])
-        return 0
-    return score_main(rest)
+    if name == "tool":
+        return tool_main(argv[1:])
+    if name == "score":
+        return score_main(argv[1:])
+    print(__doc__.strip())
+    print("\ncommands:")
+    for command, (_, _, help_text) in STAGES.items():
+        print(f"  {command:<16} {help_text}")
+    for command, help_text in UTILITIES.items():
+        print(f"  {command:<16} {help_text}")
+    return 0 if not argv or argv[0] in ("-h", "--help") else 2
 
 
 if __name__ == "__main__":

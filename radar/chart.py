@@ -49,8 +49,9 @@ def draw(runs: dict[str, dict[str, float]], out: Path, rule: str = "corrected") 
     ax.set_yticklabels(["25", "50", "75", "100"], fontsize=7, color="grey")
     for label, points in values.items():
         raw = runs[label]
-        legend = f"{label}: " + ", ".join(
-            f"{a.split()[0][:5]} {raw[a]:.1f}" if a != "Reasoning Length" else f"RL {raw[a]:.2f}" for a in AXES
+        legend = (
+            f"{label}: correctness {raw['Correctness']:.1f}, efficiency {raw['Efficiency']:.1f}, conciseness {raw['Conciseness']:.1f}, "
+            f"execution {raw['Successful Execution']:.1f}, reasoning length {raw['Reasoning Length']:.2f}"
         )
         ax.plot(angles + angles[:1], points + points[:1], linewidth=2, label=legend)
         ax.fill(angles + angles[:1], points + points[:1], alpha=0.12)

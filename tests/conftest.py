@@ -80,7 +80,13 @@ def sft_model(toy, tmp_path_factory) -> Path:
     """The toy model after the tiny SFT preset (the demo's SFT step): a policy that writes the
     protocol and calls tools, for the tests of everything downstream of SFT."""
     out = tmp_path_factory.mktemp("sft")
-    command = [
+    subprocess.run(sft_command(toy, out, "threads=2"), check=True, capture_output=True, timeout=1800)
+    return out
+
+
+def sft_command(toy: Path, out: Path, *overrides: str) -> list[str]:
+    """The SFT stage's command line on the toy world (the tiny preset plus overrides)."""
+    return [
         sys.executable,
         "-m",
         "sft.run",
@@ -88,7 +94,5 @@ def sft_model(toy, tmp_path_factory) -> Path:
         f"data.path={toy / 'sft.jsonl'}",
         f"out_dir={out}",
         "train.progress_bar=false",
-        "threads=2",
+        *overrides,
     ]
-    subprocess.run(command, check=True, capture_output=True, timeout=1800)
-    return out

@@ -16,6 +16,7 @@ from etagent.llm import GenerationRequest, Sample
 from etagent.records import Question
 from etagent.tools import ToolOutput
 from etagent.tools.executor import ToolExecutor
+from tests.trajectories import mask_runs
 
 
 class ScriptedEngine:
@@ -153,13 +154,7 @@ def test_tokens_are_generated_plus_inserted_and_the_mask_marks_insertions(tokeni
     for s in states:
         # walk the response: runs of mask 1 are exactly the engine's outputs, in order; runs of
         # mask 0 decode to the protocol's result text of the matching tool call
-        runs, i = [], 0
-        while i < len(s.mask):
-            j = i
-            while j < len(s.mask) and s.mask[j] == s.mask[i]:
-                j += 1
-            runs.append((s.mask[i], s.response_ids[i:j]))
-            i = j
+        runs = mask_runs(s.mask, s.response_ids)
         policy_runs = [ids for m, ids in runs if m == 1]
         inserted_runs = [ids for m, ids in runs if m == 0]
         assert policy_runs == engine.generated[s.question.id] and len(policy_runs) == s.segments

@@ -16,6 +16,7 @@ from etagent.records import TrajectoryGroup, read_jsonl, read_questions
 from etagent.sampling import run_sampling
 from etagent.tools.executor import build_executor
 from tests.conftest import TOKEN
+from tests.trajectories import mask_runs
 
 
 @pytest.fixture
@@ -35,13 +36,7 @@ def check_token_invariants(loop, states, model):
         assert text == tokenizer.decode(s.response_ids, skip_special_tokens=True)
         assert len(s.mask) == len(s.response_ids) == len(s.logprobs)
         # mask 0 exactly on inserted spans: the tool results, in order, in the protocol's format
-        runs, i = [], 0
-        while i < len(s.mask):
-            j = i
-            while j < len(s.mask) and s.mask[j] == s.mask[i]:
-                j += 1
-            runs.append((s.mask[i], s.response_ids[i:j]))
-            i = j
+        runs = mask_runs(s.mask, s.response_ids)
         inserted = [tokenizer.decode(ids) for m, ids in runs if m == 0]
         assert inserted == [protocol.format_result(c.output) for c in s.tool_calls]
         calls_seen += len(s.tool_calls)

@@ -19,6 +19,7 @@ from etagent import protocol
 from etagent.records import SFTExample, export_llamafactory
 from sft.data import IGNORE, build_dataset, load_examples, tokenize_example
 from sft.run import Collator
+from tests.conftest import sft_command
 
 TRAJECTORY = (
     "<think>I need the year.</think><search>Zorvak Telmin</search>"
@@ -157,20 +158,6 @@ def test_llamafactory_files_import_with_the_prompt_in_the_system_turn(tmp_path, 
 # --- training runs ---------------------------------------------------------------------------------
 
 
-def sft_command(toy, out, *overrides):
-    return [
-        sys.executable,
-        "-m",
-        "sft.run",
-        f"model={toy / 'model'}",
-        f"data.path={toy / 'sft.jsonl'}",
-        f"out_dir={out}",
-        "train.progress_bar=false",
-        "threads=1",
-        *overrides,
-    ]
-
-
 def losses(out: Path) -> dict[int, float]:
     history = json.loads((out / "loss_history.json").read_text())
     return {entry["step"]: entry["loss"] for entry in history if "loss" in entry}
@@ -179,10 +166,10 @@ def losses(out: Path) -> dict[int, float]:
 def test_resume_from_a_mid_run_checkpoint_continues_the_same_loss_curve(toy, tmp_path):
     settings = ["train.max_steps=16", "train.save_steps=8", "train.logging_steps=1", "train.batch_size=4", "train.save_total_limit=3"]
     whole = tmp_path / "whole"
-    subprocess.run(sft_command(toy, whole, *settings), check=True, capture_output=True, timeout=600)
+    subprocess.run(sft_command(toy, whole, "threads=1", *settings), check=True, capture_output=True, timeout=600)
 
     killed = tmp_path / "killed"
-    proc = subprocess.Popen(sft_command(toy, killed, *settings), stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL)
+    proc = subprocess.Popen(sft_command(toy, killed, "threads=1", *settings), stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL)
     deadline = time.monotonic() + 600
     while not (killed / "checkpoints" / "checkpoint-8" / "trainer_state.json").exists():
         assert proc.poll() is None and time.monotonic() < deadline
@@ -191,7 +178,7 @@ def test_resume_from_a_mid_run_checkpoint_continues_the_same_loss_curve(toy, tmp
     proc.send_signal(signal.SIGKILL)
     proc.wait()
     assert not (killed / "model").exists()
-    resumed = subprocess.run(sft_command(toy, killed, *settings), check=True, capture_output=True, text=True, timeout=600)
+    resumed = subprocess.run(sft_command(toy, killed, "threads=1", *settings), check=True, capture_output=True, text=True, timeout=600)
     assert "resuming from" in resumed.stderr
     full, after = losses(whole), losses(killed)
     assert set(range(9, 17)) <= set(after)
@@ -210,7 +197,7 @@ def test_two_process_cpu_run_trains_and_saves_a_working_model(toy, tmp_path):
         str(29500 + os.getpid() % 1000),
         "-m",
         "sft.run",
-        *sft_command(toy, out, "train.max_steps=6", "train.batch_size=4", "train.logging_steps=1")[3:],
+        *sft_command(toy, out, "threads=1", "train.max_steps=6", "train.batch_size=4", "train.logging_steps=1")[3:],
     ]
     result = subprocess.run(command, capture_output=True, text=True, timeout=600)
     assert result.returncode == 0, result.stderr[-3000:]

@@ -163,46 +163,31 @@ class OpenAIEngine:
 
     # -- text models (judge, editor, summariser) --------------------------------------------
 
-    async def complete(
-        self,
-        prompt: str,
-        *,
-        temperature: float = 0.0,
-        top_p: float = 1.0,
-        top_k: int = 0,
-        min_p: float = 0.0,
-        repetition_penalty: float = 1.0,
-        max_tokens: int = 1024,
-        stop=(),
-        seed: int | None = None,
-        session: str | None = None,
-    ) -> str:
-        body = {
-            "model": self.model,
-            "prompt": prompt,
-            **self._sampling(temperature, top_p, top_k, min_p, repetition_penalty, max_tokens, stop, seed),
-        }
-        answer = await self._post("/completions", body, session)
+    async def complete(self, prompt: str, *, session: str | None = None, **sampling) -> str:
+        """Text completion of a raw prompt. ``sampling``: temperature (default 0), top_p, top_k,
+        min_p, repetition_penalty, max_tokens (default 1024), stop, seed."""
+        answer = await self._post("/completions", {"model": self.model, "prompt": prompt, **self._text_sampling(sampling)}, session)
         return answer["choices"][0]["text"]
 
-    async def chat(
-        self,
-        messages: list[dict],
-        *,
-        temperature: float = 0.0,
-        top_p: float = 1.0,
-        top_k: int = 0,
-        min_p: float = 0.0,
-        repetition_penalty: float = 1.0,
-        max_tokens: int = 1024,
-        stop=(),
-        seed: int | None = None,
-        session: str | None = None,
-    ) -> str:
-        body = {
-            "model": self.model,
-            "messages": messages,
-            **self._sampling(temperature, top_p, top_k, min_p, repetition_penalty, max_tokens, stop, seed),
-        }
-        answer = await self._post("/chat/completions", body, session)
+    async def chat(self, messages: list[dict], *, session: str | None = None, **sampling) -> str:
+        """Chat completion (the server applies the model's chat template); sampling as complete()."""
+        answer = await self._post(
+            "/chat/completions", {"model": self.model, "messages": messages, **self._text_sampling(sampling)}, session
+        )
         return answer["choices"][0]["message"]["content"] or ""
+
+    def _text_sampling(self, sampling: dict) -> dict:
+        settings = {
+            "temperature": 0.0,
+            "top_p": 1.0,
+            "top_k": 0,
+            "min_p": 0.0,
+            "repetition_penalty": 1.0,
+            "max_tokens": 1024,
+            "stop": (),
+            "seed": None,
+        }
+        unknown = set(sampling) - set(settings)
+        if unknown:
+            raise TypeError(f"unknown sampling settings: {', '.join(sorted(unknown))}")
+        return self._sampling(**{**settings, **sampling})
