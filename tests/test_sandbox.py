@@ -113,7 +113,7 @@ def test_infinite_loop(isolated):
 
 def test_sleep_past_the_timeout(isolated):
     out, elapsed = run(isolated, "import time\ntime.sleep(60)")
-    assert out.text.startswith("Execution Timeout") and TIMEOUT <= elapsed < TIMEOUT + 2
+    assert out.text.startswith("Execution Timeout") and TIMEOUT <= elapsed < TIMEOUT + 4
 
 
 def test_a_daemon_cannot_outlive_the_call(isolated):
