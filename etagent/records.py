@@ -95,13 +95,18 @@ def _gold_answers(value: Any) -> Any:
 
 
 class Question(Record):
-    """One question: gold answers as a list of acceptable strings, and how to score it."""
+    """One question: gold answers as a list of acceptable strings, and how to score it.
+
+    ``needed_calls`` is how many calls of each tool an efficient solver makes, where that is known
+    (the toy world knows it; benchmarks do not): evaluation reports redundant and insufficient
+    tool use against it."""
 
     id: str
     question: str
     answer: list[str]
     source: str
     kind: Literal["math", "qa"]
+    needed_calls: dict[str, int] | None = None
 
     _id_as_str = field_validator("id", mode="before")(_as_str)
     _answers_as_strings = field_validator("answer", mode="before")(_gold_answers)
@@ -170,6 +175,7 @@ class TrajectoryGroup(Record):
     answer: list[str]
     source: str
     kind: Literal["math", "qa"]
+    needed_calls: dict[str, int] | None = None
     trajectories: list[Trajectory]
 
     _id_as_str = field_validator("id", mode="before")(_as_str)

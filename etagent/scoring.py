@@ -30,7 +30,7 @@ import re
 import string
 import threading
 from collections import Counter
-from collections.abc import Callable, Sequence
+from collections.abc import Callable, Mapping, Sequence
 from dataclasses import dataclass
 
 import httpx
@@ -306,6 +306,18 @@ def efficiency(correctness: Sequence[float], tool_calls: Sequence[int]) -> float
     if not correctness:
         return 0.0
     return sum(c / n if n > 0 else c for c, n in zip(correctness, tool_calls)) / len(correctness)
+
+
+def call_behaviour(calls: Mapping[str, int], needed: Mapping[str, int]) -> tuple[bool, bool]:
+    """(redundant, insufficient) for one trajectory whose question needs ``needed`` calls per
+    tool (the toy world knows them): redundant when some tool was called more often than needed,
+    insufficient when some tool was called less often. A trajectory can be both (a search where
+    Python was needed). ``calls`` counts per tool as :func:`etagent.protocol.count_valid_tags`
+    does; a tool missing from either mapping counts 0."""
+    tools = set(calls) | set(needed)
+    redundant = any(calls.get(tool, 0) > needed.get(tool, 0) for tool in tools)
+    insufficient = any(calls.get(tool, 0) < needed.get(tool, 0) for tool in tools)
+    return redundant, insufficient
 
 
 def tool_productivity(mean_correctness: float, mean_tool_calls: float, sigma: float = 0.1) -> float:

@@ -97,9 +97,11 @@ def _record(name: str, number: int, row: dict, path: Path) -> Question:
     if answer is None or answer == []:
         raise RecordError(path, number, "answer", "missing")
     qid = _first(row, "id", "ID", "idx", "question_id", "task_id")
-    kind = row.get("kind", spec.kind) if name == "toy" else spec.kind
-    source = row.get("source", name) if name == "toy" else name
-    return Question(id=f"{name}-{qid if qid is not None else number}", question=question, answer=answer, source=source, kind=kind)
+    qid = f"{name}-{qid if qid is not None else number}"
+    if name == "toy":  # our own questions artifact: its kind, source and needed calls per question
+        kind, source, needed = row.get("kind", spec.kind), row.get("source", name), row.get("needed_calls")
+        return Question(id=qid, question=question, answer=answer, source=source, kind=kind, needed_calls=needed)
+    return Question(id=qid, question=question, answer=answer, source=name, kind=spec.kind)
 
 
 def benchmark_file(data_dir: str | Path, name: str) -> Path:

@@ -11,6 +11,11 @@ math equivalence where there is no judge or the judge failed; failures are count
 with the paper's normalisation for QA. A sample is *solved* (for pass@k) when c_i >= 0.8 (for
 math c_i is 0 or 1; 0.8 is the flywheel's F1 rule for QA).
 
+Where a question says how many calls of each tool it needs (``needed_calls``; the toy world's
+do), each sample is also marked redundant (some tool called more often than needed) and/or
+insufficient (some tool called less often), and :func:`behaviour` reports per kind of question
+the correctness, mean tool calls and the two rates: the behaviour the paper calibrates.
+
 Per dataset: correctness and efficiency (mean of c_i / n_i, c_i when n_i = 0; n_i = tool calls),
 both x100 with bootstrap 95% intervals over questions; tool productivity (A * T / (T + 0.1) * 100);
 mean EM/F1/accuracy; tool use; pass@k with the unbiased estimator for every k up to the samples
@@ -28,7 +33,7 @@ import numpy as np
 
 from etagent import protocol
 from etagent.records import Question, Trajectory
-from etagent.scoring import efficiency, pass_at_k, score_prediction, tool_productivity
+from etagent.scoring import call_behaviour, efficiency, pass_at_k, score_prediction, tool_productivity
 
 SOLVED = 0.8
 
@@ -55,6 +60,9 @@ def sample_metrics(trajectory: Trajectory, question: Question) -> dict:
         has_prediction=bool(trajectory.prediction),
         finish_reason=trajectory.finish_reason,
     )
+    if question.needed_calls is not None:
+        calls = {protocol.PYTHON: python_calls, protocol.SEARCH: search_calls}
+        metrics["redundant_calls"], metrics["insufficient_calls"] = call_behaviour(calls, question.needed_calls)
     return metrics
 
 
@@ -133,4 +141,33 @@ def aggregate(questions: Sequence[tuple[str, list[dict]]], bootstrap_rounds: int
             out[f"pass@{k}_ci95"] = [
                 round(x, 2) for x in _bootstrap(per_question, lambda gs: 100 * float(np.mean([v for _, [v] in gs])), rng, bootstrap_rounds)
             ]
+    return out
+
+
+def behaviour(rows: Sequence[dict]) -> dict:
+    """Per source (kind of question) and over all: questions, samples, correctness, mean tool
+    calls, redundant-call rate and insufficient-call rate, from scored rows (``source``, ``kind``
+    and per-sample metrics). Only questions with known needed calls count; {} when there are
+    none."""
+    per_source: dict[str, list[tuple[str, dict]]] = {}
+    for row in rows:
+        samples = [m for m in row["samples"] if "redundant_calls" in m]
+        if samples:
+            per_source.setdefault(row["source"], []).append((row["kind"], samples))
+
+    def summary(questions: list[tuple[str, list[dict]]]) -> dict:
+        samples = [(kind, m) for kind, ms in questions for m in ms]
+        return {
+            "questions": len(questions),
+            "samples": len(samples),
+            "correctness": round(100 * float(np.mean([correctness(m, kind) for kind, m in samples])), 2),
+            "tool_calls": round(float(np.mean([m["tool_calls"] for _, m in samples])), 3),
+            "redundant_rate": round(100 * float(np.mean([m["redundant_calls"] for _, m in samples])), 2),
+            "insufficient_rate": round(100 * float(np.mean([m["insufficient_calls"] for _, m in samples])), 2),
+        }
+
+    if not per_source:
+        return {}
+    out = {source: summary(questions) for source, questions in sorted(per_source.items())}
+    out["all"] = summary([q for questions in per_source.values() for q in questions])
     return out

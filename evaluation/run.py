@@ -36,7 +36,7 @@ from tqdm import tqdm
 from etagent.records import JsonlAppender, Question, TrajectoryGroup, iter_jsonl, read_jsonl, write_jsonl, write_manifest
 from etagent.sampling import run_sampling
 from evaluation.benchmarks import BENCHMARKS, benchmark_file, load_benchmark
-from evaluation.metrics import aggregate, sample_metrics
+from evaluation.metrics import aggregate, behaviour, sample_metrics
 from evaluation.table import summary_rows, write_table
 
 log = logging.getLogger("evaluation")
@@ -92,7 +92,14 @@ def score(cfg: DictConfig, out: Path, judge) -> None:
             batch = todo[start : start + cfg.judge.batch_questions]
             rows = []
             for group in batch:
-                question = Question(id=group.id, question=group.question, answer=group.answer, source=group.source, kind=group.kind)
+                question = Question(
+                    id=group.id,
+                    question=group.question,
+                    answer=group.answer,
+                    source=group.source,
+                    kind=group.kind,
+                    needed_calls=group.needed_calls,
+                )
                 rows.append((group, [sample_metrics(t, question) for t in group.trajectories]))
             if judge is not None:
                 needing = [(m, g, t) for g, ms in rows if g.kind in cfg.judge.kinds for m, t in zip(ms, g.trajectories)]
@@ -107,6 +114,27 @@ def score(cfg: DictConfig, out: Path, judge) -> None:
         progress.close()
 
 
+def behaviour_table(results: dict[str, dict]) -> list[str]:
+    """Markdown lines of the per-kind behaviour table, for datasets whose questions say which tool
+    calls they need (empty when none do)."""
+    lines = []
+    for name, r in results.items():
+        if not r.get("behaviour"):
+            continue
+        lines += [
+            f"Tool-use behaviour on {name} (calls per sample; rates in % of samples):",
+            "",
+            "| kind | questions | correctness | tool calls | redundant | insufficient |",
+            "|---|---|---|---|---|---|",
+        ]
+        for kind, b in r["behaviour"].items():
+            lines.append(
+                f"| {kind} | {b['questions']} | {b['correctness']:.1f} | {b['tool_calls']:.2f} | {b['redundant_rate']:.1f} | {b['insufficient_rate']:.1f} |"
+            )
+        lines.append("")
+    return lines
+
+
 def evaluate_dataset(cfg: DictConfig, name: str, judge) -> dict:
     out = Path(cfg.out_dir) / name
     out.mkdir(parents=True, exist_ok=True)
@@ -119,6 +147,7 @@ def evaluate_dataset(cfg: DictConfig, name: str, judge) -> dict:
     scored = [row for _, row in iter_jsonl(out / "scored.jsonl") if row["id"] in wanted]
     metrics = {"dataset": name, "file": str(path), "kinds": sorted({row["kind"] for row in scored})}
     metrics.update(aggregate([(row["kind"], row["samples"]) for row in scored], cfg.bootstrap_rounds, cfg.seed))
+    metrics["behaviour"] = behaviour(scored)
     (out / "metrics.json").write_text(json.dumps(metrics, indent=2) + "\n")
     return metrics
 
@@ -134,7 +163,10 @@ def run(cfg: DictConfig) -> dict:
         results[name] = evaluate_dataset(cfg, name, judge)
     summary = {"run": cfg.run_name or out.name, "datasets": results}
     (out / "summary.json").write_text(json.dumps(summary, indent=2) + "\n")
-    write_table(summary_rows([out]), out / "summary")
+    md_path, _ = write_table(summary_rows([out]), out / "summary")
+    behaviour_lines = behaviour_table(results)
+    if behaviour_lines:
+        md_path.write_text(md_path.read_text() + "\n" + "\n".join(behaviour_lines) + "\n")
     write_manifest(
         out,
         stage="evaluation",
@@ -143,13 +175,15 @@ def run(cfg: DictConfig) -> dict:
         counts={name: r["samples"] for name, r in results.items()},
         seed=cfg.seed,
         started_at=started,
-        metrics={name: {k: r.get(k) for k in ("correctness", "efficiency", "judge_failures")} for name, r in results.items()},
+        metrics={name: {k: r.get(k) for k in ("correctness", "efficiency", "judge_failures", "behaviour")} for name, r in results.items()},
     )
     for name, r in results.items():
         failures = f", {r['judge_failures']} judge failures" if r.get("judge_failures") else ""
         print(
             f"{name}: correctness {r['correctness']:.1f}, efficiency {r['efficiency']:.1f}, {r['tool_calls']:.2f} tool calls, {r['samples']} samples{failures}"
         )
+    if behaviour_lines:
+        print("\n".join(behaviour_lines))
     print(f"table: {out / 'summary.md'}")
     return summary
 

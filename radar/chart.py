@@ -4,7 +4,8 @@ written in the caption.
 Correctness, Efficiency, Conciseness and Successful Execution are percentages: drawn on a fixed
 0-100 scale. Reasoning Length (correctness per 1000 reasoning tokens) has no natural maximum: it
 is drawn relative to the largest value among the runs in the chart (that run touches the rim).
-Raw values are printed in the legend.
+Raw values are printed in the legend, with the redundant- and insufficient-call rates where the
+evaluated questions say which calls they need.
 """
 
 from __future__ import annotations
@@ -30,7 +31,12 @@ def caption(rule: str) -> str:
     )
 
 
-def draw(runs: dict[str, dict[str, float]], out: Path, rule: str = "corrected") -> str:
+def draw(
+    runs: dict[str, dict[str, float]],
+    out: Path,
+    rule: str = "corrected",
+    behaviour: dict[str, tuple[float, float] | None] | None = None,
+) -> str:
     import matplotlib
 
     matplotlib.use("Agg")
@@ -53,6 +59,9 @@ def draw(runs: dict[str, dict[str, float]], out: Path, rule: str = "corrected") 
             f"{label}: correctness {raw['Correctness']:.1f}, efficiency {raw['Efficiency']:.1f}, conciseness {raw['Conciseness']:.1f}, "
             f"execution {raw['Successful Execution']:.1f}, reasoning length {raw['Reasoning Length']:.2f}"
         )
+        rates = (behaviour or {}).get(label)
+        if rates is not None:
+            legend += f"\n    tool calls: {rates[0]:.1f}% redundant, {rates[1]:.1f}% insufficient"
         ax.plot(angles + angles[:1], points + points[:1], linewidth=2, label=legend)
         ax.fill(angles + angles[:1], points + points[:1], alpha=0.12)
     ax.legend(loc="upper center", bbox_to_anchor=(0.5, -0.08), fontsize=8, frameon=False)

@@ -130,6 +130,7 @@ def dataset_metrics(cfg: DictConfig, run_dir: Path, dataset: str, out: Path, tok
         "successful_calls_corrected": round(100 * (1 - sums["corrected_failed"] / sums["corrected_total"]), 2)
         if sums["corrected_total"]
         else None,
+        "behaviour": table.get("behaviour", {}).get("all"),
         "reasoning_tokens": round(sum(length for _, _, length, _ in rows) / n, 1),
         "correctness_per_1k_reasoning_tokens": round(1000 * sum(c / max(length, 1) for c, _, length, _ in rows) / n, 3),
     }
@@ -146,6 +147,16 @@ def axes(per_dataset: dict[str, dict], rule: str) -> dict[str, float]:
     }
 
 
+def tool_use_rates(per_dataset: dict[str, dict]) -> tuple[float, float] | None:
+    """(redundant, insufficient) call rates in %, averaged over the datasets whose questions say
+    which calls they need (the toy world's); None when none do."""
+    known = [d["behaviour"] for d in per_dataset.values() if d.get("behaviour")]
+    if not known:
+        return None
+    mean = lambda key: sum(b[key] for b in known) / len(known)  # noqa: E731
+    return mean("redundant_rate"), mean("insufficient_rate")
+
+
 def run(cfg: DictConfig) -> dict:
     from transformers import AutoTokenizer
 
@@ -153,7 +164,8 @@ def run(cfg: DictConfig) -> dict:
     out = Path(cfg.out_dir)
     out.mkdir(parents=True, exist_ok=True)
     tokenizer = AutoTokenizer.from_pretrained(cfg.tokenizer)
-    labels = list(cfg.labels) if cfg.labels else [Path(r).name for r in cfg.runs]
+    # A run is labelled with the name it was evaluated under (evaluation's run_name).
+    labels = list(cfg.labels) if cfg.labels else [json.loads((Path(r) / "summary.json").read_text())["run"] for r in cfg.runs]
     result = {}
     for label, run_dir in zip(labels, cfg.runs):
         run_dir = Path(run_dir)
@@ -164,7 +176,12 @@ def run(cfg: DictConfig) -> dict:
     lines = ["| run | " + " | ".join(AXES) + " |", "|---" * (len(AXES) + 1) + "|"]
     lines += [f"| {label} | " + " | ".join(f"{r['axes'][a]:.2f}" for a in AXES) + " |" for label, r in result.items()]
     (out / "radar.md").write_text("\n".join(lines) + "\n")
-    caption = draw({label: r["axes"] for label, r in result.items()}, out / "radar", rule=cfg.execution_rule)
+    caption = draw(
+        {label: r["axes"] for label, r in result.items()},
+        out / "radar",
+        rule=cfg.execution_rule,
+        behaviour={label: tool_use_rates(r["datasets"]) for label, r in result.items()},
+    )
     write_manifest(
         out,
         stage="radar",

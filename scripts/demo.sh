@@ -39,11 +39,18 @@ python -m evaluation.run engine.model="$RUN/sft/model" files.toy="$RUN/toy/quest
   run_name=toy-sft n=2 tools.search.local.url="http://127.0.0.1:$PORT"
 kill $SERVER
 cat "$RUN/eval/summary.md"
-python - "$RUN/eval/toy/trajectories.jsonl" <<'PY'
+python - "$RUN/eval/toy" <<'PY'
 import json, sys
-example = next(g for g in map(json.loads, open(sys.argv[1])) if g["source"] == "toy_both")
-print(f"example rollout (question: {example['question']}; gold: {example['answer'][0]}):")
-print("    " + example["trajectories"][0]["text"].replace("\n", "\n    "))
+from pathlib import Path
+out = Path(sys.argv[1])
+scored = {row["id"]: row["samples"] for row in map(json.loads, open(out / "scored.jsonl"))}
+groups = [g for g in map(json.loads, open(out / "trajectories.jsonl")) if g["source"] == "toy_both"]
+# a right answer if the policy gave one (math_equal is the toy's math correctness), else the first
+pick = next(((g, i) for g in groups for i, m in enumerate(scored[g["id"]]) if m["math_equal"] == 1.0), (groups[0], 0))
+group, i = pick
+verdict = "right" if scored[group["id"]][i]["math_equal"] == 1.0 else "wrong"
+print(f"\nexample rollout, {verdict} (question: {group['question']}; gold: {group['answer'][0]}):")
+print("    " + group["trajectories"][i]["text"].replace("\n", "\n    "))
 PY
 
 echo

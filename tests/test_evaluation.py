@@ -17,7 +17,9 @@ from fastapi.responses import JSONResponse
 
 from etagent.config import load_config
 from evaluation.benchmarks import BENCHMARKS, benchmark_file, load_benchmark
-from evaluation.metrics import aggregate, correctness
+from etagent.records import Question, ToolCallRecord, Trajectory
+from etagent.scoring import call_behaviour
+from evaluation.metrics import aggregate, behaviour, correctness, sample_metrics
 from radar.metrics import execution, majority_redundant, paper_result_ok, parse_redundancy
 from tests.conftest import TOKEN
 from tests.servers import serve
@@ -120,6 +122,57 @@ def test_correctness_uses_the_judge_for_math_and_f1_for_qa():
     assert correctness(sample(f1_paper=0.4, math_equal=1.0), "qa") == 0.4
     out = aggregate([("math", [sample(llm_judge=True)]), ("math", [sample(llm_judge=None, math_equal=0.0)])], bootstrap_rounds=10)
     assert out["judge_failures"] == 1 and out["llm_judge"] == 100.0 and out["correctness"] == 50.0
+
+
+def test_call_behaviour_per_tool():
+    both = {"search": 1, "python": 1}
+    assert call_behaviour({"search": 1, "python": 1}, both) == (False, False)
+    assert call_behaviour({"search": 2, "python": 1}, both) == (True, False)
+    assert call_behaviour({"search": 1}, both) == (False, True)
+    assert call_behaviour({"search": 2}, both) == (True, True)  # a second search instead of Python
+    assert call_behaviour({}, {"search": 0, "python": 0}) == (False, False)
+    assert call_behaviour({"search": 1}, {}) == (True, False)
+
+
+def toy_sample(source: str, needed: dict, calls: list[str], right: bool) -> tuple[str, str, dict]:
+    """(kind, source, metrics) of one hand-made toy trajectory making the given calls."""
+    kind = "qa" if source in ("toy_search", "toy_none") else "math"
+    text = "<think>x</think>" + "".join(f"<{tool}>q</{tool}><result>\nr\n</result>" for tool in calls)
+    text += "<answer>The final answer is \\[ \\boxed{" + ("gold" if right else "other") + "} \\]</answer>"
+    records = [ToolCallRecord(tool=tool, input="q", output="r", ok=True) for tool in calls]
+    trajectory = Trajectory(id="t", text=text, tool_calls=records, prediction="gold" if right else "other")
+    question = Question(id="q", question="?", answer=["gold"], source=source, kind=kind, needed_calls=needed)
+    return kind, source, sample_metrics(trajectory, question)
+
+
+def test_behaviour_per_kind_on_hand_made_groups():
+    search, python, both, none = {"search": 1, "python": 0}, {"search": 0, "python": 1}, {"search": 1, "python": 1}, {"search": 0, "python": 0}
+    questions = [
+        [toy_sample("toy_search", search, ["search"], True), toy_sample("toy_search", search, ["search", "search"], True)],
+        [toy_sample("toy_search", search, [], False), toy_sample("toy_search", search, ["search"], False)],
+        [toy_sample("toy_python", python, ["python"], True), toy_sample("toy_python", python, ["search"], False)],
+        [toy_sample("toy_both", both, ["search", "python", "python"], True), toy_sample("toy_both", both, ["search"], False)],
+        [toy_sample("toy_none", none, [], True), toy_sample("toy_none", none, ["search"], True)],
+    ]
+    rows = [{"source": q[0][1], "kind": q[0][0], "samples": [m for _, _, m in q]} for q in questions]
+    rows.append({"source": "hotpotqa", "kind": "qa", "samples": [sample()]})  # no needed calls: not counted
+    out = behaviour(rows)
+    assert set(out) == {"toy_search", "toy_python", "toy_both", "toy_none", "all"}
+    assert out["toy_search"] == {
+        "questions": 2,
+        "samples": 4,
+        "correctness": 50.0,
+        "tool_calls": 1.0,
+        "redundant_rate": 25.0,
+        "insufficient_rate": 25.0,
+    }
+    # a search where Python was needed is both redundant and insufficient
+    assert out["toy_python"]["redundant_rate"] == 50.0 and out["toy_python"]["insufficient_rate"] == 50.0
+    assert out["toy_both"]["redundant_rate"] == 50.0 and out["toy_both"]["insufficient_rate"] == 50.0
+    assert out["toy_none"]["redundant_rate"] == 50.0 and out["toy_none"]["insufficient_rate"] == 0.0
+    assert out["toy_none"]["correctness"] == 100.0 and out["toy_none"]["tool_calls"] == 0.5
+    assert out["all"]["samples"] == 10 and out["all"]["redundant_rate"] == 40.0 and out["all"]["insufficient_rate"] == 30.0
+    assert behaviour([{"source": "hotpotqa", "kind": "qa", "samples": [sample()]}]) == {}
 
 
 def test_pass_at_k_in_aggregates_matches_brute_force():

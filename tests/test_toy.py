@@ -92,8 +92,43 @@ def test_tags_are_single_tokens_and_eos_is_im_end(toy):
     for tag in protocol.TAG_STRINGS:
         assert len(tokenizer.encode(tag)) == 1, tag
     assert tokenizer.eos_token == "<|im_end|>" and tokenizer.pad_token == "<|endoftext|>"
-    # digits are single tokens (Qwen2's pre-tokenizer), so numbers are copied digit by digit
-    assert len(tokenizer.encode("14157163")) == 8
+    # numbers split into chunks of up to three digits from the left
+    assert tokenizer.convert_ids_to_tokens(tokenizer.encode("14157163")) == ["141", "571", "63"]
+
+
+def test_every_made_up_word_and_number_has_the_same_ids_wherever_it_appears(toy):
+    """The copy property: each name, profession word and number is tokenized to the same ids in
+    the question, the query, the code, the results, the reasoning and the boxed answer, whatever
+    character precedes it. Checked on every occurrence in every toy text."""
+    import re
+
+    from etagent.toy.world import make_world
+
+    config = load_config("toy", "tiny", [f"out_dir={toy}"])
+    words = set(make_world(config.seed, config.world.people, config.world.cities).made_up_words())
+    tokenizer = AutoTokenizer.from_pretrained(toy / "model")
+    own_ids: dict[str, list[int]] = {}
+    contexts = Counter()
+    checked = 0
+    for text in toy_texts(toy):
+        encoding = tokenizer(text, return_offsets_mapping=True, add_special_tokens=False)
+        spans = list(zip(encoding["input_ids"], encoding["offset_mapping"]))
+        for match in re.finditer(r"[A-Za-z]+|[0-9]+", text):
+            unit = match.group()
+            if unit not in words and not unit.isdigit():
+                continue
+            covering = [i for i, (start, end) in spans if start < match.end() and end > match.start()]
+            inside = [i for i, (start, end) in spans if start >= match.start() and end <= match.end()]
+            # its tokens start and end exactly at the word: nothing glued on either side
+            assert covering == inside, (unit, text[max(0, match.start() - 30) : match.end() + 10])
+            expected = own_ids.setdefault(unit, tokenizer.encode(unit, add_special_tokens=False))
+            assert inside == expected, (unit, text[max(0, match.start() - 30) : match.end() + 10])
+            contexts[text[match.start() - 1] if match.start() else "^"] += 1
+            checked += 1
+    assert checked > 30000
+    # the contexts that glued a character to a word before: space, quote, brace, tag, newline
+    assert {" ", '"', "{", ">", "\n", "("} <= set(contexts)
+    assert all(len(own_ids[w]) == 1 for w in own_ids if not w.isdigit())
 
 
 def test_model_loads_with_the_tokenizers_vocab_and_a_vllm_friendly_head_size(toy):

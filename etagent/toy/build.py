@@ -29,7 +29,7 @@ from omegaconf import DictConfig, OmegaConf
 
 from etagent import protocol
 from etagent.records import SFTExample, TrajectoryGroup, write_jsonl, write_manifest
-from etagent.toy.model import build_model, save_policy, train_tokenizer
+from etagent.toy.model import DIGIT_CHUNKS, build_model, save_policy, train_tokenizer
 from etagent.toy.seeds import BEHAVIOURS, ToySearch, write_trajectory
 from etagent.toy.world import make_questions, make_world
 
@@ -82,7 +82,7 @@ def build(cfg: DictConfig, out_dir: Path) -> dict:
 
     texts = [protocol.SYSTEM_PROMPT] + [d["contents"] for d in corpus]
     texts += [q.question.question for q in train + test] + [t.text for g in groups for t in g.trajectories]
-    tokenizer = train_tokenizer(texts, cfg.tokenizer.vocab_size)
+    tokenizer = train_tokenizer(texts, cfg.tokenizer.vocab_size, world.made_up_words())
     for g in groups:
         for t in g.trajectories:
             t.n_tokens = len(tokenizer.encode(t.text))
@@ -99,6 +99,7 @@ def build(cfg: DictConfig, out_dir: Path) -> dict:
         intermediate_size=m.intermediate_size,
         max_positions=m.max_positions,
         seed=cfg.seed,
+        token_classes=[tokenizer.convert_tokens_to_ids(world.made_up_words()), tokenizer.convert_tokens_to_ids(DIGIT_CHUNKS)],
     )
     model_dir = save_policy(model, tokenizer, out_dir / "model")
     check_token_ids_survive_reload(tokenizer, model_dir, texts + [s.response for s in sft[:50]])

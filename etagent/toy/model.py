@@ -1,11 +1,20 @@
 """The tiny policy: a byte-level BPE tokenizer trained on the toy text and a small Qwen2 model.
 
-The tokenizer uses Qwen2's own pre-tokenizer (its split regex, then byte-level, one token per
-digit) so that ``AutoTokenizer`` reloading the folder as ``Qwen2Tokenizer`` (which it does
-because ``config.json`` says ``qwen2``) reproduces the same token ids. The protocol's tags, and
+The tokenizer uses Qwen2's own pre-tokenizer (its split regex, then byte-level) so that
+``AutoTokenizer`` reloading the folder reproduces the same token ids. The protocol's tags, and
 the whole system prompt, are single added tokens (not special: decoding keeps them); the chat
 markers ``<|im_start|>`` and ``<|im_end|>`` are special tokens, ``<|im_end|>`` is EOS and
 ``<|endoftext|>`` pads, as in Qwen2. The chat template is ChatML.
+
+Copying is what the toy policy has to learn (a name from the question into a query, a number from
+a result into code or the answer), and a tiny model learns to copy a token long before it learns
+to copy a token sequence that looks different in every context. So every word the toy world makes
+up (names, professions) is one token wherever it appears, whether a space, ``{``, ``"``, a tag
+or a newline precedes it; Qwen2's pre-tokenizer alone would glue that preceding character to the
+word. Numbers are split into chunks of up to three digits from the left (``1873`` -> ``187 3``), as
+GPT-4's tokenizer does, instead of Qwen2's single digits: a 6-digit result is two tokens to copy,
+not six near-identical ones. Both are added tokens, matched before pre-tokenization, so the
+property does not depend on the pre-tokenizer (tested over the whole toy corpus).
 
 The model is a Qwen2 architecture with randomly initialised weights: it knows nothing until SFT
 trains it. Its attention head size must be one vLLM's CPU kernels accept (32, 64, 80, ...).
@@ -36,8 +45,14 @@ CHATML_TEMPLATE = (
 )
 
 
-def train_tokenizer(texts: Iterable[str], vocab_size: int):
-    """A byte-level BPE tokenizer for the toy text, wrapped for transformers."""
+# Every string of one to three digits ("7", "07", "007", ...): with leftmost-longest matching of
+# added tokens, a run of digits splits into three-digit chunks from the left.
+DIGIT_CHUNKS = [f"{i:0{width}d}" for width in (1, 2, 3) for i in range(10**width)]
+
+
+def train_tokenizer(texts: Iterable[str], vocab_size: int, words: Iterable[str] = ()):
+    """A byte-level BPE tokenizer for the toy text, wrapped for transformers; each of ``words``
+    (whole words only) and each digit chunk is one token wherever it appears."""
     from tokenizers import AddedToken, Regex, Tokenizer, decoders, models, pre_tokenizers, trainers
     from transformers import PreTrainedTokenizerFast
 
@@ -57,6 +72,9 @@ def train_tokenizer(texts: Iterable[str], vocab_size: int):
     )
     tokenizer.train_from_iterator(texts, trainer)
     tokenizer.add_tokens([AddedToken(tag, special=False, normalized=False) for tag in protocol.TAG_STRINGS])
+    # single_word: a name never matches inside a longer word (a city named after a river).
+    tokenizer.add_tokens([AddedToken(word, special=False, normalized=False, single_word=True) for word in sorted(set(words))])
+    tokenizer.add_tokens([AddedToken(chunk, special=False, normalized=False) for chunk in DIGIT_CHUNKS])
     # The system prompt is the same in every sequence; as one token it costs the tiny model
     # nothing to read, and every sequence gets about 380 tokens shorter (most of the CPU time
     # of SFT and RL on the toy world). Text and ids still round-trip exactly.
@@ -67,9 +85,27 @@ def train_tokenizer(texts: Iterable[str], vocab_size: int):
 
 
 def build_model(
-    tokenizer, *, hidden_size: int, layers: int, heads: int, kv_heads: int, intermediate_size: int, max_positions: int, seed: int
+    tokenizer,
+    *,
+    hidden_size: int,
+    layers: int,
+    heads: int,
+    kv_heads: int,
+    intermediate_size: int,
+    max_positions: int,
+    seed: int,
+    token_classes: Iterable[Iterable[int]] = (),
 ):
-    """A randomly initialised Qwen2 causal LM sized for the tokenizer (vocab = len(tokenizer))."""
+    """A randomly initialised Qwen2 causal LM sized for the tokenizer (vocab = len(tokenizer)).
+
+    Each group of ids in ``token_classes`` (the toy world's made-up words, the digit chunks)
+    starts with one random direction shared by its embeddings, as large as each embedding's own
+    random part. A pretrained model knows that an unseen name is a name; a model from scratch
+    sees each of 600 names a few times and has to learn that about every one of them before it
+    can learn to copy them. With the shared part, "attend to the name in the question" and
+    "write a name here" work for every name from the first step, and SFT only has to learn the
+    copying itself. Tied embeddings carry the same part into the output layer.
+    """
     import torch
     from transformers import GenerationConfig, Qwen2Config, Qwen2ForCausalLM
 
@@ -90,6 +126,10 @@ def build_model(
     )
     torch.manual_seed(seed)
     model = Qwen2ForCausalLM(config)
+    with torch.no_grad():
+        embeddings = model.get_input_embeddings().weight
+        for ids in token_classes:
+            embeddings[list(ids)] += torch.randn(hidden_size) * config.initializer_range
     model.generation_config = GenerationConfig(eos_token_id=tokenizer.eos_token_id, pad_token_id=tokenizer.pad_token_id, bos_token_id=None)
     return model
 

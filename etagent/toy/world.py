@@ -109,6 +109,13 @@ class World:
     cities: list[City] = field(default_factory=list)
     people: list[Person] = field(default_factory=list)
 
+    def made_up_words(self) -> list[str]:
+        """Every word of the world that a solver copies rather than writes: names of people,
+        cities and rivers, and the profession words (``lighthouse keeper`` is two)."""
+        names = {p.first for p in self.people} | {p.last for p in self.people}
+        names |= {c.name for c in self.cities} | {c.river for c in self.cities}
+        return sorted(names | {word for profession in PROFESSIONS for word in profession.split()})
+
     def corpus(self) -> list[dict]:
         """The retrieval corpus in the FlashRAG/Search-R1 format: ``contents`` is the quoted title,
         a newline and the passage."""
@@ -225,7 +232,7 @@ def make_questions(world: World, rng: random.Random, per_kind: int, prefix: str,
     """per_kind questions of each kind whose text is not in ``exclude`` (which is updated)."""
     out: list[ToyQuestion] = []
     for kind in KINDS:
-        made = 0
+        made, repeats = 0, 0
         while made < per_kind:
             if kind == "search":
                 text, answer, entity, fact = _search_question(rng, world)
@@ -240,10 +247,16 @@ def make_questions(world: World, rng: random.Random, per_kind: int, prefix: str,
                 text, answer, entity = _none_question(rng, world)
                 fact, code, searches, src_kind = None, None, [], "qa"
             if text in exclude:
+                # search and none questions are bounded by the world's entities: fail clearly
+                # instead of looping when more are asked for than the world can phrase.
+                repeats += 1
+                if repeats > 1000 * per_kind:
+                    raise ValueError(f"the world has fewer than {per_kind} distinct {kind!r} questions left; add people or cities")
                 continue
             exclude.add(text)
             qid = f"{prefix}-{kind}-{made:04d}"
-            question = Question(id=qid, question=text, answer=[answer], source=f"toy_{kind}", kind=src_kind)
+            needed = {"search": len(searches), "python": int(code is not None)}
+            question = Question(id=qid, question=text, answer=[answer], source=f"toy_{kind}", kind=src_kind, needed_calls=needed)
             out.append(ToyQuestion(question, kind, searches, code, fact, entity))
             made += 1
     return out
