@@ -16,9 +16,9 @@ from fastapi import FastAPI, Request
 from fastapi.responses import JSONResponse
 
 from etagent.config import load_config
-from evaluation.benchmarks import BENCHMARKS, benchmark_file, load_benchmark
 from etagent.records import Question, ToolCallRecord, Trajectory
 from etagent.scoring import call_behaviour
+from evaluation.benchmarks import BENCHMARKS, benchmark_file, load_benchmark
 from evaluation.metrics import aggregate, behaviour, correctness, sample_metrics
 from radar.metrics import execution, majority_redundant, paper_result_ok, parse_redundancy
 from tests.conftest import TOKEN
@@ -146,7 +146,12 @@ def toy_sample(source: str, needed: dict, calls: list[str], right: bool) -> tupl
 
 
 def test_behaviour_per_kind_on_hand_made_groups():
-    search, python, both, none = {"search": 1, "python": 0}, {"search": 0, "python": 1}, {"search": 1, "python": 1}, {"search": 0, "python": 0}
+    search, python, both, none = (
+        {"search": 1, "python": 0},
+        {"search": 0, "python": 1},
+        {"search": 1, "python": 1},
+        {"search": 0, "python": 0},
+    )
     questions = [
         [toy_sample("toy_search", search, ["search"], True), toy_sample("toy_search", search, ["search", "search"], True)],
         [toy_sample("toy_search", search, [], False), toy_sample("toy_search", search, ["search"], False)],
