@@ -146,11 +146,16 @@ def test_model_loads_with_the_tokenizers_vocab_and_a_vllm_friendly_head_size(toy
 def test_questions_cover_four_kinds_and_test_is_held_out(toy):
     train = read_questions(toy / "questions" / "train.jsonl")
     test = read_questions(toy / "questions" / "test.jsonl")
-    assert Counter(q.source for q in train) == {"toy_search": 300, "toy_python": 300, "toy_both": 300, "toy_none": 300}
+    assert Counter(q.source for q in train) == {"toy_search": 500, "toy_python": 500, "toy_both": 500, "toy_none": 500}
     assert Counter(q.source for q in test) == {"toy_search": 50, "toy_python": 50, "toy_both": 50, "toy_none": 50}
     assert not {q.question for q in train} & {q.question for q in test}
     assert {q.kind for q in train if q.source in ("toy_python", "toy_both")} == {"math"}
     assert {q.kind for q in train if q.source in ("toy_search", "toy_none")} == {"qa"}
+    # held-out questions are asked in the served world, training questions in its 8 versions
+    assert all(q.needed_calls is not None for q in train + test)
+    per_version = Counter(q.model_extra["world_version"] for q in train)
+    assert set(per_version) == set(range(1, 9)) and all(248 <= n <= 252 for n in per_version.values())  # 500/8 per kind
+    assert all("world_version" not in q.model_extra for q in test)
 
 
 NEEDED = {"toy_search": ["search"], "toy_python": ["python"], "toy_both": ["search", "python"], "toy_none": []}
@@ -182,17 +187,29 @@ def test_seed_trajectories_show_the_behaviour_they_claim(toy):
 
 
 def test_seed_tool_results_are_real_tool_outputs(toy):
+    """Each seed's results are what the tools return in the world version its question was asked
+    in (training_worlds/{k}.jsonl: the same names, other facts), never the served world's."""
     groups = read_jsonl(toy / "seed_trajectories.jsonl", TrajectoryGroup)
-    corpus = [json.loads(line) for line in (toy / "corpus.jsonl").read_text().splitlines()]
     cfg = json.loads((toy / "manifest.json").read_text())["config"]
-    search = ToySearch(corpus, cfg["tools"]["search"]["top_k"], cfg["tools"]["search"]["max_doc_chars"])
-    calls = [c for g in groups for t in g.trajectories for c in t.tool_calls]
-    python_calls = [c for c in calls if c.tool == "python"][:25]
+    versions = {int(p.stem): p for p in (toy / "training_worlds").glob("*.jsonl")}
+    assert sorted(versions) == list(range(1, cfg["world"]["training_versions"] + 1))
+
+    def search_in(path: Path) -> ToySearch:
+        corpus = [json.loads(line) for line in path.read_text().splitlines()]
+        return ToySearch(corpus, cfg["tools"]["search"]["top_k"], cfg["tools"]["search"]["max_doc_chars"])
+
+    searches = {k: search_in(path) for k, path in versions.items()}
+    served = search_in(toy / "corpus.jsonl")
+    calls = [(t.provenance["world_version"], c) for g in groups for t in g.trajectories for c in t.tool_calls]
+    python_calls = [c for _, c in calls if c.tool == "python"][:25]
     for call in python_calls:  # the output a fresh interpreter prints for the same code
         real = subprocess.run([sys.executable, "-c", call.input], capture_output=True, text=True, check=True).stdout.strip()
         assert call.output == real
-    for call in [c for c in calls if c.tool == "search"][:200]:
-        assert call.output == search(call.input)
+    search_calls = [(k, c) for k, c in calls if c.tool == "search"][:200]
+    for k, call in search_calls:
+        assert call.output == searches[k](call.input)
+    # the versions really differ from the served world: most results would read differently there
+    assert sum(call.output != served(call.input) for _, call in search_calls) > 0.8 * len(search_calls)
     # and each result is inserted in the protocol's format
     t = next(t for g in groups for t in g.trajectories if t.tool_calls)
     assert protocol.tool_results(t.text) == [c.output for c in t.tool_calls]

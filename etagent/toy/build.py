@@ -4,7 +4,9 @@
 
 Writes, deterministically from ``seed``:
 
-    corpus.jsonl                 retrieval corpus (id, title, contents)
+    corpus.jsonl                 retrieval corpus (id, title, contents): the served world
+    training_worlds/{k}.jsonl    the corpora of the world versions the training questions are
+                                 asked in (same names, redrawn facts; see World.with_redrawn_facts)
     questions/train.jsonl        training questions, four kinds (see etagent.toy.world)
     questions/test.jsonl         held-out questions
     seed_trajectories.jsonl      trajectories for the training questions (etagent.toy.seeds)
@@ -57,21 +59,35 @@ def build(cfg: DictConfig, out_dir: Path) -> dict:
 
     seen: set[str] = set()
     test = make_questions(world, rng, cfg.questions.test_per_kind, "test", seen)
-    train = make_questions(world, rng, cfg.questions.train_per_kind, "train", seen)
-    write_jsonl(out_dir / "questions" / "train.jsonl", [q.question for q in train])
+    # Training questions are asked in versions of the world with redrawn facts (World.
+    # with_redrawn_facts), each with its own corpus, so the facts of held-out questions are never
+    # in the training data; 0 versions asks them in the served world itself.
+    versions = [world.with_redrawn_facts(rng) for _ in range(cfg.world.training_versions)] or [world]
+    train, searches = [], {}
+    for k, version in enumerate(versions, start=1 if cfg.world.training_versions else 0):
+        share = cfg.questions.train_per_kind // len(versions) + (k <= cfg.questions.train_per_kind % len(versions))
+        version_corpus = version.corpus()
+        if version is not world:
+            write_jsonl(out_dir / "training_worlds" / f"{k}.jsonl", version_corpus)
+        searches[k] = ToySearch(version_corpus, cfg.tools.search.top_k, cfg.tools.search.max_doc_chars)
+        for q in make_questions(version, rng, share, f"train-w{k}", seen):
+            q.question.world_version = k
+            train.append((k, version, q))
+    write_jsonl(out_dir / "questions" / "train.jsonl", [q.question for _, _, q in train])
     write_jsonl(out_dir / "questions" / "test.jsonl", [q.question for q in test])
 
-    search = ToySearch(corpus, cfg.tools.search.top_k, cfg.tools.search.max_doc_chars)
     mix = {b: float(cfg.seeds.mix[b]) for b in BEHAVIOURS}
     groups = []
-    for q in train:
+    for k, version, q in train:
         trajectories = []
-        for k in range(cfg.seeds.per_question):
+        for i in range(cfg.seeds.per_question):
             behaviour = rng.choices(list(mix), weights=list(mix.values()))[0]
-            trajectory = write_trajectory(q, behaviour, world, search, rng)
-            trajectory.id = f"{q.question.id}/seed{k}"
+            trajectory = write_trajectory(q, behaviour, version, searches[k], rng)
+            trajectory.id = f"{q.question.id}/seed{i}"
+            trajectory.provenance["world_version"] = k
             trajectories.append(trajectory)
         groups.append(TrajectoryGroup.for_question(q.question, trajectories))
+    train = [q for _, _, q in train]
 
     sft = [
         SFTExample.from_trajectory(t.id, g.question, t.text, source=g.source, provenance=t.provenance)

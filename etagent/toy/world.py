@@ -2,8 +2,10 @@
 
 Everything is generated from a seed, so a world is reproducible byte for byte. The names are
 invented syllable strings, so no pretrained knowledge can answer a question: facts must be
-searched. Arithmetic uses 3-5 digit numbers, which a tiny model cannot do in its head: it must
-call Python. The four kinds of question are what the paper's behaviour calibration is about:
+searched. The world's calendar and towns are small, so every number a solver copies (a year, a
+population, an operand, a result) is below 1000: one token of the toy tokenizer, copied in one
+step (etagent.toy.model). The arithmetic still needs Python: a tiny model cannot multiply 37 by
+24, add three 3-digit numbers or take a remainder in its head. The four kinds of question are what the paper's behaviour calibration is about:
 
 - ``search``: one fact about one entity (needs exactly one search);
 - ``python``: arithmetic on numbers given in the question (needs exactly one Python call);
@@ -53,10 +55,6 @@ PROFESSIONS = [
 ]
 
 
-def with_article(noun: str) -> str:
-    return ("an " if noun[0] in "aeiou" else "a ") + noun
-
-
 def _syllable(rng: random.Random) -> str:
     return rng.choice(_ONSETS) + rng.choice(_VOWELS) + rng.choice(_CODAS)
 
@@ -67,6 +65,10 @@ def _word(rng: random.Random, syllables: int) -> str:
 
 @dataclass
 class City:
+    """A city; its passage states each fact in a sentence of its own, and a solver's reasoning
+    quotes that sentence as it stands (copying a contiguous span is what a tiny model learns
+    first)."""
+
     name: str
     river: str
     founded: int
@@ -79,7 +81,7 @@ class City:
     def passage(self) -> str:
         return (
             f"{self.name} is a city on the river {self.river}. "
-            f"{self.name} was founded in {self.founded} and has {self.population} inhabitants."
+            f"{self.name} was founded in {self.founded}. {self.name} has {self.population} inhabitants."
         )
 
 
@@ -100,7 +102,10 @@ class Person:
         return self.name
 
     def passage(self) -> str:
-        return f"{self.name} is {with_article(self.profession)}. {self.name} was born in {self.born} in {self.city}."
+        return (
+            f"The profession of {self.name} is {self.profession}. "
+            f"{self.name} was born in {self.born}. {self.name} was born in the city of {self.city}."
+        )
 
 
 @dataclass
@@ -108,6 +113,26 @@ class World:
     seed: int
     cities: list[City] = field(default_factory=list)
     people: list[Person] = field(default_factory=list)
+
+    def with_redrawn_facts(self, rng: random.Random) -> World:
+        """The same people, cities and rivers with every fact drawn anew (years, populations,
+        professions, home cities, which river a city is on).
+
+        Training questions are asked in such versions of the world, held-out questions in the
+        served one: a policy cannot learn who was born when from its training data and must read
+        it from its search results. Without this a tiny model learns the facts of the training
+        trajectories and recites them, wrongly, for held-out questions about the same people.
+        """
+        rivers = [c.river for c in self.cities]
+        rng.shuffle(rivers)
+        cities = [
+            City(c.name, river, founded=rng.randint(100, 899), population=rng.randint(100, 599)) for c, river in zip(self.cities, rivers)
+        ]
+        people = [
+            Person(p.first, p.last, born=rng.randint(100, 899), city=rng.choice(cities).name, profession=rng.choice(PROFESSIONS))
+            for p in self.people
+        ]
+        return World(seed=self.seed, cities=cities, people=people)
 
     def made_up_words(self) -> list[str]:
         """Every word of the world that a solver copies rather than writes: names of people,
@@ -142,12 +167,12 @@ def make_world(seed: int, n_people: int, n_cities: int) -> World:
     for _ in range(n_cities):
         name = fresh(lambda: _word(rng, rng.choice([1, 2])) + rng.choice(_CITY_SUFFIXES))
         river = fresh(lambda: _word(rng, 2))
-        world.cities.append(City(name, river, founded=rng.randint(800, 1850), population=rng.randint(1200, 990000)))
+        world.cities.append(City(name, river, founded=rng.randint(100, 899), population=rng.randint(100, 599)))
     for _ in range(n_people):
         first = _word(rng, 2)
         last = fresh(lambda: _word(rng, 2))
         world.people.append(
-            Person(first, last, born=rng.randint(1600, 1990), city=rng.choice(world.cities).name, profession=rng.choice(PROFESSIONS))
+            Person(first, last, born=rng.randint(100, 899), city=rng.choice(world.cities).name, profession=rng.choice(PROFESSIONS))
         )
     return world
 
@@ -176,32 +201,33 @@ def _search_question(rng: random.Random, world: World) -> tuple[str, str, str, s
         if template == "born":
             return f"In which year was {p.name} born?", str(p.born), p.name, f"{p.name} was born in {p.born}"
         if template == "profession":
-            return f"What is the profession of {p.name}?", p.profession, p.name, f"{p.name} is {with_article(p.profession)}"
-        return f"In which city was {p.name} born?", p.city, p.name, f"{p.name} was born in {p.city}"
+            return f"What is the profession of {p.name}?", p.profession, p.name, f"the profession of {p.name} is {p.profession}"
+        return f"In which city was {p.name} born?", p.city, p.name, f"{p.name} was born in the city of {p.city}"
     c = rng.choice(world.cities)
     if rng.random() < 0.5:
-        return f"On which river is {c.name}?", c.river, c.name, f"{c.name} is on the river {c.river}"
+        return f"On which river is {c.name}?", c.river, c.name, f"{c.name} is a city on the river {c.river}"
     return f"In which year was {c.name} founded?", str(c.founded), c.name, f"{c.name} was founded in {c.founded}"
 
 
 def _python_question(rng: random.Random) -> tuple[str, str, str]:
-    """(question, answer, code) for arithmetic on numbers in the question."""
-    form = rng.choice(["product", "sum", "power"])
+    """(question, answer, code) for arithmetic on numbers in the question; every number < 1000."""
+    form = rng.choice(["product", "sum", "remainder"])
     if form == "product":
-        a, b = rng.randint(101, 9999), rng.randint(101, 9999)
+        a = rng.randint(11, 90)
+        b = rng.randint(11, 999 // a)
         return f"What is {a} multiplied by {b}?", str(a * b), f"print({a} * {b})"
     if form == "sum":
-        a, b, c = (rng.randint(1001, 99999) for _ in range(3))
+        a, b, c = (rng.randint(100, 333) for _ in range(3))
         return f"What is the sum of {a}, {b} and {c}?", str(a + b + c), f"print({a} + {b} + {c})"
-    base, exp = rng.randint(3, 19), rng.randint(5, 9)
-    return f"What is {base} to the power of {exp}?", str(base**exp), f"print({base} ** {exp})"
+    a, b = rng.randint(100, 999), rng.randint(11, 99)
+    return f"What is the remainder of {a} divided by {b}?", str(a % b), f"print({a} % {b})"
 
 
 def _both_question(rng: random.Random, world: World) -> tuple[str, str, str, str, str]:
     """(question, answer, entity, fact phrase, code): look up a number, then compute with it."""
     if rng.random() < 0.6:
         p = rng.choice(world.people)
-        year = rng.randint(2000, 2100)
+        year = rng.randint(900, 999)
         return (
             f"How old would {p.name} be in the year {year}?",
             str(year - p.born),
@@ -210,13 +236,13 @@ def _both_question(rng: random.Random, world: World) -> tuple[str, str, str, str
             f"print({year} - {p.born})",
         )
     c = rng.choice(world.cities)
-    k = rng.randint(3, 97)
+    k = rng.randint(100, 399)
     return (
-        f"What is {k} times the population of {c.name}?",
-        str(k * c.population),
+        f"How many inhabitants would {c.name} have with {k} more?",
+        str(c.population + k),
         c.name,
         f"{c.name} has {c.population} inhabitants",
-        f"print({k} * {c.population})",
+        f"print({c.population} + {k})",
     )
 
 
