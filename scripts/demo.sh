@@ -15,7 +15,7 @@ echo "== 2/5 retriever index over the toy corpus -> $RUN/index"
 python -m retriever.build corpus="$RUN/toy/corpus.jsonl" index_dir="$RUN/index"
 
 echo
-echo "== 3/5 SFT of the tiny model on the seed trajectories, tool results masked -> $RUN/sft (a few minutes)"
+echo "== 3/5 SFT of the tiny model on the seed trajectories, tool results masked -> $RUN/sft (about 5 minutes)"
 python -m sft.run model="$RUN/toy/model" data.path="$RUN/toy/sft.jsonl" out_dir="$RUN/sft" train.progress_bar=false
 
 echo
@@ -38,7 +38,6 @@ PY
 python -m evaluation.run engine.model="$RUN/sft/model" files.toy="$RUN/toy/questions/test.jsonl" out_dir="$RUN/eval" \
   run_name=toy-sft n=2 tools.search.local.url="http://127.0.0.1:$PORT"
 kill $SERVER
-cat "$RUN/eval/summary.md"
 python - "$RUN/eval/toy" <<'PY'
 import json, sys
 from pathlib import Path
