@@ -41,9 +41,13 @@ def search_questions(toy: Path):
     return out
 
 
-def test_health_reports_the_index(server):
+def test_health_reports_the_index(server, toy):
     health = httpx.get(f"{server}/health").json()
-    assert health["status"] == "ok" and health["documents"] == 300 and health["index"] == "IndexFlatIP"
+    assert (
+        health["status"] == "ok"
+        and health["documents"] == len((toy / "corpus.jsonl").read_text().splitlines())
+        and health["index"] == "IndexFlatIP"
+    )
     assert health["methods"] == ["dense", "bm25", "hybrid"] and "minilm" in health["encoder"]
 
 
@@ -197,11 +201,12 @@ def test_kill_9_during_build_then_rerun_gives_the_same_index(toy, tmp_path):
     proc.send_signal(signal.SIGKILL)
     proc.wait()
     done_before = len(list((killed / "embeddings").glob("part-*.npy")))
-    assert 4 <= done_before < 15 and not (killed / "index.faiss").exists()
+    passages = len(corpus.read_text().splitlines())
+    assert 4 <= done_before < -(-passages // 20) and not (killed / "index.faiss").exists()
 
     resumed = build_index(corpus, killed, *settings)
     assert fingerprint(killed) == fingerprint(whole)
-    assert json.loads((killed / "manifest.json").read_text())["counts"]["passages"] == 300
+    assert json.loads((killed / "manifest.json").read_text())["counts"]["passages"] == passages
     assert "index in" in resumed.stdout
 
 
