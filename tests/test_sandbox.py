@@ -246,6 +246,23 @@ def test_200_concurrent_calls_are_correct_and_leak_nothing(sandbox):
     assert (fds(), temp_dirs()) == before
 
 
+def test_concurrent_first_calls_wait_for_the_server_to_start():
+    """The first calls on a sandbox nobody started all arrive while its server is starting: each
+    must wait for it, not use a process that has not said it is ready (this once failed 46 calls
+    of a rollout with "no attribute '_socket_path'")."""
+
+    async def first_calls(sb):
+        return await asyncio.gather(*(sb.run(f"print({i} * 2)") for i in range(16)))
+
+    sb = PythonSandbox(limits=LIMITS)
+    try:
+        results = asyncio.run(first_calls(sb))
+    finally:
+        sb.close()
+    assert [r.stdout.strip() for r in results] == [str(i * 2) for i in range(16)]
+    assert all(r.error is None for r in results)
+
+
 def test_rlimits_fallback_still_limits_and_cleans_up():
     limits = SandboxLimits(timeout_s=2.0, memory_mb=512, open_files=64)
     with PythonSandbox(limits=limits, isolation="rlimits") as sb:

@@ -175,6 +175,9 @@ class PythonSandbox:
         self.zygote_pid: int | None = None
         self._process: subprocess.Popen | None = None
         self._dir: str | None = None
+        # Set only once the server has said it is ready: concurrent first calls wait in start()
+        # until then (a live but still starting process must not be used).
+        self._socket_path: str | None = None
         self._lock = threading.Lock()
         self._semaphores: dict[asyncio.AbstractEventLoop, asyncio.Semaphore] = {}
 
@@ -182,8 +185,9 @@ class PythonSandbox:
 
     def start(self) -> PythonSandbox:
         with self._lock:
-            if self._process is not None and self._process.poll() is None:
+            if self._ready():
                 return self
+            self._socket_path = None
             self._dir = tempfile.mkdtemp(prefix="etagent-sandbox-")
             root = os.path.join(self._dir, "root")
             os.mkdir(root)
@@ -218,8 +222,12 @@ class PythonSandbox:
                 log.warning("python sandbox: isolation is %s only: %s", self.isolation, self.isolation_note)
             return self
 
+    def _ready(self) -> bool:
+        return self._socket_path is not None and self._process is not None and self._process.poll() is None
+
     def close(self) -> None:
         with self._lock:
+            self._socket_path = None
             if self._process is not None:
                 self._process.stdin.close()  # the server exits on EOF
                 try:
@@ -255,7 +263,7 @@ class PythonSandbox:
 
     async def run(self, code: str, timeout_s: float | None = None) -> ExecutionResult:
         """Run code; never raises for anything the code does (see ExecutionResult.error)."""
-        if self._process is None or self._process.poll() is not None:
+        if not self._ready():
             await asyncio.to_thread(self.start)
         timeout = self.limits.timeout_s if timeout_s is None else timeout_s
         request = {
