@@ -213,8 +213,8 @@ def test_two_process_cpu_run_trains_and_saves_a_working_model(toy, tmp_path):
 # Held-out questions the tiny preset answered right in the measured run, two of each kind: a
 # regression in the toy world, its tokenizer or the SFT recipe shows here first.
 HANDFUL = [
-    "test-search-0002",
     "test-search-0003",
+    "test-search-0004",
     "test-python-0000",
     "test-python-0001",
     "test-both-0005",
@@ -274,11 +274,11 @@ def test_tiny_preset_answers_held_out_questions_with_the_right_tools(sft_model, 
     calls = [c for g in groups for c in g.trajectories[0].tool_calls]
     assert len(groups) == 200
     assert sum(c.ok for c in calls) >= 0.95 * len(calls)  # the tools really answered
-    assert final_loss < 0.1  # measured: 0.038
+    assert final_loss < 0.1  # measured: 0.052
     assert valid >= 0.95
     assert right >= 0.9
-    # measured on 2 cores: 0.63 (search 0.64, python 0.60, both 0.34, none 0.94); the bounds leave
+    # measured on 2 cores: 0.82 (search 0.74, python 0.92, both 0.62, none 1.00); the bounds leave
     # room for a different CPU's arithmetic, not for a regression
-    assert sum(correct.values()) / len(correct) >= 0.5
-    assert all(sum(v) / len(v) >= 0.25 for v in per_kind.values()), per_kind
+    assert sum(correct.values()) / len(correct) >= 0.65
+    assert all(sum(v) / len(v) >= 0.4 for v in per_kind.values()), per_kind
     assert sum(correct[i] for i in HANDFUL) >= 6, [(i, correct[i]) for i in HANDFUL]

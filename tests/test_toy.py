@@ -10,6 +10,7 @@ import sys
 from collections import Counter
 from pathlib import Path
 
+import pytest
 import torch
 from transformers import AutoModelForCausalLM, AutoTokenizer
 
@@ -19,7 +20,7 @@ from etagent.records import SFTExample, TrajectoryGroup, read_jsonl, read_questi
 from etagent.toy.build import run
 from etagent.toy.seeds import ToySearch
 
-SMALL = ["world.people=40", "world.cities=10", "questions.train_per_kind=20", "questions.test_per_kind=5", "tokenizer.vocab_size=600"]
+SMALL = ["world.people=40", "world.cities=10", "questions.train.search=20", "questions.train.python=20", "questions.train.both=20", "questions.train.none=20", "questions.test_per_kind=5", "tokenizer.vocab_size=600"]
 
 
 def sha(path: Path) -> str:
@@ -146,15 +147,17 @@ def test_model_loads_with_the_tokenizers_vocab_and_a_vllm_friendly_head_size(toy
 def test_questions_cover_four_kinds_and_test_is_held_out(toy):
     train = read_questions(toy / "questions" / "train.jsonl")
     test = read_questions(toy / "questions" / "test.jsonl")
-    assert Counter(q.source for q in train) == {"toy_search": 500, "toy_python": 500, "toy_both": 500, "toy_none": 500}
+    assert Counter(q.source for q in train) == {"toy_search": 2000, "toy_python": 1400, "toy_both": 2000, "toy_none": 600}
     assert Counter(q.source for q in test) == {"toy_search": 50, "toy_python": 50, "toy_both": 50, "toy_none": 50}
     assert not {q.question for q in train} & {q.question for q in test}
+    # a text is asked at most once per version (in two versions it has two answers)
+    assert len({(q.model_extra["world_version"], q.question) for q in train}) == len(train)
     assert {q.kind for q in train if q.source in ("toy_python", "toy_both")} == {"math"}
     assert {q.kind for q in train if q.source in ("toy_search", "toy_none")} == {"qa"}
     # held-out questions are asked in the served world, training questions in its 8 versions
     assert all(q.needed_calls is not None for q in train + test)
     per_version = Counter(q.model_extra["world_version"] for q in train)
-    assert set(per_version) == set(range(1, 9)) and all(248 <= n <= 252 for n in per_version.values())  # 500/8 per kind
+    assert set(per_version) == set(range(1, 9)) and all(n == 750 for n in per_version.values())  # 6000/8
     assert all("world_version" not in q.model_extra for q in test)
 
 
@@ -241,3 +244,13 @@ def test_cli_build_then_rerun_is_a_no_op_and_a_config_change_is_refused(tmp_path
     assert json.loads((out / "manifest.json").read_text())["finished_at"] == manifest["finished_at"]
     changed = subprocess.run(args + ["seed=5"], capture_output=True, text=True, timeout=300)
     assert changed.returncode != 0 and "different config" in changed.stderr
+
+
+def test_question_counts_the_config_or_the_world_cannot_give_are_clear_errors(tmp_path):
+    missing = SMALL + [f"out_dir={tmp_path / 'a'}", "~questions.train.none"]
+    with pytest.raises(ValueError, match="questions.train: give a count for each of search, python, both, none"):
+        run(load_config("toy", "tiny", missing))
+    # 40 people can be asked 80 distinct 'none' questions per world version
+    too_many = SMALL + [f"out_dir={tmp_path / 'b'}", "questions.train.none=800"]
+    with pytest.raises(ValueError, match="fewer than 100 distinct 'none' questions"):
+        run(load_config("toy", "tiny", too_many))

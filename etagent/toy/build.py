@@ -33,7 +33,7 @@ from etagent import protocol
 from etagent.records import SFTExample, TrajectoryGroup, write_jsonl, write_manifest
 from etagent.toy.model import DIGIT_CHUNKS, build_model, save_policy, train_tokenizer
 from etagent.toy.seeds import BEHAVIOURS, ToySearch, write_trajectory
-from etagent.toy.world import make_questions, make_world
+from etagent.toy.world import KINDS, make_questions, make_world
 
 
 def check_token_ids_survive_reload(tokenizer, model_dir: Path, texts: list[str]) -> None:
@@ -57,20 +57,24 @@ def build(cfg: DictConfig, out_dir: Path) -> dict:
     corpus = world.corpus()
     write_jsonl(out_dir / "corpus.jsonl", corpus)
 
-    seen: set[str] = set()
-    test = make_questions(world, rng, cfg.questions.test_per_kind, "test", seen)
+    if set(cfg.questions.train) != set(KINDS):
+        raise ValueError(f"questions.train: give a count for each of {', '.join(KINDS)} (got {', '.join(cfg.questions.train)})")
+    test_texts: set[str] = set()
+    test = make_questions(world, rng, {kind: cfg.questions.test_per_kind for kind in KINDS}, "test", test_texts)
     # Training questions are asked in versions of the world with redrawn facts (World.
     # with_redrawn_facts), each with its own corpus, so the facts of held-out questions are never
     # in the training data; 0 versions asks them in the served world itself.
     versions = [world.with_redrawn_facts(rng) for _ in range(cfg.world.training_versions)] or [world]
     train, searches = [], {}
     for k, version in enumerate(versions, start=1 if cfg.world.training_versions else 0):
-        share = cfg.questions.train_per_kind // len(versions) + (k <= cfg.questions.train_per_kind % len(versions))
+        share = {kind: n // len(versions) + (k <= n % len(versions)) for kind, n in cfg.questions.train.items()}
         version_corpus = version.corpus()
         if version is not world:
             write_jsonl(out_dir / "training_worlds" / f"{k}.jsonl", version_corpus)
         searches[k] = ToySearch(version_corpus, cfg.tools.search.top_k, cfg.tools.search.max_doc_chars)
-        for q in make_questions(version, rng, share, f"train-w{k}", seen):
+        # A question text is asked at most once per version and never as a held-out question; in
+        # two versions the same text has two answers, so only the lookup tells them apart.
+        for q in make_questions(version, rng, share, f"train-w{k}", set(test_texts)):
             q.question.world_version = k
             train.append((k, version, q))
     write_jsonl(out_dir / "questions" / "train.jsonl", [q.question for _, _, q in train])

@@ -21,6 +21,7 @@ What this module does not do: write trajectories (``etagent.toy.seeds``) or buil
 from __future__ import annotations
 
 import random
+from collections.abc import Mapping
 from dataclasses import dataclass, field
 
 from etagent.records import Question
@@ -101,9 +102,16 @@ class Person:
     def title(self) -> str:
         return self.name
 
+    @property
+    def works_as(self) -> str:
+        # Worded unlike the question ("What is the profession of X?"), as the other facts are, so
+        # the words before the value in the reasoning match the result and not the question.
+        article = "an" if self.profession[0] in "aeiou" else "a"
+        return f"{self.name} works as {article} {self.profession}"
+
     def passage(self) -> str:
         return (
-            f"The profession of {self.name} is {self.profession}. "
+            f"{self.works_as}. "
             f"{self.name} was born in {self.born}. {self.name} was born in the city of {self.city}."
         )
 
@@ -201,7 +209,7 @@ def _search_question(rng: random.Random, world: World) -> tuple[str, str, str, s
         if template == "born":
             return f"In which year was {p.name} born?", str(p.born), p.name, f"{p.name} was born in {p.born}"
         if template == "profession":
-            return f"What is the profession of {p.name}?", p.profession, p.name, f"the profession of {p.name} is {p.profession}"
+            return f"What is the profession of {p.name}?", p.profession, p.name, p.works_as
         return f"In which city was {p.name} born?", p.city, p.name, f"{p.name} was born in the city of {p.city}"
     c = rng.choice(world.cities)
     if rng.random() < 0.5:
@@ -254,11 +262,11 @@ def _none_question(rng: random.Random, world: World) -> tuple[str, str, str]:
     return f"What is the family name of the {p.profession} {p.name}?", p.last, p.name
 
 
-def make_questions(world: World, rng: random.Random, per_kind: int, prefix: str, exclude: set[str]) -> list[ToyQuestion]:
-    """per_kind questions of each kind whose text is not in ``exclude`` (which is updated)."""
+def make_questions(world: World, rng: random.Random, counts: Mapping[str, int], prefix: str, exclude: set[str]) -> list[ToyQuestion]:
+    """``counts[kind]`` questions of each kind whose text is not in ``exclude`` (which is updated)."""
     out: list[ToyQuestion] = []
     for kind in KINDS:
-        made, repeats = 0, 0
+        per_kind, made, repeats = counts[kind], 0, 0
         while made < per_kind:
             if kind == "search":
                 text, answer, entity, fact = _search_question(rng, world)
