@@ -186,6 +186,10 @@ class TrajectoryGroup(Record):
         fields = question.model_dump()
         return cls(**fields, trajectories=list(trajectories))
 
+    def as_question(self) -> Question:
+        """The question this group answers, with every field it was asked with."""
+        return Question(**self.model_dump(exclude={"trajectories"}))
+
 
 # ---------------------------------------------------------------------------------------------
 # SFT data

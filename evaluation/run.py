@@ -33,7 +33,7 @@ from pathlib import Path
 from omegaconf import DictConfig, OmegaConf
 from tqdm import tqdm
 
-from etagent.records import JsonlAppender, Question, TrajectoryGroup, iter_jsonl, read_jsonl, write_jsonl, write_manifest
+from etagent.records import JsonlAppender, TrajectoryGroup, iter_jsonl, read_jsonl, write_jsonl, write_manifest
 from etagent.sampling import run_sampling
 from evaluation.benchmarks import BENCHMARKS, benchmark_file, load_benchmark
 from evaluation.metrics import aggregate, behaviour, sample_metrics
@@ -92,14 +92,7 @@ def score(cfg: DictConfig, out: Path, judge) -> None:
             batch = todo[start : start + cfg.judge.batch_questions]
             rows = []
             for group in batch:
-                question = Question(
-                    id=group.id,
-                    question=group.question,
-                    answer=group.answer,
-                    source=group.source,
-                    kind=group.kind,
-                    needed_calls=group.needed_calls,
-                )
+                question = group.as_question()
                 rows.append((group, [sample_metrics(t, question) for t in group.trajectories]))
             if judge is not None:
                 needing = [(m, g, t) for g, ms in rows if g.kind in cfg.judge.kinds for m, t in zip(ms, g.trajectories)]
