@@ -12,6 +12,15 @@ text afterwards.
 - ``openai`` (:class:`etagent.llm.openai_engine.OpenAIEngine`): a pool of OpenAI-compatible
   servers (vLLM, SGLang) for served policies and for judge, editor and summariser models.
 
+A request the engine cannot serve (a prompt longer than the context, a server that failed every
+attempt) comes back as a sample with ``finish_reason == "error"`` and the reason in ``error``; the
+other requests of the batch are unaffected.
+
+The lifecycle RL needs is part of the interface: :meth:`Engine.update_weights` (named full tensors,
+checked strictly by :func:`check_weights` before anything is touched), :meth:`Engine.sleep` and
+:meth:`Engine.wake_up` (free and restore accelerator memory around a training step; no-ops where
+there is nothing to free) and ``max_model_len`` (prompt plus response tokens).
+
 Log-probabilities are the model's raw log-softmax, before temperature, top-p or top-k (vLLM's
 default): the same numbers from every engine, and what the trainer recomputes.
 
@@ -42,6 +51,9 @@ class GenerationRequest:
     max_new_tokens: int = 512
     stop: tuple[str, ...] = ()
     logprobs: int = 0
+    # top log-probabilities (and, in the hf engine, exact entropies) only for the first this many
+    # positions of each sample; None: every position. ARPO reads the first 20 of each segment.
+    logprobs_window: int | None = None
     seed: int | None = None
     session: str | None = None  # pins a question to one server in a pool (openai engine)
 
@@ -51,7 +63,8 @@ class Sample:
     """One generated continuation.
 
     ``finish_reason`` is ``stop`` (a stop string was generated; ``stop`` says which; the tokens
-    include it), ``eos`` (an end-of-sequence token, kept as the last token) or ``length``.
+    include it), ``eos`` (an end-of-sequence token, kept as the last token), ``length``, or
+    ``error`` (nothing was generated; ``error`` says why).
     ``top_logprobs[i]`` maps token id to log-probability for the top-k tokens at position i (plus
     the sampled one). ``entropy[i]``, when the engine sees full distributions (hf), is the exact
     entropy of position i's distribution in nats.
@@ -63,17 +76,56 @@ class Sample:
     stop: str | None = None
     top_logprobs: list[dict[int, float]] = field(default_factory=list)
     entropy: list[float] | None = None
+    error: str | None = None
+
+    @classmethod
+    def failed(cls, reason: str) -> Sample:
+        return cls([], [], "error", error=reason)
 
 
 class Engine(Protocol):
     """What every engine provides. ``generate`` blocks; ``agenerate`` can be awaited (in-process
-    engines run ``generate`` in a worker thread)."""
+    engines run ``generate`` in a worker thread).
+
+    ``update_weights`` replaces every weight of the policy (names as in the Hugging Face
+    checkpoint, full unsharded tensors); a wrong, missing or misshapen name raises ``ValueError``
+    and leaves the engine unchanged. ``sleep(level)`` frees accelerator memory while a trainer
+    steps (level 1: the KV cache freed and weights offloaded; level 2: weights discarded too,
+    because an update follows); ``wake_up(tags)`` restores ``"weights"`` and/or ``"kv_cache"``
+    (all when None), so that new weights can be loaded before the cache is re-allocated.
+    """
 
     tokenizer: object
+    max_model_len: int
 
     def generate(self, requests: list[GenerationRequest]) -> list[list[Sample]]: ...
 
     async def agenerate(self, requests: list[GenerationRequest]) -> list[list[Sample]]: ...
+
+    def update_weights(self, weights: dict) -> None: ...
+
+    def sleep(self, level: int = 1) -> None: ...
+
+    def wake_up(self, tags: list[str] | None = None) -> None: ...
+
+
+def check_weights(weights: dict, expected: dict[str, tuple[int, ...]], model: str) -> None:
+    """Refuse a weight update unless it names exactly the model's tensors with their shapes.
+
+    Called before any tensor is touched, so a refused update leaves the engine as it was."""
+    unknown = sorted(set(weights) - set(expected))
+    missing = sorted(set(expected) - set(weights))
+    if unknown or missing:
+        raise ValueError(
+            f"update_weights for {model}: {len(unknown)} unknown name(s) {unknown[:3]}, {len(missing)} missing {missing[:3]}; "
+            "the engine was not touched"
+        )
+    for name, tensor in weights.items():
+        if tuple(tensor.shape) != tuple(expected[name]):
+            raise ValueError(
+                f"update_weights for {model}: {name!r} has shape {tuple(tensor.shape)}, the model expects {tuple(expected[name])}; "
+                "the engine was not touched"
+            )
 
 
 def sample_seed(seed: int | None, index: int) -> int | None:

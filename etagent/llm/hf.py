@@ -1,114 +1,208 @@
 """The ``hf`` engine: a transformers causal LM with our own batched decoding loop.
 
 Rows (request x sample) are decoded together with left padding and a KV cache. Each row has its
-own temperature, top-p, top-k, min-p, repetition penalty, token budget, stop strings and random
-generator, so one batch can mix requests freely and a seeded sample is the same whatever else is
-in its batch. After every token, a row's recent text is checked for its stop strings: the row
-stops on the token that completes one (that token is kept, as vLLM keeps it). EOS ends a row and
-is kept as its last token.
+own temperature, top-k, top-p, min-p, repetition penalty, token budget and stop strings, so one
+batch can mix requests freely. Finished rows leave the batch (their cache rows are dropped), so a
+batch costs what its live rows cost.
 
-Reported log-probabilities and the exact entropy are those of the raw distribution (log-softmax
-of the logits, before the sampling settings), which is what vLLM reports too.
+Sampling runs on the model's device, vectorised over rows, in vLLM's order: repetition penalty,
+temperature, min-p, then top-k and top-p on what is left. Top-k takes the k best logits
+(``torch.topk``, no full sort); only a row with top-p and no top-k needs a full-vocabulary sort.
+The draw is an inverse-CDF lookup with one uniform number per row and position, made by hashing
+the row's seed with the position (a counter-based generator), so a seeded sample is the same
+whatever else is in its batch, on CPU and GPU alike, without a host round trip per row. Token
+ids the tokenizer does not have (Qwen2.5 has 152,064 logits for 151,665 tokens) are never drawn.
 
-Why not ``model.generate``: it samples a whole batch with one set of settings and one random
-generator, and cannot say which stop string ended a row. This loop is the reference for the
-token-level tests and the CPU path; GPU users who need speed use the vllm engine.
+Stops: each row decodes its new tokens incrementally (one ``tokenizers`` ``DecodeStream`` step per
+token) and a stop string counts only if it ends in the newest token's text; that token is kept, as
+vLLM keeps it. EOS ends a row and is kept as its last token.
+
+Reported log-probabilities and entropies are those of the raw distribution (log-softmax of all the
+logits, before the sampling settings), which is what vLLM reports too. Top log-probabilities and
+exact entropies are computed only for the positions a request asks for (``logprobs_window``).
+
+The engine can share the trainer's model object (:meth:`HFEngine.from_model`): it then samples with
+whatever weights the trainer holds, and ``update_weights``/``sleep``/``wake_up`` are not needed.
+
+What it does not do: continuous batching or paged attention (the vllm engine is the fast path on
+GPUs); requests beyond ``max_batch_size`` rows run as further batches.
 """
 
 from __future__ import annotations
 
 import asyncio
-from dataclasses import dataclass
+import math
+import random
+from dataclasses import dataclass, field
 
 import torch
+from tokenizers.decoders import DecodeStream
 
-from etagent.llm import GenerationRequest, Sample, sample_seed
+from etagent.llm import GenerationRequest, Sample, check_weights, sample_seed
+
+_MASK64 = (1 << 64) - 1
+
+
+def _signed(value: int) -> int:
+    """A 64-bit constant as the signed int64 torch stores (multiplication then wraps modulo 2^64)."""
+    return value - (1 << 64) if value >= 1 << 63 else value
+
+
+_GOLDEN, _MIX1, _MIX2 = _signed(0x9E3779B97F4A7C15), _signed(0xBF58476D1CE4E5B9), _signed(0x94D049BB133111EB)
+
+
+def _shift_right(x: torch.Tensor, bits: int) -> torch.Tensor:
+    """Logical right shift of int64 lanes (torch's ``>>`` is arithmetic)."""
+    return (x >> bits) & ((1 << (64 - bits)) - 1)
+
+
+def counter_uniform(seeds: torch.Tensor, counters: torch.Tensor) -> torch.Tensor:
+    """One uniform number in [0, 1) per (seed, counter) pair: splitmix64 of seed + counter * golden.
+
+    Pure integer arithmetic, so the same pair gives the same number on any device and in any batch."""
+    z = seeds + counters * _GOLDEN
+    z = (z ^ _shift_right(z, 30)) * _MIX1
+    z = (z ^ _shift_right(z, 27)) * _MIX2
+    z = z ^ _shift_right(z, 31)
+    return _shift_right(z, 40).to(torch.float32) / float(1 << 24)
 
 
 @dataclass
 class _Row:
     request: GenerationRequest
     prompt: list[int]
-    generator: torch.Generator | None
-    tokens: list[int]
-    logprobs: list[float]
-    top: list[dict[int, float]]
-    entropy: list[float]
+    seed: int
+    tokens: list[int] = field(default_factory=list)
+    logprobs: list[float] = field(default_factory=list)
+    top: list[dict[int, float]] = field(default_factory=list)
+    entropy: list[float] = field(default_factory=list)
+    text: str = ""  # the decoded tail of the generated tokens, for the stop check
+    stream: DecodeStream | None = None
     done: bool = False
     finish: str = "length"
     stop: str | None = None
+    error: str | None = None
+
+    @property
+    def window(self) -> int:
+        w = self.request.logprobs_window
+        return self.request.max_new_tokens if w is None else w
 
 
 class HFEngine:
-    def __init__(self, model_path: str, *, device: str = "cpu", dtype: str = "float32", max_batch_size: int = 32, max_stop_tail: int = 24):
+    def __init__(self, model_path: str, *, device: str = "cpu", dtype: str = "float32", max_batch_size: int = 32):
         from transformers import AutoModelForCausalLM, AutoTokenizer
 
-        self.tokenizer = AutoTokenizer.from_pretrained(model_path)
         if device == "auto":
             device = "cuda" if torch.cuda.is_available() else "cpu"
-        self.device = torch.device(device)
-        self.model = AutoModelForCausalLM.from_pretrained(model_path, dtype=getattr(torch, dtype)).to(self.device).eval()
-        eos = self.model.generation_config.eos_token_id if self.model.generation_config is not None else None
-        eos = eos if isinstance(eos, list) else [eos]
-        self.eos_ids = {i for i in eos + [self.tokenizer.eos_token_id] if i is not None}
-        self.pad_id = self.tokenizer.pad_token_id if self.tokenizer.pad_token_id is not None else min(self.eos_ids)
-        self.vocab_size = self.model.config.vocab_size
-        self.max_batch_size = max_batch_size
-        # tokens decoded to look for a stop string; a stop string longer than this many tokens
-        # (rare: they are tags a few tokens long) would be missed
-        self.max_stop_tail = max_stop_tail
+        tokenizer = AutoTokenizer.from_pretrained(model_path)
+        model = AutoModelForCausalLM.from_pretrained(model_path, dtype=getattr(torch, dtype)).to(device).eval()
+        self._attach(model, tokenizer, max_batch_size, owns_model=True, name=model_path)
 
-    def load_state_dict(self, state_dict: dict[str, torch.Tensor]) -> None:
-        """Replace the policy weights (after a training step)."""
-        self.model.load_state_dict(state_dict, strict=False)
+    @classmethod
+    def from_model(cls, model, tokenizer, *, max_batch_size: int = 32) -> HFEngine:
+        """An engine that samples from ``model`` itself (the trainer's module, no copy): weight
+        updates are then the trainer's own optimizer steps, and sleep/wake_up leave it alone."""
+        engine = cls.__new__(cls)
+        engine._attach(model, tokenizer, max_batch_size, owns_model=False, name=type(model).__name__)
+        return engine
+
+    def _attach(self, model, tokenizer, max_batch_size: int, *, owns_model: bool, name: str) -> None:
+        self.model, self.tokenizer, self.name = model, tokenizer, name
+        self.owns_model = owns_model
+        self.max_batch_size = max_batch_size
+        eos = model.generation_config.eos_token_id if model.generation_config is not None else None
+        eos = eos if isinstance(eos, list) else [eos]
+        self.eos_ids = {i for i in eos + [tokenizer.eos_token_id] if i is not None}
+        self.pad_id = tokenizer.pad_token_id if tokenizer.pad_token_id is not None else min(self.eos_ids)
+        # the model may have more logits than the tokenizer has tokens; those ids are never drawn
+        self.n_tokens = min(len(tokenizer), model.config.vocab_size)
+        self.max_model_len = int(model.config.max_position_embeddings)
+        self._offloaded = False
+
+    @property
+    def device(self) -> torch.device:
+        return next(self.model.parameters()).device
+
+    # -- lifecycle --------------------------------------------------------------------------
+
+    def update_weights(self, weights: dict[str, torch.Tensor]) -> None:
+        """Copy new weights into the model in place: every tensor of its state dict, by name."""
+        state = self.model.state_dict()
+        check_weights(weights, {k: tuple(v.shape) for k, v in state.items()}, self.name)
+        with torch.no_grad():
+            for name, tensor in weights.items():
+                state[name].copy_(tensor)
+
+    def sleep(self, level: int = 1) -> None:
+        """On a GPU, move the weights to host memory (the KV cache lives only inside ``generate``).
+        Nothing to do on CPU, or when the model is the trainer's."""
+        if self.owns_model and self.device.type == "cuda":
+            self.model.to("cpu")
+            self._offloaded = True
+            torch.cuda.empty_cache()
+
+    def wake_up(self, tags: list[str] | None = None) -> None:
+        if self._offloaded and (tags is None or "weights" in tags):
+            self.model.to("cuda")
+            self._offloaded = False
+
+    # -- generation -------------------------------------------------------------------------
 
     async def agenerate(self, requests: list[GenerationRequest]) -> list[list[Sample]]:
         return await asyncio.to_thread(self.generate, requests)
 
     def generate(self, requests: list[GenerationRequest]) -> list[list[Sample]]:
-        rows = []
+        if self._offloaded:
+            raise RuntimeError("the hf engine is asleep: call wake_up() before generate()")
+        rows: list[_Row] = []
         for r in requests:
             for i in range(r.n):
                 seed = sample_seed(r.seed, i)
-                generator = torch.Generator().manual_seed(seed) if seed is not None else None
-                rows.append(_Row(r, list(r.prompt_ids), generator, [], [], [], []))
-        for start in range(0, len(rows), self.max_batch_size):
-            self._decode(rows[start : start + self.max_batch_size])
+                row = _Row(r, list(r.prompt_ids), random.getrandbits(63) if seed is None else seed)
+                if len(row.prompt) + r.max_new_tokens > self.max_model_len:
+                    row.done, row.finish = True, "error"
+                    row.error = f"prompt ({len(row.prompt)} tokens) + max_new_tokens ({r.max_new_tokens}) exceeds max_model_len {self.max_model_len}"
+                elif not row.prompt:
+                    row.done, row.finish, row.error = True, "error", "empty prompt"
+                rows.append(row)
+        live = [row for row in rows if not row.done]
+        for start in range(0, len(live), self.max_batch_size):
+            self._decode(live[start : start + self.max_batch_size])
         out, k = [], 0
         for r in requests:
-            samples = []
-            for row in rows[k : k + r.n]:
-                samples.append(Sample(row.tokens, row.logprobs, row.finish, row.stop, row.top, row.entropy))
-            out.append(samples)
+            out.append([self._sample(row) for row in rows[k : k + r.n]])
             k += r.n
         return out
 
+    @staticmethod
+    def _sample(row: _Row) -> Sample:
+        if row.error is not None:
+            return Sample.failed(row.error)
+        return Sample(row.tokens, row.logprobs, row.finish, row.stop, row.top, row.entropy)
+
     @torch.inference_mode()
     def _decode(self, rows: list[_Row]) -> None:
-        batch = len(rows)
+        device = self.device
         longest = max(len(r.prompt) for r in rows)
-        ids = torch.full((batch, longest), self.pad_id, dtype=torch.long)
-        mask = torch.zeros((batch, longest), dtype=torch.long)
+        ids = torch.full((len(rows), longest), self.pad_id, dtype=torch.long)
+        mask = torch.zeros((len(rows), longest), dtype=torch.long)
         for b, row in enumerate(rows):
             ids[b, longest - len(row.prompt) :] = torch.tensor(row.prompt)
             mask[b, longest - len(row.prompt) :] = 1
-        ids, mask = ids.to(self.device), mask.to(self.device)
+            row.stream = DecodeStream(skip_special_tokens=False)
+        ids, mask = ids.to(device), mask.to(device)
         positions = (mask.cumsum(-1) - 1).clamp(min=0)
         # per-row settings as columns, so every step is one vectorised operation
-        temperature = torch.tensor([r.request.temperature for r in rows], device=self.device).unsqueeze(1)
-        top_p = torch.tensor([r.request.top_p for r in rows], device=self.device).unsqueeze(1)
-        top_k = torch.tensor([r.request.top_k if r.request.top_k > 0 else self.vocab_size for r in rows], device=self.device).unsqueeze(1)
-        min_p = torch.tensor([r.request.min_p for r in rows], device=self.device).unsqueeze(1)
-        penalty = torch.tensor([r.request.repetition_penalty for r in rows], device=self.device).unsqueeze(1)
-        greedy = temperature.squeeze(1) <= 0
-        seen = torch.zeros((batch, self.vocab_size), dtype=torch.bool, device=self.device)
-        if (penalty != 1).any():
-            seen.scatter_(1, ids.clamp(max=self.vocab_size - 1), mask.bool())
-        budget = max(r.request.max_new_tokens for r in rows)
-        cache = None
-        step_ids, step_positions = ids, positions
-        last_position = positions[:, -1:]
-        for _ in range(budget):
+        settings = _Settings.of(rows, self.n_tokens, device)
+        seen = None
+        if settings.penalised:
+            seen = torch.zeros((len(rows), self.n_tokens), dtype=torch.bool, device=device)
+            seen.scatter_(1, ids.clamp(max=self.n_tokens - 1), mask.bool())
+        live = list(range(len(rows)))  # rows[live[b]] is batch row b
+        cache, step_ids, step_positions = None, ids, positions
+        step = 0
+        while live:
             out = self.model(
                 input_ids=step_ids,
                 attention_mask=mask,
@@ -119,58 +213,87 @@ class HFEngine:
             )
             cache = out.past_key_values
             logits = out.logits[:, -1, :].float()
-            raw = torch.log_softmax(logits, dim=-1)
-            scores = logits
-            if (penalty != 1).any():  # the CTRL/HF rule: divide positive logits, multiply negative ones
-                penalised = torch.where(scores > 0, scores / penalty, scores * penalty)
-                scores = torch.where(seen, penalised, scores)
-            chosen = self._choose(scores, rows, greedy, temperature, top_p, top_k, min_p)
-            token_logprobs = raw.gather(1, chosen.unsqueeze(1)).squeeze(1)
-            entropy = -(raw.exp() * raw).sum(-1)
-            want_top = max(r.request.logprobs for r in rows)
-            top_values, top_ids = raw.topk(want_top, dim=-1) if want_top > 0 else (None, None)
-            chosen_list, lp_list, ent_list = chosen.tolist(), token_logprobs.tolist(), entropy.tolist()
-            for b, row in enumerate(rows):
-                if row.done:
-                    continue
-                token = chosen_list[b]
-                row.tokens.append(token)
-                row.logprobs.append(lp_list[b])
-                row.entropy.append(ent_list[b])
-                if row.request.logprobs > 0:
-                    k = row.request.logprobs
-                    top = dict(zip(top_ids[b, :k].tolist(), top_values[b, :k].tolist()))
-                    top.setdefault(token, lp_list[b])  # vLLM adds the sampled token when not in the top k
-                    row.top.append(top)
-                self._check_end(row, token)
-            if all(r.done for r in rows):
+            chosen = self._choose(logits[:, : self.n_tokens], settings, seen, step)
+            # log-probabilities of the raw distribution over every logit, as a forward pass has them
+            normaliser = torch.logsumexp(logits, dim=-1, keepdim=True)
+            token_logprobs = (logits.gather(1, chosen.unsqueeze(1)) - normaliser).squeeze(1)
+            batch_rows = [rows[i] for i in live]
+            in_window = [b for b, row in enumerate(batch_rows) if step < row.window]
+            top = entropy = None
+            if in_window:
+                raw = logits[in_window] - normaliser[in_window]
+                entropy = (-(raw.exp() * raw).sum(-1)).tolist()
+                want_top = max(batch_rows[b].request.logprobs for b in in_window)
+                if want_top > 0:
+                    values, indices = raw.topk(want_top, dim=-1)
+                    top = (values.tolist(), indices.tolist())
+            chosen_list, logprob_list = chosen.tolist(), token_logprobs.tolist()
+            for j, b in enumerate(in_window):
+                row, k = batch_rows[b], batch_rows[b].request.logprobs
+                row.entropy.append(entropy[j])
+                if k > 0:
+                    entries = dict(zip(top[1][j][:k], top[0][j][:k]))
+                    entries.setdefault(chosen_list[b], logprob_list[b])  # vLLM adds the sampled token
+                    row.top.append(entries)
+            keep = []
+            for b, row in enumerate(batch_rows):
+                row.tokens.append(chosen_list[b])
+                row.logprobs.append(logprob_list[b])
+                self._check_end(row, chosen_list[b])
+                if not row.done:
+                    keep.append(b)
+            step += 1
+            if not keep:
                 break
-            seen.scatter_(1, chosen.unsqueeze(1), True)
-            # the next step feeds each row its new token (finished rows run on, ignored)
-            step_ids = chosen.unsqueeze(1)
-            mask = torch.cat([mask, torch.ones((batch, 1), dtype=mask.dtype, device=self.device)], dim=1)
-            last_position = last_position + 1
-            step_positions = last_position
+            if seen is not None:
+                seen.scatter_(1, chosen.unsqueeze(1), True)
+            step_ids, step_positions = chosen.unsqueeze(1), step_positions[:, -1:] + 1
+            mask = torch.cat([mask, torch.ones((len(live), 1), dtype=mask.dtype, device=device)], dim=1)
+            if len(keep) < len(live):  # finished rows leave the batch, cache included
+                index = torch.tensor(keep, device=device)
+                cache.batch_select_indices(index)
+                step_ids, step_positions, mask = step_ids[index], step_positions[index], mask[index]
+                settings = settings.select(index)
+                seen = seen[index] if seen is not None else None
+                live = [live[b] for b in keep]
 
-    def _choose(self, scores, rows, greedy, temperature, top_p, top_k, min_p) -> torch.Tensor:
+    @staticmethod
+    def _choose(logits: torch.Tensor, s: _Settings, seen: torch.Tensor | None, step: int) -> torch.Tensor:
+        scores = logits
+        if seen is not None:  # the CTRL/HF rule: divide positive logits, multiply negative ones
+            penalised = torch.where(scores > 0, scores / s.penalty, scores * s.penalty)
+            scores = torch.where(seen, penalised, scores)
         chosen = scores.argmax(-1)
-        if greedy.all():
+        if s.greedy.all():
             return chosen
-        scaled = scores / temperature.clamp(min=1e-6)
-        sorted_scores, order = scaled.sort(dim=-1, descending=True)
-        probs = torch.softmax(sorted_scores, dim=-1)
-        cumulative = probs.cumsum(-1)
-        ranks = torch.arange(probs.shape[-1], device=probs.device).unsqueeze(0)
-        drop = (cumulative - probs > top_p) | (ranks >= top_k) | (probs < min_p * probs[:, :1])
-        drop[:, 0] = False  # the most likely token always stays
-        probs = probs.masked_fill(drop, 0.0)
-        probs = probs / probs.sum(-1, keepdim=True)
-        for b, row in enumerate(rows):
-            if row.done or greedy[b]:
-                continue
-            pick = torch.multinomial(probs[b].cpu(), 1, generator=row.generator).item()
-            chosen[b] = order[b, pick]
-        return chosen
+        scaled = scores / s.temperature
+        vocab = scaled.shape[-1]
+        # candidates: the k best (descending) when every sampling row has a top-k, all of them
+        # sorted when some row needs a rank filter without one, all of them unsorted otherwise
+        limit = int(s.top_k.max().item())
+        if limit < vocab:
+            values, order = scaled.topk(limit, dim=-1)
+        elif s.needs_sort:
+            values, order = scaled.sort(dim=-1, descending=True)
+        else:
+            values, order = scaled, None
+        best = values.max(dim=-1, keepdim=True).values
+        drop = values - best < s.log_min_p  # min-p: probability below min_p x the best one's
+        if order is not None:
+            ranks = torch.arange(values.shape[-1], device=values.device).unsqueeze(0)
+            drop |= ranks >= s.top_k
+        probs = torch.softmax(values.masked_fill(drop, float("-inf")), dim=-1)
+        if order is not None:
+            drop = (probs.cumsum(-1) - probs) > s.top_p  # top-p on what top-k and min-p left
+            drop[:, 0] = False  # the most likely token always stays
+            probs = probs.masked_fill(drop, 0.0)
+        cdf = probs.cumsum(-1)
+        u = counter_uniform(s.seeds, torch.full_like(s.seeds, step)).unsqueeze(1) * cdf[:, -1:]
+        pick = torch.searchsorted(cdf, u, right=True).clamp(max=values.shape[-1] - 1)
+        # u rounded up to the total would land on a trailing filtered-out entry: take the best then
+        pick = torch.where(probs.gather(1, pick) > 0, pick, probs.argmax(-1, keepdim=True))
+        sampled = pick.squeeze(1) if order is None else order.gather(1, pick).squeeze(1)
+        return torch.where(s.greedy, chosen, sampled)
 
     def _check_end(self, row: _Row, token: int) -> None:
         if token in self.eos_ids:
@@ -178,12 +301,62 @@ class HFEngine:
             return
         stops = row.request.stop
         if stops:
-            tail = self.tokenizer.decode(row.tokens[-self.max_stop_tail :], skip_special_tokens=False)
-            before = self.tokenizer.decode(row.tokens[-self.max_stop_tail : -1], skip_special_tokens=False)
-            # the stop string that the newest token completed (present now, absent before it)
-            for stop in stops:
-                if stop in tail and tail.count(stop) > before.count(stop):
-                    row.done, row.finish, row.stop = True, "stop", stop
-                    return
+            piece = row.stream.step(self.tokenizer.backend_tokenizer, token)
+            if piece:  # None while a multi-byte character is incomplete
+                longest = max(len(s) for s in stops)
+                row.text = (row.text + piece)[-(longest + len(piece)) :]
+                # a stop string completed by this token ends inside its text
+                for stop in stops:
+                    if row.text.find(stop, max(0, len(row.text) - len(piece) - len(stop) + 1)) >= 0:
+                        row.done, row.finish, row.stop = True, "stop", stop
+                        return
         if len(row.tokens) >= row.request.max_new_tokens:
             row.done, row.finish = True, "length"
+
+
+@dataclass
+class _Settings:
+    """The rows' sampling settings as (rows, 1) columns on the device."""
+
+    temperature: torch.Tensor
+    top_k: torch.Tensor
+    top_p: torch.Tensor
+    log_min_p: torch.Tensor
+    penalty: torch.Tensor
+    seeds: torch.Tensor
+    greedy: torch.Tensor
+    needs_sort: bool
+    penalised: bool
+
+    @classmethod
+    def of(cls, rows: list[_Row], vocab: int, device) -> _Settings:
+        def column(values, dtype=torch.float32):
+            return torch.tensor(values, dtype=dtype, device=device).unsqueeze(1)
+
+        requests = [r.request for r in rows]
+        greedy = [q.temperature <= 0 for q in requests]
+        return cls(
+            temperature=column([max(q.temperature, 1e-6) for q in requests]),
+            # a greedy row takes no part in sampling: give it the cheapest filters
+            top_k=column([1 if g else (q.top_k if 0 < q.top_k < vocab else vocab) for q, g in zip(requests, greedy)], torch.long),
+            top_p=column([q.top_p for q in requests]),
+            log_min_p=column([float("-inf") if q.min_p <= 0 else math.log(q.min_p) for q in requests]),
+            penalty=column([q.repetition_penalty for q in requests]),
+            seeds=torch.tensor([r.seed for r in rows], dtype=torch.long, device=device),
+            greedy=torch.tensor(greedy, device=device),
+            needs_sort=any(not g and (q.top_p < 1 or 0 < q.top_k < vocab) for q, g in zip(requests, greedy)),
+            penalised=any(q.repetition_penalty != 1 for q in requests),
+        )
+
+    def select(self, index: torch.Tensor) -> _Settings:
+        return _Settings(
+            self.temperature[index],
+            self.top_k[index],
+            self.top_p[index],
+            self.log_min_p[index],
+            self.penalty[index],
+            self.seeds[index],
+            self.greedy[index],
+            self.needs_sort,
+            self.penalised,
+        )
