@@ -209,3 +209,73 @@ def test_entropy_helpers():
     assert topk_segment_entropy(top, vocab_size=100, window=20) == pytest.approx(20 * per_position / math.log(100))
     assert exact_segment_entropy([1.0] * 25, 100, window=20) == pytest.approx(20 / math.log(100))
     assert exact_segment_entropy(None, 100) is None
+
+
+# --- lifecycle, context, windows (hf) -------------------------------------------------------------
+
+
+def test_hf_weight_update(toy):
+    from tests.weight_updates import assert_weight_update, check_weight_update
+
+    assert_weight_update(check_weight_update(HFEngine(str(toy / "model")), toy / "model"))
+
+
+def test_hf_engine_shares_the_trainers_model(hf):
+    shared = HFEngine.from_model(hf.model, hf.tokenizer)
+    p = prompts(hf)[0]
+    greedy = GenerationRequest(tuple(p), temperature=0, max_new_tokens=6)
+    assert shared.generate([greedy])[0][0].token_ids == hf.generate([greedy])[0][0].token_ids
+    norm = shared.model.model.norm.weight
+    with torch.no_grad():
+        saved = norm.clone()
+        norm.mul_(-1.0)  # a "training step" on the trainer's module, seen by the engine at once
+        flipped = shared.generate([greedy])[0][0]
+        norm.copy_(saved)
+    assert flipped.logprobs != hf.generate([greedy])[0][0].logprobs
+    shared.sleep(1)
+    shared.wake_up(["weights"])  # nothing to free on CPU, nothing moved: still usable
+    assert shared.generate([greedy])[0][0].token_ids == hf.generate([greedy])[0][0].token_ids
+
+
+def test_hf_requests_beyond_the_context_fail_alone(hf):
+    p = prompts(hf)[0]
+    too_long = GenerationRequest(tuple(p) * 200, max_new_tokens=4)
+    near_end = tuple(p) * (hf.max_model_len // len(p))
+    capped = GenerationRequest(near_end[: hf.max_model_len - 3], temperature=0, max_new_tokens=50)
+    [failed], [ok], [fine] = hf.generate([too_long, capped, GenerationRequest(tuple(p), max_new_tokens=3, seed=1)])
+    assert failed.finish_reason == "error" and f"max_model_len {hf.max_model_len}" in failed.error and not failed.token_ids
+    assert ok.finish_reason in ("length", "eos") and len(ok.token_ids) <= 3
+    assert fine.finish_reason in ("length", "eos") and fine.error is None
+
+
+def test_hf_top_logprobs_and_entropy_only_in_the_window(hf):
+    p = prompts(hf)[0]
+    [s] = hf.generate([GenerationRequest(tuple(p), temperature=1.0, max_new_tokens=12, logprobs=3, logprobs_window=5, seed=2)])[0]
+    assert len(s.token_ids) == len(s.logprobs) == 12 and len(s.top_logprobs) == len(s.entropy) == 5
+
+
+def test_hf_never_samples_ids_the_tokenizer_lacks(toy):
+    """A model with more logits than tokens (as Qwen2.5 has): the extra ids, however likely, are never drawn."""
+    engine = HFEngine(str(toy / "model"))
+    n = len(engine.tokenizer)
+    head = engine.model.lm_head
+    engine.model.config.vocab_size = n + 64
+    bigger = torch.nn.Linear(head.in_features, n + 64, bias=False)
+    with torch.no_grad():
+        bigger.weight[:n] = head.weight
+        bigger.weight[n:] = head.weight[:64] * 50  # the padding logits dominate
+    engine.model.lm_head = bigger
+    p = prompts(engine)[0]
+    for request in (GenerationRequest(tuple(p), temperature=0, max_new_tokens=8), GenerationRequest(tuple(p), temperature=1.0, max_new_tokens=8, seed=3)):
+        [s] = engine.generate([request])[0]
+        assert all(t < n for t in s.token_ids)
+
+
+def test_counter_uniform_is_uniform_and_device_free():
+    from etagent.llm.hf import counter_uniform
+
+    seeds = torch.arange(50_000, dtype=torch.long) * 7919 + 12345
+    u = counter_uniform(seeds, torch.full_like(seeds, 3))
+    assert 0 <= u.min() and u.max() < 1 and abs(u.mean().item() - 0.5) < 0.01
+    assert torch.equal(u[:10], counter_uniform(seeds[:10], torch.full_like(seeds[:10], 3)))
+    assert not torch.equal(u, counter_uniform(seeds, torch.full_like(seeds, 4)))

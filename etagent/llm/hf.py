@@ -13,6 +13,10 @@ the row's seed with the position (a counter-based generator), so a seeded sample
 whatever else is in its batch, on CPU and GPU alike, without a host round trip per row. Token
 ids the tokenizer does not have (Qwen2.5 has 152,064 logits for 151,665 tokens) are never drawn.
 
+A row generates at most ``max_new_tokens``, and never past ``max_model_len`` (the model's
+``max_position_embeddings``): a longer request finishes with ``length`` there, and a prompt that
+leaves no room at all is answered with an ``error`` sample.
+
 Stops: each row decodes its new tokens incrementally (one ``tokenizers`` ``DecodeStream`` step per
 token) and a stop string counts only if it ends in the newest token's text; that token is kept, as
 vLLM keeps it. EOS ends a row and is kept as its last token.
@@ -77,6 +81,7 @@ class _Row:
     top: list[dict[int, float]] = field(default_factory=list)
     entropy: list[float] = field(default_factory=list)
     text: str = ""  # the decoded tail of the generated tokens, for the stop check
+    budget: int = 0  # new tokens allowed: the request's, within the context length
     stream: DecodeStream | None = None
     done: bool = False
     finish: str = "length"
@@ -86,7 +91,7 @@ class _Row:
     @property
     def window(self) -> int:
         w = self.request.logprobs_window
-        return self.request.max_new_tokens if w is None else w
+        return self.budget if w is None else w
 
 
 class HFEngine:
@@ -160,11 +165,10 @@ class HFEngine:
             for i in range(r.n):
                 seed = sample_seed(r.seed, i)
                 row = _Row(r, list(r.prompt_ids), random.getrandbits(63) if seed is None else seed)
-                if len(row.prompt) + r.max_new_tokens > self.max_model_len:
+                row.budget = min(r.max_new_tokens, self.max_model_len - len(row.prompt))
+                if row.budget <= 0 or not row.prompt:
                     row.done, row.finish = True, "error"
-                    row.error = f"prompt ({len(row.prompt)} tokens) + max_new_tokens ({r.max_new_tokens}) exceeds max_model_len {self.max_model_len}"
-                elif not row.prompt:
-                    row.done, row.finish, row.error = True, "error", "empty prompt"
+                    row.error = f"a prompt of {len(row.prompt)} tokens leaves no room for new tokens in max_model_len {self.max_model_len}"
                 rows.append(row)
         live = [row for row in rows if not row.done]
         for start in range(0, len(live), self.max_batch_size):
@@ -310,7 +314,7 @@ class HFEngine:
                     if row.text.find(stop, max(0, len(row.text) - len(piece) - len(stop) + 1)) >= 0:
                         row.done, row.finish, row.stop = True, "stop", stop
                         return
-        if len(row.tokens) >= row.request.max_new_tokens:
+        if len(row.tokens) >= row.budget:
             row.done, row.finish = True, "length"
 
 

