@@ -92,12 +92,19 @@ def main() -> None:
     def run_generate():
         ids = prompts.to(args.device)
         out = model.generate(
-            input_ids=ids, attention_mask=torch.ones_like(ids), do_sample=True, max_new_tokens=args.new_tokens, min_new_tokens=args.new_tokens, **sampling
+            input_ids=ids,
+            attention_mask=torch.ones_like(ids),
+            do_sample=True,
+            max_new_tokens=args.new_tokens,
+            min_new_tokens=args.new_tokens,
+            **sampling,
         )
         assert out.shape[1] == args.prompt_tokens + args.new_tokens
 
     def engine_run(**extra):
-        requests = [GenerationRequest(tuple(p), max_new_tokens=args.new_tokens, seed=i, **sampling, **extra) for i, p in enumerate(prompts.tolist())]
+        requests = [
+            GenerationRequest(tuple(p), max_new_tokens=args.new_tokens, seed=i, **sampling, **extra) for i, p in enumerate(prompts.tolist())
+        ]
 
         def run():
             out = engine.generate(requests)

@@ -1,34 +1,43 @@
 """The multi-turn tool-integrated reasoning loop, over token ids.
 
-A trajectory is the prompt's token ids plus response token ids with a mask: 1 where the policy
-generated the token, 0 where it was inserted (tool results, hints). Its text is always decoded
-from those ids; nothing is re-tokenized, so what SFT and RL train on is exactly what the policy
-generated.
+A trajectory is the prompt's token ids plus response token ids, each with its origin
+(:class:`etagent.records.TokenOrigin`): ``SAMPLED`` by the policy in this rollout, ``GIVEN`` policy
+text it did not sample here (a prefix, an edited step, a hint), or ``TOOL`` output inserted by the
+loop. Its text is always decoded from those ids, special tokens included; nothing is
+re-tokenized, so what SFT and RL train on is exactly what was generated and scored.
 
 :class:`AgentLoop` advances many trajectories at once, in rounds:
 
-1. one batched engine call generates the next segment of every active trajectory, stopping at
+1. a trajectory that ends in a tool call nobody ran (a prefix whose last step is a call) has it
+   run first;
+2. one batched engine call generates the next segment of every active trajectory, stopping at
    ``</python>``, ``</search>``, ``</answer>`` or ``<result>`` (engine-side stops), EOS or a
-   token limit;
-2. each segment is parsed (:func:`etagent.protocol.parse_segment`); a tool call within its
+   token limit (the trajectory's response budget, and the engine's context length);
+3. each segment is parsed (:func:`etagent.protocol.parse_segment`); a tool call within its
    budgets joins the round's batch of calls, an over-budget call is answered at once with an
    explicit budget message (never left unexecuted for the model to invent a result), and a
    segment that ends the trajectory sets its finish reason;
-3. all pending calls run concurrently through the tools executor; each result, wrapped by
-   :func:`etagent.protocol.format_result`, is tokenized on its own and appended with mask 0.
+4. all pending calls run concurrently through the tools executor; each result, wrapped by
+   :func:`etagent.protocol.format_result`, is tokenized on its own and appended as ``TOOL``
+   tokens, cut to the response budget that remains (its closing tag kept).
 
 Results are appended in a fixed order, and each segment is sampled with a seed derived from the
-trajectory's id and segment number, so a run does not depend on batch composition or on the
-order in which tool calls finish.
+trajectory's seed, id and segment number, so a run does not depend on batch composition or on the
+order in which tool calls finish; RL gives each step's trajectories their own seed
+(:meth:`AgentLoop.new`), so an epoch does not replay the last one's draws.
 
 Finish reasons: ``answer`` (``</answer>`` generated), ``eos`` (EOS before an answer), ``length``
-(the response budget is spent), ``fake_result`` (the policy wrote ``<result>`` itself; the
-trajectory ends there), ``budget`` (it kept calling tools after being told its budget was spent),
-``timeout`` (the question's wall-clock limit passed).
+(the response budget or the context is spent), ``fake_result`` (the policy wrote ``<result>``
+itself; the trajectory ends there), ``budget`` (it kept calling tools after being told its budget
+was spent), ``timeout`` (the wall-clock limit passed; ``timeout_s: null`` turns it off for
+reproducible runs), ``error`` (the engine failed this request; ``error`` says why), ``format``
+(a stop string the parser does not see as a call).
 
-Also here, for the flywheel and RL: start from a partial trajectory (:meth:`AgentLoop.from_prefix`,
-budgets seeded from the calls already in it), inject a hint (:meth:`AgentLoop.inject`, mask 0),
-and fork a trajectory (:meth:`TrajectoryState.fork`) for branching.
+Also here, for the flywheel and RL: continue from a partial trajectory
+(:meth:`AgentLoop.from_prefix`: the source's own token ids and tool-call records where it has
+them, its own budgets, a trailing unexecuted call run before continuing), append a hint
+(:meth:`AgentLoop.inject`, ``GIVEN`` text, trained by SFT as the paper's data trains it), and fork
+a trajectory at any generated segment (:meth:`TrajectoryState.fork`) for branching.
 
 What this module does not do: choose what to branch (rl/), score answers (etagent.scoring), or
 write files (etagent.sampling).
@@ -41,9 +50,11 @@ import hashlib
 import time
 from dataclasses import dataclass, field
 
+from tokenizers.decoders import DecodeStream
+
 from etagent import protocol
-from etagent.llm import GenerationRequest, exact_segment_entropy, topk_segment_entropy
-from etagent.records import Question, ToolCallRecord, Trajectory
+from etagent.llm import GenerationRequest, Sample, exact_segment_entropy, topk_segment_entropy
+from etagent.records import Provenance, Question, TokenOrigin, ToolCallRecord, Trajectory
 from etagent.tools.executor import budget_exhausted_record
 
 # Engine-side stops: the tools' closing tags, the end of the answer, and the opening of a result
@@ -52,11 +63,22 @@ STOPS = protocol.TOOL_STOPS + (protocol.ANSWER_STOP, "<result>")
 
 
 @dataclass(frozen=True)
+class Budgets:
+    """What one trajectory may spend: executed calls per tool and in total (None: no total limit;
+    the paper's RL uses a total of 6 instead of per-tool limits), and response tokens (generated
+    plus inserted)."""
+
+    python: int = 6
+    search: int = 6
+    total: int | None = None
+    response_tokens: int = 4096
+
+
+@dataclass(frozen=True)
 class AgentConfig:
     """Budgets and sampling for the loop (the paper's rollout numbers are the defaults)."""
 
-    # Executed calls allowed per trajectory, per tool; and in total (None: no total limit; the
-    # paper's RL uses a total of 6 instead of per-tool limits).
+    # Executed calls allowed per trajectory, per tool; and in total (None: no total limit).
     max_python_calls: int = 6
     max_search_calls: int = 6
     max_tool_calls: int | None = None
@@ -65,8 +87,8 @@ class AgentConfig:
     # Tokens of response (generated plus inserted), and tokens per generation call.
     max_response_tokens: int = 4096
     max_segment_tokens: int = 4096
-    # Wall-clock seconds per trajectory.
-    timeout_s: float = 1200.0
+    # Wall-clock seconds per trajectory; None: no limit (reproducible runs, RL).
+    timeout_s: float | None = 1200.0
     # Sampling.
     temperature: float = 1.0
     top_p: float = 1.0
@@ -79,48 +101,112 @@ class AgentConfig:
     # Base seed of every segment's sampling (None: unseeded).
     seed: int | None = None
 
+    def budgets(self) -> Budgets:
+        return Budgets(self.max_python_calls, self.max_search_calls, self.max_tool_calls, self.max_response_tokens)
+
+    def sampling(self) -> dict:
+        return dict(
+            temperature=self.temperature, top_p=self.top_p, top_k=self.top_k, min_p=self.min_p, repetition_penalty=self.repetition_penalty
+        )
+
+
+@dataclass(frozen=True)
+class SegmentStart:
+    """Where a generated segment began: response length, tool calls and budget messages so far."""
+
+    token: int
+    tool_calls: int
+    budget_messages: int
+
 
 @dataclass
 class TrajectoryState:
-    """A trajectory being generated. ``mask``/``logprobs`` align with ``response_ids``."""
+    """A trajectory being generated. ``origin``/``logprobs`` align with ``response_ids``."""
 
     id: str
     question: Question
     prompt_ids: list[int]
+    budgets: Budgets
+    seed: int | None = None
     response_ids: list[int] = field(default_factory=list)
-    mask: list[int] = field(default_factory=list)
+    origin: list[int] = field(default_factory=list)
     logprobs: list[float] = field(default_factory=list)
+    # under the sampling temperature; None once a segment came from an engine without them
+    tempered_logprobs: list[float] | None = field(default_factory=list)
     tool_calls: list[ToolCallRecord] = field(default_factory=list)
-    # Per generated segment: ARPO's top-k entropy, and the exact one where the engine has it.
+    # Per generated segment: where it began, ARPO's top-k entropy, and the exact one.
+    segment_starts: list[SegmentStart] = field(default_factory=list)
     entropies: list[float] = field(default_factory=list)
     entropies_exact: list[float] = field(default_factory=list)
-    segments: int = 0
     budget_messages: int = 0
-    # calls already in a prefix this trajectory continues from (they count against budgets)
-    prefix_calls: dict[str, int] = field(default_factory=dict)
+    # a call at the end of a prefix that has not run yet: it runs before the next generation
+    trailing_call: protocol.ToolCall | None = None
     finish_reason: str | None = None
+    error: str | None = None
+    policy_version: str | None = None
     started_at: float = field(default_factory=time.monotonic)
-    provenance: dict = field(default_factory=dict)
+    provenance: Provenance = field(default_factory=Provenance)
 
     @property
     def done(self) -> bool:
         return self.finish_reason is not None
 
+    @property
+    def segments(self) -> int:
+        return len(self.segment_starts)
+
+    @property
+    def mask(self) -> list[int]:
+        """1 where SFT trains (policy text, sampled or given), 0 at tool output."""
+        return [0 if o == TokenOrigin.TOOL else 1 for o in self.origin]
+
     def executed(self, tool: str | None = None) -> int:
-        """Calls that ran (budget messages excluded, calls in a prefix included), of one tool or all."""
-        ran = sum(1 for c in self.tool_calls if not c.budget_exhausted and (tool is None or c.tool == tool))
-        return ran + sum(n for t, n in self.prefix_calls.items() if tool is None or t == tool)
+        """Calls that ran (budget messages excluded, calls of a prefix included), of one tool or all."""
+        return sum(1 for c in self.tool_calls if not c.budget_exhausted and (tool is None or c.tool == tool))
 
-    def append(self, ids: list[int], mask_value: int, logprobs: list[float] | None = None) -> None:
+    def append(self, ids: list[int], origin: TokenOrigin, logprobs: list[float] | None = None, tempered: list[float] | None = None) -> None:
         self.response_ids += ids
-        self.mask += [mask_value] * len(ids)
+        self.origin += [int(origin)] * len(ids)
         self.logprobs += logprobs if logprobs is not None else [0.0] * len(ids)
+        if self.tempered_logprobs is not None:
+            if origin == TokenOrigin.SAMPLED and tempered is None:
+                self.tempered_logprobs = None
+            else:
+                self.tempered_logprobs += tempered if tempered is not None else [0.0] * len(ids)
 
-    def fork(self, new_id: str) -> TrajectoryState:
-        """An independent copy (branching): same tokens, calls and budgets, new id."""
+    def fork(self, new_id: str, at_segment: int | None = None) -> TrajectoryState:
+        """An independent copy with a new id (so its own random draws), for branching.
+
+        ``at_segment=None`` copies everything. ``at_segment=k`` keeps the trajectory as it was just
+        before its generated segment k began (after the tool result that preceded it), ready to
+        sample segment k again; ``k == segments`` is the current end. The copy's provenance is the
+        parent's with ``operation="fork"``, the parent's id and the branch point."""
         twin = copy.deepcopy(self)
         twin.id = new_id
-        twin.provenance = {**self.provenance, "parent": self.id, "op": "fork"}
+        branch_token = len(self.response_ids)
+        if at_segment is not None:
+            if not 0 <= at_segment <= self.segments:
+                raise ValueError(f"fork of {self.id}: segment {at_segment} does not exist (it has {self.segments})")
+            if at_segment < self.segments:
+                start = self.segment_starts[at_segment]
+                branch_token = start.token
+                for name in ("response_ids", "origin", "logprobs"):
+                    setattr(twin, name, getattr(twin, name)[: start.token])
+                if twin.tempered_logprobs is not None:
+                    twin.tempered_logprobs = twin.tempered_logprobs[: start.token]
+                twin.tool_calls = twin.tool_calls[: start.tool_calls]
+                twin.budget_messages = start.budget_messages
+                twin.segment_starts = twin.segment_starts[:at_segment]
+                twin.entropies, twin.entropies_exact = twin.entropies[:at_segment], twin.entropies_exact[:at_segment]
+            twin.finish_reason = twin.error = None
+        twin.provenance = self.provenance.model_copy(
+            update=dict(
+                operation="fork",
+                parent=self.id,
+                branch_segment=self.segments if at_segment is None else at_segment,
+                branch_token=branch_token,
+            )
+        )
         return twin
 
 
@@ -130,31 +216,90 @@ class AgentLoop:
         self.tokenizer = engine.tokenizer
         # ARPO normalises entropy by ln |V| with |V| the tokenizer's vocabulary
         self.vocab_size = len(self.tokenizer)
+        # the weights trajectories are sampled from; a trainer sets it after each update
+        self.policy_version: str | None = None
 
     # -- creating trajectories --------------------------------------------------------------
 
-    def new(self, question: Question, id: str, **provenance) -> TrajectoryState:
-        return TrajectoryState(id, question, protocol.encode_prompt(self.tokenizer, question.question), provenance=provenance)
+    def new(self, question: Question, id: str, *, seed: int | None = None, budgets: Budgets | None = None, **provenance) -> TrajectoryState:
+        """A trajectory of ``question`` from its prompt. ``seed`` replaces the config's base seed
+        (RL passes one per step); ``provenance`` fills :class:`Provenance` fields."""
+        return TrajectoryState(
+            id,
+            question,
+            protocol.encode_prompt(self.tokenizer, question.question),
+            budgets or self.config.budgets(),
+            seed=self.config.seed if seed is None else seed,
+            policy_version=self.policy_version,
+            provenance=Provenance(**{"operation": "rollout", **provenance}),
+        )
 
     def tokenize(self, text: str) -> list[int]:
         return list(self.tokenizer.encode(text, add_special_tokens=False))
 
-    def from_prefix(self, question: Question, id: str, prefix: str, **provenance) -> TrajectoryState:
-        """A trajectory that continues from partial trajectory text (a flywheel edit).
+    def from_prefix(
+        self,
+        question: Question,
+        id: str,
+        prefix: str,
+        *,
+        source: Trajectory | None = None,
+        seed: int | None = None,
+        budgets: Budgets | None = None,
+        **provenance,
+    ) -> TrajectoryState:
+        """A trajectory that continues from partial trajectory text (a flywheel edit, a hint).
 
-        Result spans are inserted text (mask 0); the rest counts as policy text (mask 1). The
-        tool budgets count the calls already in the prefix (complete pairs outside results).
+        ``prefix`` is the response text to continue from. Where ``source`` (the trajectory the
+        prefix was cut from) has token ids, the longest run of its ids that decodes to the start
+        of ``prefix`` is kept as it is (sampled ids become ``GIVEN``, tool output stays ``TOOL``);
+        the rest of the prefix is tokenized, ``<result>`` spans as ``TOOL``. Tool-call records
+        come from ``source`` for the results it has, and are rebuilt from the text otherwise
+        (``rebuilt=True``); they count against ``budgets`` (the flywheel's continuations have
+        their own). A prefix that ends with a complete tool call and no result (an editor's
+        corrected step ending at ``</python>``) has that call run before generation goes on.
         """
-        state = self.new(question, id, **provenance)
-        for piece, is_result in protocol.split_result_segments(prefix):
-            state.append(self.tokenize(piece), 0 if is_result else 1)
-        policy_text = protocol.strip_results(prefix)
-        state.prefix_calls = {tool: protocol.count_valid_tags(policy_text, tool) for tool in protocol.TOOLS}
+        state = self.new(question, id, seed=seed, budgets=budgets, **{"operation": "prefix", **provenance})
+        kept = self._reusable_ids(source, prefix) if source is not None else 0
+        if kept:
+            origin = source.response_origin or [TokenOrigin.GIVEN if m else TokenOrigin.TOOL for m in source.response_mask]
+            for token, o in zip(source.response_ids[:kept], origin[:kept]):
+                state.append([token], TokenOrigin.TOOL if o == TokenOrigin.TOOL else TokenOrigin.GIVEN)
+        consumed = len(self.tokenizer.decode(state.response_ids, skip_special_tokens=False))
+        for start, end, is_result in _spans(prefix):
+            start = max(start, consumed)
+            if start < end:
+                state.append(self.tokenize(prefix[start:end]), TokenOrigin.TOOL if is_result else TokenOrigin.GIVEN)
+        results = protocol.tool_results(prefix)
+        records = list(source.tool_calls[: len(results)]) if source is not None else []
+        state.tool_calls = records + _calls_from_text(prefix)[len(records) :]
+        # the last piece of policy text: does it end with a call that has no result yet?
+        pieces = protocol.split_result_segments(prefix)
+        if pieces and not pieces[-1][1]:
+            call = protocol.parse_segment(pieces[-1][0])
+            if isinstance(call, protocol.ToolCall) and pieces[-1][0].rstrip().endswith(f"</{call.tool}>"):
+                state.trailing_call = call
         return state
 
+    def _reusable_ids(self, source: Trajectory, prefix: str) -> int:
+        """How many of ``source``'s response ids decode to a start of ``prefix``."""
+        if not source.response_ids:
+            return 0
+        stream, text, kept = DecodeStream(skip_special_tokens=False), "", 0
+        for i, token in enumerate(source.response_ids):
+            piece = stream.step(self.tokenizer.backend_tokenizer, token)
+            if piece is None:
+                continue  # an incomplete character: decided by the token that completes it
+            text += piece
+            if not prefix.startswith(text):
+                break
+            kept = i + 1
+        return kept
+
     def inject(self, state: TrajectoryState, text: str) -> None:
-        """Append text the policy did not write (a hint): mask 0."""
-        state.append(self.tokenize(text), 0)
+        """Append text the policy did not sample here (a hint): ``GIVEN``, so SFT trains on it as
+        the paper's data does, and RL's policy gradient does not."""
+        state.append(self.tokenize(text), TokenOrigin.GIVEN)
 
     # -- running ----------------------------------------------------------------------------
 
@@ -165,28 +310,73 @@ class AgentLoop:
         return states
 
     def _seed(self, state: TrajectoryState) -> int | None:
-        if self.config.seed is None:
+        if state.seed is None:
             return None
-        digest = hashlib.sha256(f"{self.config.seed}/{state.id}/{state.segments}".encode()).digest()
+        digest = hashlib.sha256(f"{state.seed}/{state.id}/{state.segments}".encode()).digest()
         return int.from_bytes(digest[:8], "big") >> 1
 
+    def room(self, state: TrajectoryState) -> int:
+        """Response tokens the trajectory may still add: its budget, within the engine's context."""
+        context = self.engine.max_model_len - len(state.prompt_ids) - len(state.response_ids)
+        return min(state.budgets.response_tokens - len(state.response_ids), context)
+
     def _over_budget(self, state: TrajectoryState, tool: str) -> tuple[int, int, str] | None:
-        c = self.config
-        limit = c.max_python_calls if tool == protocol.PYTHON else c.max_search_calls
+        b = state.budgets
+        limit = b.python if tool == protocol.PYTHON else b.search
         if state.executed(tool) >= limit:
             return state.executed(tool), limit, tool
-        if c.max_tool_calls is not None and state.executed() >= c.max_tool_calls:
-            return state.executed(), c.max_tool_calls, "tool"
+        if b.total is not None and state.executed() >= b.total:
+            return state.executed(), b.total, "tool"
         return None
 
+    def _call_or_refuse(self, state: TrajectoryState, call: protocol.ToolCall, pending: list) -> None:
+        """Queue a call within budget; answer an over-budget one with the budget message."""
+        over = self._over_budget(state, call.tool)
+        if over is None:
+            pending.append((state, call))
+            return
+        state.budget_messages += 1
+        record = budget_exhausted_record(call, *over)
+        state.tool_calls.append(record)
+        self._insert_result(state, record.output)
+        if state.budget_messages > self.config.max_budget_messages:
+            state.finish_reason = "budget"
+
+    def _insert_result(self, state: TrajectoryState, output: str) -> None:
+        """Append a wrapped tool result as TOOL tokens, cut to the room left (closing tag kept)."""
+        ids = self.tokenize(protocol.format_result(output))
+        room = self.room(state)
+        if len(ids) > room:
+            closing = self.tokenize("\n</result>")
+            opening = self.tokenize("<result>\n")
+            if room < len(opening) + len(closing) + 1:
+                state.finish_reason = "length"  # no room for even an empty result
+                return
+            ids = ids[: room - len(closing)] + closing
+        state.append(ids, TokenOrigin.TOOL)
+
+    async def _run_calls(self, pending: list[tuple[TrajectoryState, protocol.ToolCall]]) -> None:
+        records = await self.executor.run([call for _, call in pending]) if pending else []
+        for (s, _), record in zip(pending, records):
+            s.tool_calls.append(record)
+            if not s.done:
+                self._insert_result(s, record.output)
+
     async def step(self, states: list[TrajectoryState]) -> None:
-        """One round: a segment for every active trajectory, then their tool calls."""
+        """One round: calls left at the end of prefixes, a segment for every active trajectory,
+        then their tool calls."""
         c = self.config
+        trailing: list[tuple[TrajectoryState, protocol.ToolCall]] = []
+        for s in states:
+            if not s.done and s.trailing_call is not None:
+                self._call_or_refuse(s, s.trailing_call, trailing)
+                s.trailing_call = None
+        await self._run_calls(trailing)
         now = time.monotonic()
         for s in states:
-            if not s.done and now - s.started_at > c.timeout_s:
+            if not s.done and c.timeout_s is not None and now - s.started_at > c.timeout_s:
                 s.finish_reason = "timeout"
-            if not s.done and len(s.response_ids) >= c.max_response_tokens:
+            if not s.done and self.room(s) <= 0:
                 s.finish_reason = "length"
         active = [s for s in states if not s.done]
         if not active:
@@ -194,62 +384,51 @@ class AgentLoop:
         requests = [
             GenerationRequest(
                 prompt_ids=tuple(s.prompt_ids + s.response_ids),
-                temperature=c.temperature,
-                top_p=c.top_p,
-                top_k=c.top_k,
-                min_p=c.min_p,
-                repetition_penalty=c.repetition_penalty,
-                max_new_tokens=min(c.max_segment_tokens, c.max_response_tokens - len(s.response_ids)),
+                max_new_tokens=min(c.max_segment_tokens, self.room(s)),
                 stop=STOPS,
                 logprobs=c.logprobs,
+                logprobs_window=c.entropy_window,
                 seed=self._seed(s),
                 session=s.question.id,
+                **c.sampling(),
             )
             for s in active
         ]
         results = await self.engine.agenerate(requests)
         pending: list[tuple[TrajectoryState, protocol.ToolCall]] = []
         for s, [sample] in zip(active, results):
-            s.append(list(sample.token_ids), 1, list(sample.logprobs))
-            s.segments += 1
-            if sample.top_logprobs:
-                s.entropies.append(topk_segment_entropy(sample.top_logprobs, self.vocab_size, c.entropy_window))
-            exact = exact_segment_entropy(sample.entropy, self.vocab_size, c.entropy_window)
-            if exact is not None:
-                s.entropies_exact.append(exact)
-            if sample.finish_reason == "eos":
-                s.finish_reason = "eos"
-            elif sample.finish_reason == "length":
-                s.finish_reason = "length"
-            elif sample.stop == protocol.ANSWER_STOP:
-                s.finish_reason = "answer"
-            elif sample.stop == "<result>":
-                s.finish_reason = "fake_result"
-            else:
-                segment = self.tokenizer.decode(sample.token_ids, skip_special_tokens=False)
-                call = protocol.parse_segment(segment)
-                if not isinstance(call, protocol.ToolCall):  # a stop string the parser does not see
-                    s.finish_reason = "format"
-                    continue
-                over = self._over_budget(s, call.tool)
-                if over is None:
-                    pending.append((s, call))
-                    continue
-                s.budget_messages += 1
-                record = budget_exhausted_record(call, *over)
-                s.tool_calls.append(record)
-                s.append(self.tokenize(protocol.format_result(record.output)), 0)
-                if s.budget_messages > c.max_budget_messages:
-                    s.finish_reason = "budget"
-        records = await self.executor.run([call for _, call in pending]) if pending else []
-        for (s, _), record in zip(pending, records):
-            s.tool_calls.append(record)
-            s.append(self.tokenize(protocol.format_result(record.output)), 0)
+            self._take_segment(s, sample, pending)
+        await self._run_calls(pending)
+
+    def _take_segment(self, s: TrajectoryState, sample: Sample, pending: list) -> None:
+        c = self.config
+        if sample.finish_reason == "error":
+            s.finish_reason, s.error = "error", sample.error
+            return
+        s.segment_starts.append(SegmentStart(len(s.response_ids), len(s.tool_calls), s.budget_messages))
+        s.append(list(sample.token_ids), TokenOrigin.SAMPLED, list(sample.logprobs), sample.tempered_logprobs)
+        if sample.top_logprobs:
+            s.entropies.append(topk_segment_entropy(sample.top_logprobs, self.vocab_size, c.entropy_window))
+        exact = exact_segment_entropy(sample.entropy, self.vocab_size, c.entropy_window)
+        if exact is not None:
+            s.entropies_exact.append(exact)
+        if sample.finish_reason in ("eos", "length"):
+            s.finish_reason = sample.finish_reason
+        elif sample.stop == protocol.ANSWER_STOP:
+            s.finish_reason = "answer"
+        elif sample.stop == "<result>":
+            s.finish_reason = "fake_result"
+        else:
+            call = protocol.parse_segment(self.tokenizer.decode(sample.token_ids, skip_special_tokens=False))
+            if isinstance(call, protocol.ToolCall):
+                self._call_or_refuse(s, call, pending)
+            else:  # a stop string the parser does not see
+                s.finish_reason = "format"
 
     # -- results ----------------------------------------------------------------------------
 
     def to_record(self, state: TrajectoryState) -> Trajectory:
-        """The trajectory as an artifact record (text decoded from the token ids)."""
+        """The trajectory as an artifact record (text decoded from the token ids, as generated)."""
         text = self.text(state)
         return Trajectory(
             id=state.id,
@@ -257,15 +436,48 @@ class AgentLoop:
             tool_calls=state.tool_calls,
             prediction=protocol.extract_answer(text),
             n_tokens=len(state.response_ids),
+            n_generated=sum(1 for o in state.origin if o == TokenOrigin.SAMPLED),
+            tool_calls_executed=state.executed(),
+            tool_calls_written=protocol.count_tool_calls(text),
             finish_reason=state.finish_reason or "",
+            error=state.error,
             prompt_ids=state.prompt_ids,
             response_ids=state.response_ids,
             response_mask=state.mask,
+            response_origin=state.origin,
             logprobs=state.logprobs,
+            tempered_logprobs=state.tempered_logprobs,
             entropies=state.entropies,
             entropies_exact=state.entropies_exact or None,
+            sampling={**self.config.sampling(), "seed": state.seed},
+            policy_version=state.policy_version,
             provenance=state.provenance,
         )
 
     def text(self, state: TrajectoryState) -> str:
-        return self.tokenizer.decode(state.response_ids, skip_special_tokens=True)
+        return self.tokenizer.decode(state.response_ids, skip_special_tokens=False)
+
+
+def _spans(text: str) -> list[tuple[int, int, bool]]:
+    """(start, end, is_result) character spans of a trajectory's text, in order."""
+    spans, pos = [], 0
+    for piece, is_result in protocol.split_result_segments(text):
+        spans.append((pos, pos + len(piece), is_result))
+        pos += len(piece)
+    return spans
+
+
+def _calls_from_text(text: str) -> list[ToolCallRecord]:
+    """Tool-call records read back from text: each result with the call written just before it."""
+    records, policy = [], ""
+    for piece, is_result in protocol.split_result_segments(text):
+        if not is_result:
+            policy = piece
+            continue
+        call = protocol.parse_segment(policy)
+        output = piece[len("<result>") : -len("</result>")].strip("\n")
+        tool, code = (call.tool, call.input) if isinstance(call, protocol.ToolCall) else ("unknown", "")
+        budget = output.startswith("Tool budget exhausted:")
+        records.append(ToolCallRecord(tool=tool, input=code, output=output, ok=not budget, budget_exhausted=budget, rebuilt=True))
+        policy = ""
+    return records

@@ -53,11 +53,10 @@ def _score_lines(source: IO[str], name: str, out: IO[str], judge: scoring.LLMJud
         else:
             rows.append((item, metrics))
     if judge is not None:  # judged together, concurrently
-        verdicts = judge.judge_many(
-            [(item["question"], item.get("answers", item.get("answer")), str(item["prediction"])) for item, _ in rows]
+        judge.judge_into(
+            [(metrics, item["question"], item.get("answers", item.get("answer")), str(item["prediction"])) for item, metrics in rows]
         )
-        for (item, metrics), verdict in zip(rows, verdicts):
-            metrics.update(llm_judge=verdict.correct, llm_judge_reason=verdict.reason, llm_judge_response=verdict.response)
+        for item, metrics in rows:
             out.write(json.dumps({**item, **metrics}, ensure_ascii=False) + "\n")
         out.flush()
     return 0
@@ -79,9 +78,7 @@ def score_main(argv: list[str]) -> int:
     if args.judge_url:
         if not args.judge_model:
             parser.error("--judge-url needs --judge-model")
-        import os
-
-        judge = scoring.LLMJudge(args.judge_url, args.judge_model, api_key=os.environ.get(args.judge_api_key_env))
+        judge = scoring.LLMJudge.connect(args.judge_url, args.judge_model, api_key_env=args.judge_api_key_env)
     if args.file:
         with open(args.file) as f:
             return _score_lines(f, args.file, sys.stdout, judge)

@@ -32,6 +32,7 @@ import subprocess
 import threading
 import time
 from collections.abc import Iterable, Iterator, Sequence
+from enum import IntEnum
 from pathlib import Path
 from typing import Any, Literal, TypeVar
 
@@ -117,7 +118,9 @@ class Question(Record):
 
 
 class ToolCallRecord(Record):
-    """One tool call of a trajectory, as the tools executor reports it."""
+    """One tool call of a trajectory, as the tools executor reports it. ``rebuilt`` marks a record
+    read back from trajectory text (a prefix given as text only): its ``ok`` and ``seconds`` are
+    not known and are left at True and 0."""
 
     tool: str
     input: str
@@ -126,45 +129,111 @@ class ToolCallRecord(Record):
     seconds: float = 0.0
     cached: bool = False
     budget_exhausted: bool = False
+    rebuilt: bool = False
+
+
+class TokenOrigin(IntEnum):
+    """Where a response token came from. SFT trains on every token but ``TOOL`` ones; RL's policy
+    gradient covers ``SAMPLED`` tokens only (the others have no log-probability under the policy
+    that generated this rollout)."""
+
+    TOOL = 0  # inserted tool output (a result, or the budget message)
+    SAMPLED = 1  # sampled by the policy in this rollout
+    GIVEN = 2  # policy text not sampled in this rollout: a prefix, an editor's corrected step, a hint
+
+
+class Provenance(Record):
+    """Which stage or operation made a trajectory, and from what. ``operation`` is e.g. ``rollout``,
+    ``fork``, ``prefix``, a flywheel operation, or ``seed`` (toy seeds); ``edited_step`` is the step
+    an edit replaced; ``branch_segment``/``branch_token`` where a fork left its parent (the
+    generated segment it resampled from, and that segment's first response token). Other keys
+    (the toy's ``behaviour``) are kept."""
+
+    stage: str | None = None
+    operation: str | None = None
+    round: int | None = None
+    parent: str | None = None
+    edited_step: int | None = None
+    branch_segment: int | None = None
+    branch_token: int | None = None
+
+
+class Judgement(Record):
+    """How a trajectory's answer was judged. ``score`` is the metric's value (``metric`` names it:
+    ``math_equivalence``, ``f1``, ``exact_match``, ``llm_judge``, ...), ``verdict`` whether it
+    counts as correct (``score >= threshold`` for graded metrics), both None when the judge gave
+    no usable answer; ``reply`` is an LLM judge's raw reply and ``attempts`` how many requests it
+    took, ``error`` why there is no verdict."""
+
+    metric: str
+    score: float | None
+    verdict: bool | None
+    threshold: float | None = None
+    reply: str | None = None
+    attempts: int = 1
+    error: str | None = None
 
 
 class Trajectory(Record):
     """One rollout of a question.
 
-    ``text`` is derived from ``response_ids`` when the agent loop made it (token ids are the
-    truth); data made from text alone (seed trajectories, imported files) has no ids.
-    ``response_mask`` is 1 where the policy generated the token and 0 where it was inserted (tool
-    results, hints); ``logprobs`` has one entry per response token (0.0 at inserted ones).
+    ``text`` is exactly what ``response_ids`` decode to (special tokens included) when the agent
+    loop made it; data made from text alone (seed trajectories, imported files) has no ids.
+    ``response_origin`` says, per response token, where it came from (:class:`TokenOrigin`);
+    ``response_mask`` is 1 where SFT trains (every origin but ``TOOL``). ``logprobs`` has one entry
+    per response token (the raw distribution's; 0.0 at tokens not sampled in this rollout) and
+    ``tempered_logprobs`` the same under the sampling temperature, where the engine gave them.
+    ``sampling`` holds the settings and seed the rollout was sampled with, ``policy_version`` the
+    weights it was sampled from.
     ``entropies`` holds, per generated segment (the first, then one after each tool result), the
     entropy of its first tokens as ARPO computes it from top-k log-probabilities;
     ``entropies_exact`` the same from full distributions, where the engine had them.
-    ``provenance`` says which stage or flywheel operation made it and from which parent.
+    ``tool_calls_executed`` counts calls that ran (the budget message excluded);
+    ``tool_calls_written`` the calls in the text as the paper counts them
+    (:func:`etagent.protocol.count_tool_calls`); ``n_generated`` the sampled tokens.
+    ``error`` says why an engine failed the rollout (``finish_reason == "error"``).
     """
 
     id: str
     text: str
     tool_calls: list[ToolCallRecord] = []
     prediction: str = ""
-    score: float | None = None
+    judgement: Judgement | None = None
     n_tokens: int = 0
+    n_generated: int | None = None
+    tool_calls_executed: int | None = None
+    tool_calls_written: int | None = None
     finish_reason: str = ""
+    error: str | None = None
     prompt_ids: list[int] | None = None
     response_ids: list[int] | None = None
     response_mask: list[int] | None = None
+    response_origin: list[int] | None = None
     logprobs: list[float] | None = None
+    tempered_logprobs: list[float] | None = None
     entropies: list[float] = []
     entropies_exact: list[float] | None = None
-    provenance: dict[str, Any] = {}
+    sampling: dict[str, Any] | None = None
+    policy_version: str | None = None
+    provenance: Provenance = Provenance()
 
     @model_validator(mode="after")
     def _token_fields_align(self) -> Trajectory:
         if self.response_ids is not None:
             n = len(self.response_ids)
-            for name in ("response_mask", "logprobs"):
+            for name in ("response_mask", "response_origin", "logprobs", "tempered_logprobs"):
                 value = getattr(self, name)
                 if value is not None and len(value) != n:
                     raise ValueError(f"{name} has {len(value)} entries but response_ids has {n}")
+        if self.response_origin is not None and self.response_mask is not None:
+            if any((o != TokenOrigin.TOOL) != bool(m) for o, m in zip(self.response_origin, self.response_mask)):
+                raise ValueError("response_mask must be 1 exactly where response_origin is not TOOL (0)")
         return self
+
+    @property
+    def correct(self) -> bool | None:
+        """The judgement's verdict (None when not judged, or the judge failed)."""
+        return None if self.judgement is None else self.judgement.verdict
 
 
 class TrajectoryGroup(Record):
@@ -218,8 +287,8 @@ class SFTExample(Record):
     id: str
     messages: list[Message]
     segments: list[Segment]
-    # The token ids and mask of the rollout this example came from, when it came from the agent
-    # loop: SFT then trains on exactly those ids (if they decode to the assistant text).
+    # The token ids and mask (1: trained) of the rollout this example came from, when it came
+    # from the agent loop: SFT then trains on exactly those ids (if they decode to the text).
     response_ids: list[int] | None = None
     response_mask: list[int] | None = None
 
@@ -243,6 +312,16 @@ class SFTExample(Record):
         segments = [Segment(text=piece, train=not is_result) for piece, is_result in protocol.split_result_segments(text)]
         messages = [Message(role="system", content=system_prompt), Message(role="user", content=question)]
         return cls(id=id, messages=messages + [Message(role="assistant", content=text)], segments=segments, **extra)
+
+    @classmethod
+    def from_rollout(cls, trajectory: Trajectory, question: str, system_prompt: str = protocol.SYSTEM_PROMPT, **extra: Any) -> SFTExample:
+        """An example from an agent-loop trajectory, carrying its token ids and mask: SFT then
+        trains on exactly those ids, policy text (sampled or given: prefixes, edits, hints) in
+        the loss and tool output out of it, the same split the text alone gives."""
+        ids = {}
+        if trajectory.response_ids is not None and trajectory.response_mask is not None:
+            ids = {"response_ids": trajectory.response_ids, "response_mask": trajectory.response_mask}
+        return cls.from_trajectory(trajectory.id, question, trajectory.text, system_prompt, **ids, **extra)
 
     @property
     def system(self) -> str:

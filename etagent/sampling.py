@@ -4,7 +4,7 @@
     python -m etagent.sampling ...                         (the same)
 
 Writes ``out_dir/trajectories.jsonl`` (one :class:`TrajectoryGroup` per question, each rollout
-scored with :func:`etagent.scoring.rule_correctness`) and ``manifest.json``. Questions already in
+judged with :func:`etagent.scoring.rule_judgement`) and ``manifest.json``. Questions already in
 the output are skipped, so a killed run resumes where it stopped and never duplicates a question.
 
 With ``ray.workers > 0`` the questions are split into batches and fanned out to a pool of Ray
@@ -29,7 +29,7 @@ from tqdm import tqdm
 
 from etagent.agent import AgentConfig, AgentLoop
 from etagent.records import JsonlAppender, Question, TrajectoryGroup, read_questions, write_manifest
-from etagent.scoring import rule_correctness
+from etagent.scoring import rule_judgement
 
 log = logging.getLogger(__name__)
 
@@ -52,7 +52,7 @@ class Sampler:
         for i, q in enumerate(questions):
             records = [self.loop.to_record(s) for s in states[i * self.n : (i + 1) * self.n]]
             for record in records:
-                record.score = rule_correctness(record.prediction, q.answer, q.kind)
+                record.judgement = rule_judgement(record.prediction, q.answer, q.kind)
             groups.append(TrajectoryGroup.for_question(q, records))
         return groups
 
@@ -154,7 +154,7 @@ def summarise(path: Path) -> dict:
     return {
         "questions": len(groups),
         "trajectories": len(trajectories),
-        "mean_score": round(sum(t.score or 0.0 for t in trajectories) / n, 4),
+        "mean_score": round(sum(t.judgement.score or 0.0 for t in trajectories if t.judgement) / n, 4),
         "mean_tool_calls": round(sum(len(t.tool_calls) for t in trajectories) / n, 4),
         "mean_tokens": round(sum(t.n_tokens for t in trajectories) / n, 1),
         "finish_reasons": dict(Counter(t.finish_reason for t in trajectories)),

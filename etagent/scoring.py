@@ -17,8 +17,17 @@ reference has them (no sympy, so ``0.50`` and ``1/2`` differ), and :func:`math_v
 the symbolic check from the ``math-verify`` package. ``math_equal`` in :func:`score_prediction`
 is true when either holds.
 
+Also here, shared by every stage that judges answers: per-sample metrics of a trajectory
+(:func:`sample_metrics`: every score above, the tool calls as the paper counts them with
+:func:`etagent.protocol.count_valid_tags`, executed and successful calls, format) and its
+correctness c_i (:func:`correctness`); rule verdicts as records (:func:`rule_judgement`); and the
+LLM judge (:class:`LLMJudge`). ``is_equiv_paper`` is the paper evaluator's variant that applies
+the MATH string rules after its QA normalisation (articles removed: "The Scotland" equals
+"Scotland").
+
 What this module does not do: extract the answer from a trajectory (``etagent.protocol``),
-aggregate per dataset or compute pass@k (``evaluation/``), or compute the RL reward (``rl/``).
+aggregate per dataset or compute pass@k over datasets (``evaluation/``), or compute the RL
+reward (``rl/``).
 """
 
 from __future__ import annotations
@@ -31,11 +40,11 @@ import string
 import threading
 from collections import Counter
 from collections.abc import Callable, Mapping, Sequence
-from dataclasses import dataclass
 
-import httpx
-
-from etagent.net import ExternalCallError, post_json
+from etagent import protocol
+from etagent.llm.openai_engine import OpenAIEngine
+from etagent.net import ExternalCallError
+from etagent.records import Judgement, Question, Trajectory
 
 log = logging.getLogger(__name__)
 
@@ -271,6 +280,7 @@ def score_prediction(prediction: str, golds: Sequence[str]) -> dict[str, float]:
         "acc_paper": best_over_golds(acc_paper, prediction, golds),
         "f1_raw_whitespace": best_over_golds(f1_raw_whitespace, prediction, golds),
         "is_equiv": float(any(is_equiv(lowered, g.lower()) for g in golds)),
+        "is_equiv_paper": float(any(is_equiv(paper_normalize(prediction), paper_normalize(g)) for g in golds)),
         "math_verify": float(any(math_verify_equal(prediction, g) for g in golds)),
         "math_equal": float(math_equal(prediction, golds)),
     }
@@ -288,6 +298,56 @@ def rule_correctness(prediction: str, golds: Sequence[str], kind: str) -> float:
     if kind == "math":
         return float(math_equal(prediction, golds))
     return best_over_golds(f1_paper, prediction, golds)
+
+
+def rule_judgement(prediction: str, golds: Sequence[str], kind: str, qa_threshold: float = 0.8) -> Judgement:
+    """:func:`rule_correctness` as a :class:`Judgement`: math is right or wrong
+    (``math_equal``); QA's score is the paper's F1, counted correct at ``qa_threshold`` or above
+    (0.8 by default, the flywheel's bar)."""
+    score = rule_correctness(prediction, golds, kind)
+    if kind == "math":
+        return Judgement(metric="math_equal", score=score, verdict=score == 1.0)
+    return Judgement(metric="f1_paper", score=score, verdict=score >= qa_threshold, threshold=qa_threshold)
+
+
+# ---------------------------------------------------------------------------------------------
+# Per-sample metrics (evaluation, radar and the rollout stages share them)
+
+
+def sample_metrics(trajectory: Trajectory, question: Question) -> dict:
+    text = trajectory.text
+    metrics = (
+        score_prediction(trajectory.prediction, question.answer)
+        if trajectory.prediction
+        else dict.fromkeys(score_prediction("x", ["y"]), 0.0)
+    )
+    executed = [c for c in trajectory.tool_calls if not c.budget_exhausted]
+    python_calls = protocol.count_valid_tags(text, protocol.PYTHON)
+    search_calls = protocol.count_valid_tags(text, protocol.SEARCH)
+    metrics.update(
+        python_calls=python_calls,
+        search_calls=search_calls,
+        tool_calls=python_calls + search_calls,
+        executed_calls=len(executed),
+        successful_calls=sum(c.ok for c in executed),
+        length_chars=len(protocol.strip_results(text)),
+        n_tokens=trajectory.n_tokens,
+        valid_format=protocol.validate_format(text),
+        has_prediction=bool(trajectory.prediction),
+        finish_reason=trajectory.finish_reason,
+    )
+    if question.needed_calls is not None:
+        calls = {protocol.PYTHON: python_calls, protocol.SEARCH: search_calls}
+        metrics["redundant_calls"], metrics["insufficient_calls"] = call_behaviour(calls, question.needed_calls)
+    return metrics
+
+
+def correctness(metrics: dict, kind: str) -> float:
+    """c_i: the judge for math where it answered, else math equivalence; paper F1 for QA."""
+    if kind == "math":
+        judged = metrics.get("llm_judge")
+        return float(judged) if judged is not None else metrics["math_equal"]
+    return metrics["f1_paper"]
 
 
 # ---------------------------------------------------------------------------------------------
@@ -363,84 +423,71 @@ def parse_judgement(reply: str) -> bool | None:
     return None
 
 
-@dataclass
-class JudgeVerdict:
-    """One judged prediction. ``correct`` is None when the judge failed after its retries."""
-
-    correct: bool | None
-    response: str  # the judge's last reply ("" when decided by rule or failed before replying)
-    reason: str  # "rule" (equivalent by the MATH rules), "judge", or "failed: ..."
-    attempts: int = 0
-
-
 class LLMJudge:
-    """LLM-as-judge over any OpenAI-compatible chat completions server.
+    """LLM-as-judge over OpenAI-compatible chat servers, through :class:`OpenAIEngine` (its
+    timeouts, retries and fail-over across a pool of servers: the one client for every text model
+    of the toolkit: judge, editor, summariser).
 
-    A prediction is correct when it equals a gold answer by :func:`is_equiv` (no call is made)
-    or when the judge says so (:func:`parse_judgement`). Unlike the reference, the judge samples
-    at temperature 0 with a fixed token cap, and an error, a timeout or an unparseable reply is
-    retried and then reported as a failure (``correct=None``) instead of being scored.
+    A prediction is correct when it equals a gold answer by :func:`is_equiv` (no call is made;
+    ``metric="is_equiv"``) or when the judge says so (:func:`parse_judgement`). Unlike the
+    reference, the judge samples at temperature 0 with a fixed token cap; an unparseable reply is
+    asked again up to ``attempts`` times, and a judge that gives no usable answer is reported as
+    such (``verdict=None``, ``error`` says why) instead of being scored.
     """
 
-    def __init__(
-        self,
-        base_url: str,
+    def __init__(self, engine: OpenAIEngine, *, attempts: int = 3, max_tokens: int = 16, temperature: float = 0.0):
+        self.engine, self.attempts, self.max_tokens, self.temperature = engine, attempts, max_tokens, temperature
+
+    @classmethod
+    def connect(
+        cls,
+        urls: str | Sequence[str],
         model: str,
         *,
-        api_key: str | None = None,
+        api_key_env: str | None = None,
         timeout: float = 60.0,
         attempts: int = 3,
         max_tokens: int = 16,
-        temperature: float = 0.0,
-    ):
-        self.url = base_url.rstrip("/") + "/chat/completions"
-        self.model = model
-        self.headers = {"Authorization": f"Bearer {api_key}"} if api_key else {}
-        self.timeout = timeout
-        self.attempts = attempts
-        self.max_tokens = max_tokens
-        self.temperature = temperature
+        concurrency: int = 32,
+    ) -> LLMJudge:
+        """A judge on one server URL or a pool of them (``.../v1``)."""
+        urls = [urls] if isinstance(urls, str) else list(urls)
+        engine = OpenAIEngine(urls, model, api_key_env=api_key_env, timeout_s=timeout, attempts=attempts, concurrency=concurrency)
+        return cls(engine, attempts=attempts, max_tokens=max_tokens)
 
     def prompt(self, question: str, golds: Sequence[str], prediction: str) -> str:
         return JUDGE_PROMPT.format(question=question, golden=" | ".join(map(str, golds)), prediction=prediction)
 
-    async def ajudge(self, client: httpx.AsyncClient, question: str, golds: Sequence[str], prediction: str) -> JudgeVerdict:
-        """Judge one prediction with an open async client (share one client across calls)."""
+    async def ajudge(self, question: str, golds: Sequence[str], prediction: str) -> Judgement:
         if any(is_equiv(prediction, str(g)) for g in golds):
-            return JudgeVerdict(True, "", "rule")
-        payload = {
-            "model": self.model,
-            "messages": [{"role": "user", "content": self.prompt(question, golds, prediction)}],
-            "temperature": self.temperature,
-            "max_tokens": self.max_tokens,
-        }
-        reply, error = "", "no attempt made"
+            return Judgement(metric="is_equiv", score=1.0, verdict=True, attempts=0)
+        messages = [{"role": "user", "content": self.prompt(question, golds, prediction)}]
+        reply = ""
         for attempt in range(1, self.attempts + 1):
             try:
-                body = await post_json(client, self.url, payload, headers=self.headers, timeout=self.timeout, attempts=1)
-                reply = body["choices"][0]["message"]["content"] or ""
-            except (ExternalCallError, KeyError, IndexError, TypeError) as exc:
-                error = f"{type(exc).__name__}: {exc}"
-            else:
-                verdict = parse_judgement(reply)
-                if verdict is not None:
-                    return JudgeVerdict(verdict, reply, "judge", attempt)
-                error = f"unparseable reply {reply[:80]!r}"
-            if attempt < self.attempts:
-                await asyncio.sleep(min(0.5 * 2 ** (attempt - 1), 4.0))
-        return JudgeVerdict(None, reply, f"failed: {error}", self.attempts)
+                reply = await self.engine.chat(messages, temperature=self.temperature, max_tokens=self.max_tokens)
+            except ExternalCallError as exc:  # the engine has retried and failed over already
+                return Judgement(metric="llm_judge", score=None, verdict=None, reply=reply, attempts=attempt, error=str(exc))
+            verdict = parse_judgement(reply)
+            if verdict is not None:
+                return Judgement(metric="llm_judge", score=float(verdict), verdict=verdict, reply=reply, attempts=attempt)
+        error = f"unparseable reply {reply[:80]!r}"
+        return Judgement(metric="llm_judge", score=None, verdict=None, reply=reply, attempts=self.attempts, error=error)
 
-    async def ajudge_many(self, items: Sequence[tuple[str, Sequence[str], str]], concurrency: int = 32) -> list[JudgeVerdict]:
-        """Judge (question, golds, prediction) items concurrently, in order."""
-        limit = asyncio.Semaphore(concurrency)
-        async with httpx.AsyncClient() as client:
+    async def ajudge_many(self, items: Sequence[tuple[str, Sequence[str], str]]) -> list[Judgement]:
+        """Judge (question, golds, prediction) items concurrently (the engine bounds how many are
+        in flight), in order."""
+        return list(await asyncio.gather(*(self.ajudge(*item) for item in items)))
 
-            async def one(item):
-                async with limit:
-                    return await self.ajudge(client, *item)
-
-            return list(await asyncio.gather(*(one(item) for item in items)))
-
-    def judge_many(self, items: Sequence[tuple[str, Sequence[str], str]], concurrency: int = 32) -> list[JudgeVerdict]:
+    def judge_many(self, items: Sequence[tuple[str, Sequence[str], str]]) -> list[Judgement]:
         """Synchronous :meth:`ajudge_many` for scripts that have no event loop."""
-        return asyncio.run(self.ajudge_many(items, concurrency))
+        return asyncio.run(self.ajudge_many(items))
+
+    def judge_into(self, rows: Sequence[tuple[dict, str, Sequence[str], str]]) -> None:
+        """Judge (metrics, question, golds, prediction) rows and record each verdict in its metrics
+        dict as ``llm_judge`` (True, False or None), ``llm_judge_reason`` (``rule``, ``judge`` or
+        ``failed: ...``) and ``llm_judge_response``: what ``etagent score`` and evaluation write."""
+        judgements = self.judge_many([item for _, *item in rows])
+        for (metrics, *_), j in zip(rows, judgements):
+            reason = "rule" if j.metric == "is_equiv" else ("judge" if j.verdict is not None else f"failed: {j.error}")
+            metrics.update(llm_judge=j.verdict, llm_judge_reason=reason, llm_judge_response=j.reply or "")

@@ -1,5 +1,6 @@
-"""Per-sample metrics and per-dataset aggregates, as the paper's table computes them, plus pass@k
-and bootstrap intervals.
+"""Per-dataset aggregates, as the paper's table computes them, plus pass@k and bootstrap
+intervals, over the per-sample metrics of :func:`etagent.scoring.sample_metrics` (which radar and
+the other stages share).
 
 Per sample: every rule-based score of :func:`etagent.scoring.score_prediction`; the tool calls
 the paper counts (paired ``<python>``/``<search>`` tags in the text: calls over budget and tags
@@ -31,47 +32,9 @@ from collections.abc import Sequence
 
 import numpy as np
 
-from etagent import protocol
-from etagent.records import Question, Trajectory
-from etagent.scoring import call_behaviour, efficiency, pass_at_k, score_prediction, tool_productivity
+from etagent.scoring import correctness, efficiency, pass_at_k, tool_productivity
 
 SOLVED = 0.8
-
-
-def sample_metrics(trajectory: Trajectory, question: Question) -> dict:
-    text = trajectory.text
-    metrics = (
-        score_prediction(trajectory.prediction, question.answer)
-        if trajectory.prediction
-        else dict.fromkeys(score_prediction("x", ["y"]), 0.0)
-    )
-    executed = [c for c in trajectory.tool_calls if not c.budget_exhausted]
-    python_calls = protocol.count_valid_tags(text, protocol.PYTHON)
-    search_calls = protocol.count_valid_tags(text, protocol.SEARCH)
-    metrics.update(
-        python_calls=python_calls,
-        search_calls=search_calls,
-        tool_calls=python_calls + search_calls,
-        executed_calls=len(executed),
-        successful_calls=sum(c.ok for c in executed),
-        length_chars=len(protocol.strip_results(text)),
-        n_tokens=trajectory.n_tokens,
-        valid_format=protocol.validate_format(text),
-        has_prediction=bool(trajectory.prediction),
-        finish_reason=trajectory.finish_reason,
-    )
-    if question.needed_calls is not None:
-        calls = {protocol.PYTHON: python_calls, protocol.SEARCH: search_calls}
-        metrics["redundant_calls"], metrics["insufficient_calls"] = call_behaviour(calls, question.needed_calls)
-    return metrics
-
-
-def correctness(metrics: dict, kind: str) -> float:
-    """c_i: the judge for math where it answered, else math equivalence; paper F1 for QA."""
-    if kind == "math":
-        judged = metrics.get("llm_judge")
-        return float(judged) if judged is not None else metrics["math_equal"]
-    return metrics["f1_paper"]
 
 
 def _bootstrap(values_per_question: list[list[float]], statistic, rng: np.random.Generator, rounds: int) -> tuple[float, float]:

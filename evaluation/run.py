@@ -35,8 +35,9 @@ from tqdm import tqdm
 
 from etagent.records import JsonlAppender, TrajectoryGroup, iter_jsonl, read_jsonl, write_jsonl, write_manifest
 from etagent.sampling import run_sampling
+from etagent.scoring import sample_metrics
 from evaluation.benchmarks import BENCHMARKS, benchmark_file, load_benchmark
-from evaluation.metrics import aggregate, behaviour, sample_metrics
+from evaluation.metrics import aggregate, behaviour
 from evaluation.table import summary_rows, write_table
 
 log = logging.getLogger("evaluation")
@@ -67,18 +68,17 @@ def sampling_config(cfg: DictConfig, name: str, questions_path: Path, out: Path)
 def make_judge(cfg: DictConfig):
     if not cfg.judge.url:
         return None
-    import os
-
     from etagent.scoring import LLMJudge
 
-    key = os.environ.get(cfg.judge.api_key_env) if cfg.judge.api_key_env else None
-    return LLMJudge(
-        cfg.judge.url,
-        cfg.judge.model,
-        api_key=key,
-        timeout=cfg.judge.timeout_s,
-        attempts=cfg.judge.attempts,
-        max_tokens=cfg.judge.max_tokens,
+    j = cfg.judge
+    return LLMJudge.connect(
+        j.url,
+        j.model,
+        api_key_env=j.api_key_env,
+        timeout=j.timeout_s,
+        attempts=j.attempts,
+        max_tokens=j.max_tokens,
+        concurrency=j.concurrency,
     )
 
 
@@ -95,12 +95,14 @@ def score(cfg: DictConfig, out: Path, judge) -> None:
                 question = group.as_question()
                 rows.append((group, [sample_metrics(t, question) for t in group.trajectories]))
             if judge is not None:
-                needing = [(m, g, t) for g, ms in rows if g.kind in cfg.judge.kinds for m, t in zip(ms, g.trajectories)]
-                verdicts = judge.judge_many(
-                    [(g.question, g.answer, t.prediction) for _, g, t in needing], concurrency=cfg.judge.concurrency
+                judge.judge_into(
+                    [
+                        (m, g.question, g.answer, t.prediction)
+                        for g, ms in rows
+                        if g.kind in cfg.judge.kinds
+                        for m, t in zip(ms, g.trajectories)
+                    ]
                 )
-                for (m, _, _), verdict in zip(needing, verdicts):
-                    m.update(llm_judge=verdict.correct, llm_judge_reason=verdict.reason, llm_judge_response=verdict.response)
             for group, metrics in rows:
                 writer.write({"id": group.id, "kind": group.kind, "source": group.source, "samples": metrics})
             progress.update(len(batch))

@@ -5,9 +5,11 @@ segments the policy wrote (trained) and tool results (masked). Tokenization foll
 loop exactly: the prompt is :func:`etagent.protocol.encode_prompt` (the same ids a rollout
 starts from), each segment is tokenized on its own (as the loop appends generated segments and
 tokenized results), and an EOS ends the turn. Labels are -100 on the prompt and on every
-tool-result segment. When an example carries the token ids and mask of the trajectory it came
-from (rollouts from the agent loop do) and they decode to its text, those ids are used as they
-are: the model is trained on exactly what it generated.
+tool-result segment. Policy text the rollout did not sample (a prefix, an edited step, a hint)
+is trained, as in the paper's SFT data. When an example carries the token ids and mask of the
+trajectory it came from (:meth:`SFTExample.from_rollout`) and they decode to its text, those ids
+are used as they are: the model is trained on exactly what was generated, and the mask agrees
+with the text's result spans.
 
 Sequences longer than ``cutoff_len`` are dropped, never truncated (truncation would cut off the
 answer and teach the model to stop without one); the count is reported.
@@ -51,7 +53,7 @@ def tokenize_example(example: SFTExample, tokenizer) -> Tokenized:
         ids is not None
         and mask is not None
         and len(ids) == len(mask)
-        and tokenizer.decode(ids, skip_special_tokens=True) == example.response
+        and tokenizer.decode(ids, skip_special_tokens=False) == example.response
     ):
         response, response_labels, exact = list(ids), [t if m else IGNORE for t, m in zip(ids, mask)], True
     else:

@@ -1,6 +1,7 @@
 """The agent loop at the token level: stored tokens are exactly the generated ones plus the
-inserted ones, the mask marks the inserted spans, text is decoded from tokens, budgets are
-answered explicitly, and a run is the same whatever the batch size or tool-completion order."""
+inserted ones, each with its origin, text is decoded from tokens, budgets (calls, response tokens,
+the engine's context) hold, an engine error ends one trajectory only, forks and prefixes keep
+what they should, and a run is the same whatever the batch size or tool-completion order."""
 
 from __future__ import annotations
 
@@ -11,9 +12,9 @@ import pytest
 from transformers import AutoTokenizer
 
 from etagent import protocol
-from etagent.agent import AgentConfig, AgentLoop
+from etagent.agent import AgentConfig, AgentLoop, Budgets
 from etagent.llm import GenerationRequest, Sample
-from etagent.records import Question
+from etagent.records import Question, TokenOrigin
 from etagent.tools import ToolOutput
 from etagent.tools.executor import ToolExecutor
 from tests.trajectories import mask_runs
@@ -24,6 +25,8 @@ class ScriptedEngine:
     next segment is the first scripted one not yet in the trajectory's policy text. A segment
     ending with a stop string finishes with that stop, "<eos>" appends EOS, anything else ends
     by length. Records every request it was given."""
+
+    max_model_len = 2048
 
     def __init__(self, tokenizer, scripts: dict[str, list[str]]):
         self.tokenizer, self.scripts = tokenizer, scripts
@@ -38,6 +41,9 @@ class ScriptedEngine:
             question = text.split("<|im_start|>user\n", 1)[1].split("<|im_end|>", 1)[0]
             response = text.split("<|im_start|>assistant\n", 1)[1]
             policy = protocol.strip_results(response)
+            if question == "q-engine-error":
+                out.append([Sample.failed("scripted failure")])
+                continue
             script, done = self.scripts[question], ""
             k = 0
             while k < len(script) and policy.startswith(done + script[k].replace("<eos>", "")):
@@ -161,7 +167,7 @@ def test_tokens_are_generated_plus_inserted_and_the_mask_marks_insertions(tokeni
         assert [tokenizer.decode(ids) for ids in inserted_runs] == [protocol.format_result(c.output) for c in s.tool_calls]
         assert len(s.logprobs) == len(s.response_ids) and all(lp == 0.0 for lp, m in zip(s.logprobs, s.mask) if m == 0)
         record = loop.to_record(s)
-        assert record.text == tokenizer.decode(s.response_ids, skip_special_tokens=True)
+        assert record.text == tokenizer.decode(s.response_ids, skip_special_tokens=False)
         assert record.response_mask == s.mask and record.n_tokens == len(s.response_ids)
     # and every prompt sent to the engine was the prompt plus the response so far, token for token
     by_question = {s.question.id: s for s in states}
@@ -214,18 +220,151 @@ def test_entropies_are_recorded_per_segment(tokenizer):
     assert len(s.entropies) == 3 and s.entropies[0] == pytest.approx(expected)
 
 
-def test_prefix_hint_and_fork(tokenizer):
+def test_special_tokens_sampled_by_the_policy_stay_in_the_text(tokenizer):
+    """What is scored is what was generated: a special token sampled mid-answer is not dropped."""
+    scripts = {"q-special": ["<think>x</think><answer>\\boxed{Z<|im_start|> 41}</answer>"]}
+    loop = AgentLoop(ScriptedEngine(tokenizer, scripts), ToolExecutor([]), SCRIPT_CONFIG)
+    [s] = asyncio.run(loop.run([loop.new(question("q-special"), "s/0")]))
+    record = loop.to_record(s)
+    assert "<|im_start|>" in record.text and record.text == tokenizer.decode(s.response_ids, skip_special_tokens=False)
+    assert record.prediction != "Z 41"
+
+
+def test_tool_results_are_cut_to_the_response_budget(tokenizer):
+    """A result longer than the room left is cut there, its closing tag kept; nothing goes past."""
+    rng = random.Random(0)
+
+    class Verbose(FakeSearch):
+        async def __call__(self, query):
+            return ToolOutput("lorem ipsum dolor " * 200, ok=True)
+
+    config = AgentConfig(max_response_tokens=120, logprobs=0)
+    loop = AgentLoop(ScriptedEngine(tokenizer, SCRIPTS), ToolExecutor([Verbose(rng)]), config)
+    [s] = asyncio.run(loop.run([loop.new(question("q-search"), "v/0")]))
+    text = loop.text(s)
+    assert len(s.response_ids) == 120 and s.finish_reason == "length"
+    assert text.endswith("</result>") and protocol.tool_results(text) and len(s.tool_calls) == 1
+
+
+def test_the_engines_context_length_bounds_the_response(tokenizer):
+    engine = ScriptedEngine(tokenizer, SCRIPTS)
+    loop = AgentLoop(engine, ToolExecutor([]), AgentConfig(max_response_tokens=4096, logprobs=0))
+    state = loop.new(question("q-long"), "c/0")
+    engine.max_model_len = len(state.prompt_ids) + 50
+    asyncio.run(loop.run([state]))
+    assert state.finish_reason == "length" and len(state.prompt_ids) + len(state.response_ids) == engine.max_model_len
+    assert all(len(r.prompt_ids) + r.max_new_tokens <= engine.max_model_len for r in engine.requests)
+
+
+def test_an_engine_error_ends_only_its_trajectory(tokenizer):
+    scripts = {**SCRIPTS, "q-engine-error": []}
+    loop = AgentLoop(ScriptedEngine(tokenizer, scripts), ToolExecutor([FakeSearch(random.Random(0))]), SCRIPT_CONFIG)
+    states = asyncio.run(loop.run([loop.new(question(n), f"{n}/0") for n in ("q-search", "q-engine-error", "q-none")]))
+    assert [s.finish_reason for s in states] == ["answer", "error", "answer"]
+    record = loop.to_record(states[1])
+    assert record.error == "scripted failure" and record.finish_reason == "error" and record.response_ids == []
+
+
+def test_seeds_differ_per_step_and_timeouts_can_be_off(tokenizer):
+    engine = ScriptedEngine(tokenizer, SCRIPTS)
+    loop = AgentLoop(engine, ToolExecutor([]), AgentConfig(seed=5, timeout_s=None, logprobs=0))
+    epochs = [loop.new(question("q-none"), "q-none/0", seed=step) for step in (0, 1, 0)]
+    for state in epochs:
+        asyncio.run(loop.run([state]))
+    first, second, replay = (r.seed for r in engine.requests)
+    assert first != second and first == replay  # the same id in another step draws anew
+    assert loop.to_record(epochs[1]).sampling["seed"] == 1
+
+
+def test_fork_at_a_segment(tokenizer):
+    loop, _, [s] = run_loop(tokenizer, ["q-python"], 1, 0)
+    assert s.segments == 3 and len(s.tool_calls) == 2
+    twin = s.fork("q-python/1", at_segment=1)  # just after the first call's result
+    start = s.segment_starts[1].token
+    assert twin.response_ids == s.response_ids[:start] and twin.origin == s.origin[:start]
+    assert [c.output for c in twin.tool_calls] == ["84"] and twin.segments == 1 and len(twin.entropies) == 1
+    assert twin.finish_reason is None and not twin.done
+    assert twin.provenance.operation == "fork" and twin.provenance.parent == "q-python/0"
+    assert (twin.provenance.branch_segment, twin.provenance.branch_token) == (1, start)
+    assert loop.text(twin).endswith(protocol.format_result("84"))
+    asyncio.run(loop.run([twin]))  # it samples segment 1 again and goes on from there
+    assert twin.finish_reason == "answer" and twin.segments == 3 and twin.executed("python") == 2
+    whole = s.fork("q-python/2")
+    assert whole.response_ids == s.response_ids and whole.done and whole.provenance.branch_segment == 3
+    with pytest.raises(ValueError, match="segment 4 does not exist"):
+        s.fork("x", at_segment=4)
+
+
+def test_from_prefix_runs_a_trailing_call_and_keeps_the_sources_ids(tokenizer):
     rng = random.Random(0)
     engine = ScriptedEngine(tokenizer, SCRIPTS)
-    loop = AgentLoop(engine, ToolExecutor([FakeSearch(rng), FakePython(rng)]), AgentConfig(max_python_calls=2, max_budget_messages=0))
-    prefix = "<think>compute</think><python>print(12 * 7)</python>" + protocol.format_result("84")
-    state = loop.from_prefix(question("q-python"), "p/0", prefix, op="flywheel-test")
-    assert state.prefix_calls == {"python": 1, "search": 0} and state.executed("python") == 1
-    assert tokenizer.decode([t for t, m in zip(state.response_ids, state.mask) if m == 0]) == protocol.format_result("84")
-    twin = state.fork("p/1")
-    loop.inject(twin, "<think>Wait, let me check once more.</think>")
-    assert twin.mask[-1] == 0 and len(twin.response_ids) > len(state.response_ids)
-    assert twin.provenance["parent"] == "p/0" and twin.prefix_calls == state.prefix_calls
+    loop = AgentLoop(
+        engine, ToolExecutor([FakeSearch(rng), FakePython(rng)]), AgentConfig(max_python_calls=2, max_budget_messages=0, logprobs=0)
+    )
+    _, _, [source_state] = run_loop(tokenizer, ["q-python"], 1, 0)
+    source = loop.to_record(source_state)
+    # the flywheel's cut: keep the first call and its result, then an edited step ending in a call
+    first = source.text.index("</result>") + len("</result>")
+    prefix = source.text[:first] + "<think>check again</think><python>print(84 + 0)</python>"
+    state = loop.from_prefix(
+        question("q-python"), "e/0", prefix, source=source, budgets=Budgets(python=2, search=2), operation="edit", round=1
+    )
+    assert state.response_ids[: first_ids(source, first, tokenizer)] == source.response_ids[: first_ids(source, first, tokenizer)]
+    assert set(state.origin) == {TokenOrigin.GIVEN, TokenOrigin.TOOL}  # nothing sampled here yet
+    assert [c.output for c in state.tool_calls] == ["84"] and state.tool_calls[0] == source.tool_calls[0]
+    assert state.trailing_call == protocol.ToolCall("python", "print(84 + 0)")
+    assert state.provenance.operation == "edit" and state.provenance.round == 1
     asyncio.run(loop.run([state]))
-    # the scripted second python call is within budget (1 in the prefix + 1 = 2); then the answer
-    assert [c.output for c in state.tool_calls] == ["84"] and state.finish_reason == "answer"
+    # the trailing call ran before generation went on; the policy then answered
+    assert [c.output for c in state.tool_calls] == ["84", "84"] and state.finish_reason == "answer"
+    text = loop.text(state)
+    assert text.startswith(prefix + protocol.format_result("84")) and text.count("<result>") == 2
+    assert loop.to_record(state).tool_calls_executed == 2
+
+
+def first_ids(source, chars, tokenizer):
+    """How many of the source's ids make up its first ``chars`` characters."""
+    return next(
+        i for i in range(len(source.response_ids) + 1) if len(tokenizer.decode(source.response_ids[:i], skip_special_tokens=False)) >= chars
+    )
+
+
+def test_from_text_only_and_over_budget_trailing_call(tokenizer):
+    rng = random.Random(0)
+    loop = AgentLoop(
+        ScriptedEngine(tokenizer, SCRIPTS), ToolExecutor([FakeSearch(rng), FakePython(rng)]), AgentConfig(max_budget_messages=0, logprobs=0)
+    )
+    prefix = (
+        "<think>compute</think><python>print(12 * 7)</python>"
+        + protocol.format_result("84")
+        + "<think>again</think><python>print(1)</python>"
+    )
+    state = loop.from_prefix(question("q-python"), "t/0", prefix, budgets=Budgets(python=1, search=1))
+    [record] = state.tool_calls
+    assert record.rebuilt and (record.tool, record.input, record.output) == ("python", "print(12 * 7)", "84")
+    asyncio.run(loop.run([state]))
+    # the budget of this continuation is 1 python call, already spent in the prefix
+    assert state.tool_calls[1].budget_exhausted and state.finish_reason == "budget"
+
+
+def test_hints_are_trained_text_and_sft_agrees_with_or_without_ids(tokenizer):
+    """Token provenance end to end: sampled and given text trained, tool output masked, the same
+    labels from the rollout's ids as from its text alone."""
+    from etagent.records import SFTExample
+    from sft.data import IGNORE, tokenize_example
+
+    loop, _, [s] = run_loop(tokenizer, ["q-search"], 1, 0)
+    twin = s.fork("q-search/1", at_segment=1)
+    loop.inject(twin, "<think>Hint: check the result before answering.</think>")
+    asyncio.run(loop.run([twin]))
+    record = loop.to_record(twin)
+    assert TokenOrigin.GIVEN in record.response_origin and TokenOrigin.SAMPLED in record.response_origin
+    assert record.n_generated == sum(1 for o in record.response_origin if o == TokenOrigin.SAMPLED)
+    with_ids = SFTExample.from_rollout(record, twin.question.question)
+    text_only = SFTExample.from_trajectory(record.id, twin.question.question, record.text)
+    a, b = tokenize_example(with_ids, tokenizer), tokenize_example(text_only, tokenizer)
+    assert a.from_token_ids and not b.from_token_ids
+    assert a.input_ids == b.input_ids and a.labels == b.labels
+    trained = tokenizer.decode([t for t, label in zip(a.input_ids, a.labels) if label != IGNORE])
+    assert "Hint: check the result" in trained and "Doc about" not in trained
+    assert "Doc about" in tokenizer.decode(a.input_ids)

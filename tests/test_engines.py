@@ -182,8 +182,10 @@ def test_openai_engine_pins_sessions_and_fails_over():
     assert servers[1:4] == ["b", "b", "a"]  # two attempts on the pinned server, then fail-over
     assert servers[4:] == ["a", "a", "a"]  # s2 re-pinned to a
     dead = OpenAIEngine([f"http://127.0.0.1:{free_port()}/v1"], "policy", attempts=1, timeout_s=1)
+    [[failed]] = dead.generate([r("x")])  # a failed request is an error sample, not a failed batch
+    assert failed.finish_reason == "error" and "every server failed" in failed.error
     with pytest.raises(ExternalCallError, match="every server failed"):
-        dead.generate([r("x")])
+        asyncio.run(dead.complete("hi"))
 
 
 def test_openai_engine_text_completions_and_chat():
@@ -266,7 +268,10 @@ def test_hf_never_samples_ids_the_tokenizer_lacks(toy):
         bigger.weight[n:] = head.weight[:64] * 50  # the padding logits dominate
     engine.model.lm_head = bigger
     p = prompts(engine)[0]
-    for request in (GenerationRequest(tuple(p), temperature=0, max_new_tokens=8), GenerationRequest(tuple(p), temperature=1.0, max_new_tokens=8, seed=3)):
+    for request in (
+        GenerationRequest(tuple(p), temperature=0, max_new_tokens=8),
+        GenerationRequest(tuple(p), temperature=1.0, max_new_tokens=8, seed=3),
+    ):
         [s] = engine.generate([request])[0]
         assert all(t < n for t in s.token_ids)
 

@@ -17,9 +17,9 @@ from fastapi.responses import JSONResponse
 
 from etagent.config import load_config
 from etagent.records import Question, ToolCallRecord, Trajectory
-from etagent.scoring import call_behaviour
+from etagent.scoring import call_behaviour, correctness, sample_metrics
 from evaluation.benchmarks import BENCHMARKS, benchmark_file, load_benchmark
-from evaluation.metrics import aggregate, behaviour, correctness, sample_metrics
+from evaluation.metrics import aggregate, behaviour
 from radar.metrics import execution, majority_redundant, paper_result_ok, parse_redundancy
 from tests.conftest import TOKEN
 from tests.servers import serve

@@ -33,7 +33,7 @@ def check_token_invariants(loop, states, model):
     calls_seen = 0
     for s in states:
         text = loop.text(s)
-        assert text == tokenizer.decode(s.response_ids, skip_special_tokens=True)
+        assert text == tokenizer.decode(s.response_ids, skip_special_tokens=False)
         assert len(s.mask) == len(s.response_ids) == len(s.logprobs)
         # mask 0 exactly on inserted spans: the tool results, in order, in the protocol's format
         runs = mask_runs(s.mask, s.response_ids)

@@ -244,7 +244,7 @@ def scripted_judge_server():
 def test_llm_judge_against_a_real_server():
     app, calls = scripted_judge_server()
     with serve(app) as base:
-        judge = scoring.LLMJudge(base + "/v1", "judge", timeout=0.3, attempts=3)
+        judge = scoring.LLMJudge.connect(base + "/v1", "judge", timeout=0.3, attempts=3, concurrency=8)
         items = [
             ("Capital of France?", ["Paris"], "Paris, France"),
             ("Capital of France?", ["Paris"], "Lyon"),
@@ -256,24 +256,28 @@ def test_llm_judge_against_a_real_server():
             ("Capital of France?", ["Paris"], "slow"),
         ]
         start = time.monotonic()
-        verdicts = judge.judge_many(items, concurrency=8)
+        verdicts = judge.judge_many(items)
         elapsed = time.monotonic() - start
     got = {item[2]: v for item, v in zip(items, verdicts)}
-    assert got["Paris, France"].correct is True and got["Paris, France"].reason == "judge"
-    assert got["Lyon"].correct is False
-    assert got["Paris?"].correct is False
-    assert got["Paris"].correct is True and got["Paris"].reason == "rule" and "Paris" not in calls
-    assert got["flaky"].correct is True and got["flaky"].attempts == 2
-    assert got["garbage-once"].correct is True and got["garbage-once"].attempts == 2
-    assert got["garbage"].correct is None and got["garbage"].reason.startswith("failed: unparseable")
+    assert got["Paris, France"].verdict is True and got["Paris, France"].metric == "llm_judge" and got["Paris, France"].reply == "Correct"
+    assert got["Lyon"].verdict is False and got["Lyon"].score == 0.0
+    assert got["Paris?"].verdict is False
+    assert got["Paris"].verdict is True and got["Paris"].metric == "is_equiv" and got["Paris"].attempts == 0 and "Paris" not in calls
+    # a 503 is retried by the engine's transport (one judge attempt); an unparseable reply by the judge
+    assert got["flaky"].verdict is True and got["flaky"].attempts == 1 and calls["flaky"] == 2
+    assert got["garbage-once"].verdict is True and got["garbage-once"].attempts == 2
+    assert got["garbage"].verdict is None and got["garbage"].error.startswith("unparseable") and got["garbage"].attempts == 3
     assert calls["garbage"] == 3
-    assert got["slow"].correct is None and "Timeout" in got["slow"].reason
+    assert got["slow"].verdict is None and got["slow"].score is None and "every server failed" in got["slow"].error
     assert elapsed < 5  # three 0.3 s timeouts plus backoff, not three full 1 s replies each
 
 
 def test_llm_judge_unreachable_server_fails_cleanly():
     from tests.servers import free_port
 
-    judge = scoring.LLMJudge(f"http://127.0.0.1:{free_port()}/v1", "judge", timeout=0.5, attempts=2)
+    judge = scoring.LLMJudge.connect(f"http://127.0.0.1:{free_port()}/v1", "judge", timeout=0.5, attempts=2)
     [verdict] = judge.judge_many([("q", ["a"], "b")])
-    assert verdict.correct is None and verdict.reason.startswith("failed:")
+    assert verdict.verdict is None and verdict.error
+    metrics = {}
+    judge.judge_into([(metrics, "q", ["a"], "b")])
+    assert metrics["llm_judge"] is None and metrics["llm_judge_reason"].startswith("failed:")

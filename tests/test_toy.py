@@ -20,7 +20,16 @@ from etagent.records import SFTExample, TrajectoryGroup, read_jsonl, read_questi
 from etagent.toy.build import run
 from etagent.toy.seeds import ToySearch
 
-SMALL = ["world.people=40", "world.cities=10", "questions.train.search=20", "questions.train.python=20", "questions.train.both=20", "questions.train.none=20", "questions.test_per_kind=5", "tokenizer.vocab_size=600"]
+SMALL = [
+    "world.people=40",
+    "world.cities=10",
+    "questions.train.search=20",
+    "questions.train.python=20",
+    "questions.train.both=20",
+    "questions.train.none=20",
+    "questions.test_per_kind=5",
+    "tokenizer.vocab_size=600",
+]
 
 
 def sha(path: Path) -> str:
@@ -169,23 +178,23 @@ def test_seed_trajectories_show_the_behaviour_they_claim(toy):
     behaviours = Counter()
     for g in groups:
         for t in g.trajectories:
-            behaviour = t.provenance["behaviour"]
+            behaviour = t.provenance.behaviour
             behaviours[behaviour] += 1
             tools = [c.tool for c in t.tool_calls]
             assert protocol.validate_format(t.text) and protocol.validate_template_format(t.text), t.text
             assert protocol.count_tool_calls(t.text) == len(t.tool_calls)
             assert protocol.extract_answer(t.text) == t.prediction
             if behaviour == "efficient":
-                assert tools == NEEDED[g.source] and t.score == 1.0
+                assert tools == NEEDED[g.source] and t.judgement.score == 1.0
             elif behaviour == "redundant":
-                assert len(tools) == len(NEEDED[g.source]) + 1 and set(NEEDED[g.source]) <= set(tools) and t.score == 1.0
+                assert len(tools) == len(NEEDED[g.source]) + 1 and set(NEEDED[g.source]) <= set(tools) and t.judgement.score == 1.0
             else:
                 assert tools == [] and g.source != "toy_none"
     total = sum(behaviours.values())
     # the configured mix (0.5/0.3/0.2), with 'none' questions' insufficient draws turned efficient
     assert abs(behaviours["redundant"] / total - 0.3) < 0.04
     assert abs(behaviours["insufficient"] / total - 0.2 * 0.75) < 0.04
-    wrong = [t for g in groups for t in g.trajectories if t.provenance["behaviour"] == "insufficient" and t.score == 0.0]
+    wrong = [t for g in groups for t in g.trajectories if t.provenance.behaviour == "insufficient" and t.judgement.score == 0.0]
     assert len(wrong) > 0.9 * behaviours["insufficient"]
 
 
@@ -203,7 +212,7 @@ def test_seed_tool_results_are_real_tool_outputs(toy):
 
     searches = {k: search_in(path) for k, path in versions.items()}
     served = search_in(toy / "corpus.jsonl")
-    calls = [(t.provenance["world_version"], c) for g in groups for t in g.trajectories for c in t.tool_calls]
+    calls = [(t.provenance.world_version, c) for g in groups for t in g.trajectories for c in t.tool_calls]
     python_calls = [c for _, c in calls if c.tool == "python"][:25]
     for call in python_calls:  # the output a fresh interpreter prints for the same code
         real = subprocess.run([sys.executable, "-c", call.input], capture_output=True, text=True, check=True).stdout.strip()
@@ -228,7 +237,7 @@ def test_sft_data_is_the_correct_well_formed_seeds(toy):
         assert all(s.train != s.text.startswith("<result>") for s in e.segments)
         question_id = e.id.split("/")[0]
         [t] = [t for t in groups[question_id].trajectories if t.id == e.id]
-        assert t.score == 1.0 and t.text == e.response
+        assert t.judgement.score == 1.0 and t.text == e.response
 
 
 def test_cli_build_then_rerun_is_a_no_op_and_a_config_change_is_refused(tmp_path):

@@ -78,7 +78,11 @@ def test_weight_update_colocated_under_torchrun(toy):
     script = Path(__file__).with_name("weight_updates.py")
     proc = subprocess.run(
         [sys.executable, "-m", "torch.distributed.run", "--nproc_per_node=1", str(script), str(toy / "model")],
-        capture_output=True, text=True, timeout=600, env=env, cwd=Path(__file__).parents[1],
+        capture_output=True,
+        text=True,
+        timeout=600,
+        env=env,
+        cwd=Path(__file__).parents[1],
     )
     lines = [line for line in proc.stdout.splitlines() if line.startswith("WEIGHT-UPDATE ")]
     assert proc.returncode == 0 and lines, proc.stdout[-3000:] + proc.stderr[-3000:]

@@ -67,7 +67,9 @@ class Sample:
     ``error`` (nothing was generated; ``error`` says why).
     ``top_logprobs[i]`` maps token id to log-probability for the top-k tokens at position i (plus
     the sampled one). ``entropy[i]``, when the engine sees full distributions (hf), is the exact
-    entropy of position i's distribution in nats.
+    entropy of position i's distribution in nats. ``tempered_logprobs`` are the sampled tokens'
+    log-probabilities with the temperature applied (what a trainer recomputes when it samples at
+    T != 1): the hf engine always gives them, the others where T == 1 (they equal ``logprobs``).
     """
 
     token_ids: list[int]
@@ -77,6 +79,8 @@ class Sample:
     top_logprobs: list[dict[int, float]] = field(default_factory=list)
     entropy: list[float] | None = None
     error: str | None = None
+    # log-probabilities under the sampling temperature (log-softmax of logits / T), where known
+    tempered_logprobs: list[float] | None = None
 
     @classmethod
     def failed(cls, reason: str) -> Sample:
@@ -178,6 +182,7 @@ def make_engine(cfg):
             list(o.urls),
             o.served_model or cfg.model,
             tokenizer=cfg.model,
+            max_model_len=o.max_model_len,
             api_key_env=o.api_key_env,
             timeout_s=o.timeout_s,
             attempts=o.attempts,

@@ -78,6 +78,7 @@ class _Row:
     seed: int
     tokens: list[int] = field(default_factory=list)
     logprobs: list[float] = field(default_factory=list)
+    tempered: list[float] = field(default_factory=list)
     top: list[dict[int, float]] = field(default_factory=list)
     entropy: list[float] = field(default_factory=list)
     text: str = ""  # the decoded tail of the generated tokens, for the stop check
@@ -183,7 +184,8 @@ class HFEngine:
     def _sample(row: _Row) -> Sample:
         if row.error is not None:
             return Sample.failed(row.error)
-        return Sample(row.tokens, row.logprobs, row.finish, row.stop, row.top, row.entropy)
+        tempered = row.tempered if row.request.temperature > 0 else None
+        return Sample(row.tokens, row.logprobs, row.finish, row.stop, row.top, row.entropy, tempered_logprobs=tempered)
 
     @torch.inference_mode()
     def _decode(self, rows: list[_Row]) -> None:
@@ -220,7 +222,12 @@ class HFEngine:
             chosen = self._choose(logits[:, : self.n_tokens], settings, seen, step)
             # log-probabilities of the raw distribution over every logit, as a forward pass has them
             normaliser = torch.logsumexp(logits, dim=-1, keepdim=True)
-            token_logprobs = (logits.gather(1, chosen.unsqueeze(1)) - normaliser).squeeze(1)
+            chosen_logits = logits.gather(1, chosen.unsqueeze(1))
+            token_logprobs = (chosen_logits - normaliser).squeeze(1)
+            tempered_logprobs = token_logprobs
+            if settings.tempered:  # some row samples at T != 1: log-softmax of logits / T too
+                t = settings.temperature
+                tempered_logprobs = (chosen_logits / t - torch.logsumexp(logits / t, dim=-1, keepdim=True)).squeeze(1)
             batch_rows = [rows[i] for i in live]
             in_window = [b for b, row in enumerate(batch_rows) if step < row.window]
             top = entropy = None
@@ -231,7 +238,7 @@ class HFEngine:
                 if want_top > 0:
                     values, indices = raw.topk(want_top, dim=-1)
                     top = (values.tolist(), indices.tolist())
-            chosen_list, logprob_list = chosen.tolist(), token_logprobs.tolist()
+            chosen_list, logprob_list, tempered_list = chosen.tolist(), token_logprobs.tolist(), tempered_logprobs.tolist()
             for j, b in enumerate(in_window):
                 row, k = batch_rows[b], batch_rows[b].request.logprobs
                 row.entropy.append(entropy[j])
@@ -243,6 +250,7 @@ class HFEngine:
             for b, row in enumerate(batch_rows):
                 row.tokens.append(chosen_list[b])
                 row.logprobs.append(logprob_list[b])
+                row.tempered.append(tempered_list[b])
                 self._check_end(row, chosen_list[b])
                 if not row.done:
                     keep.append(b)
@@ -331,6 +339,7 @@ class _Settings:
     greedy: torch.Tensor
     needs_sort: bool
     penalised: bool
+    tempered: bool
 
     @classmethod
     def of(cls, rows: list[_Row], vocab: int, device) -> _Settings:
@@ -350,6 +359,7 @@ class _Settings:
             greedy=torch.tensor(greedy, device=device),
             needs_sort=any(not g and (q.top_p < 1 or 0 < q.top_k < vocab) for q, g in zip(requests, greedy)),
             penalised=any(q.repetition_penalty != 1 for q in requests),
+            tempered=any(q.temperature not in (0, 1) for q in requests),
         )
 
     def select(self, index: torch.Tensor) -> _Settings:
@@ -363,4 +373,5 @@ class _Settings:
             self.greedy[index],
             self.needs_sort,
             self.penalised,
+            self.tempered,
         )

@@ -13,7 +13,11 @@ Every sampling setting is sent, including ``top_k``, ``min_p`` and ``repetition_
 reference's client silently dropped the first two). A request with a ``session`` (the agent loop
 uses the question id) is pinned to one server, so that server's prefix cache keeps serving it;
 new sessions are spread round-robin. Each call has a timeout and bounded retries on its server,
-then fails over to each other server once (and re-pins there).
+then fails over to each other server once (and re-pins there). A policy request that fails on
+every server comes back as an ``error`` sample; the rest of the batch goes on.
+
+A served policy's weights belong to its servers: ``update_weights`` is refused (restart the
+servers on the new checkpoint), and ``sleep``/``wake_up`` do nothing.
 """
 
 from __future__ import annotations
@@ -41,6 +45,7 @@ class OpenAIEngine:
         timeout_s: float = 600.0,
         attempts: int = 3,
         concurrency: int = 64,
+        max_model_len: int = 32768,
     ):
         if not urls:
             raise ValueError("the openai engine needs at least one server URL")
@@ -49,6 +54,7 @@ class OpenAIEngine:
         key = os.environ.get(api_key_env) if api_key_env else None
         self.headers = {"Authorization": f"Bearer {key}"} if key else {}
         self.timeout_s, self.attempts, self.concurrency = timeout_s, attempts, concurrency
+        self.max_model_len = max_model_len
         self.tokenizer = None
         if tokenizer is not None:
             from transformers import AutoTokenizer
@@ -111,6 +117,17 @@ class OpenAIEngine:
             body["seed"] = seed
         return body
 
+    # -- lifecycle --------------------------------------------------------------------------
+
+    def update_weights(self, weights: dict) -> None:
+        raise RuntimeError(f"{self!r} serves a policy from its servers' own weights; restart them on the new checkpoint")
+
+    def sleep(self, level: int = 1) -> None:
+        """Nothing to free in this process."""
+
+    def wake_up(self, tags: list[str] | None = None) -> None:
+        """Nothing to restore in this process."""
+
     # -- a served policy --------------------------------------------------------------------
 
     async def agenerate(self, requests: list[GenerationRequest]) -> list[list[Sample]]:
@@ -129,9 +146,12 @@ class OpenAIEngine:
             "skip_special_tokens": False,
             **self._sampling(r.temperature, r.top_p, r.top_k, r.min_p, r.repetition_penalty, r.max_new_tokens, r.stop, r.seed),
         }
-        answer = await self._post("/completions", body, r.session)
+        try:
+            answer = await self._post("/completions", body, r.session)
+        except ExternalCallError as error:
+            return [Sample.failed(str(error)) for _ in range(r.n)]
         choices = sorted(answer["choices"], key=lambda c: c.get("index", 0))
-        return [self._sample(choice, r.logprobs) for choice in choices]
+        return [self._sample(choice, r) for choice in choices]
 
     @staticmethod
     def _token_id(token: str) -> int:
@@ -141,13 +161,15 @@ class OpenAIEngine:
             )
         return int(token.split(":", 1)[1])
 
-    def _sample(self, choice: dict, k: int) -> Sample:
+    def _sample(self, choice: dict, request: GenerationRequest) -> Sample:
+        k = request.logprobs
         logprobs = choice.get("logprobs") or {}
         tokens = [self._token_id(t) for t in logprobs.get("tokens", [])]
         sampled = [lp if lp is not None else 0.0 for lp in logprobs.get("token_logprobs", [])]
         top = []
         if k > 0:
-            for position, token in zip(logprobs.get("top_logprobs") or [], tokens):
+            window = len(tokens) if request.logprobs_window is None else request.logprobs_window
+            for position, token in zip((logprobs.get("top_logprobs") or [])[:window], tokens):
                 ranked = sorted(((self._token_id(t), lp) for t, lp in (position or {}).items()), key=lambda item: -item[1])
                 chosen = dict(ranked[:k])
                 chosen.setdefault(token, (position or {}).get(f"token_id:{token}", 0.0))
@@ -159,7 +181,8 @@ class OpenAIEngine:
             finish, stop = "stop", stop_reason
         else:
             finish, stop = "eos", None
-        return Sample(tokens, sampled, finish, stop, top)
+        tempered = sampled if request.temperature == 1 else None
+        return Sample(tokens, sampled, finish, stop, top, tempered_logprobs=tempered)
 
     # -- text models (judge, editor, summariser) --------------------------------------------
 

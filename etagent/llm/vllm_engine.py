@@ -175,7 +175,8 @@ class VLLMEngine:
             finish, stop = "stop", completion.stop_reason
         else:  # stop_reason is None (EOS) or a stop token id
             finish, stop = "eos", None
-        return Sample(tokens, logprobs, finish, stop, top)
+        tempered = logprobs if request.temperature == 1 else None
+        return Sample(tokens, logprobs, finish, stop, top, tempered_logprobs=tempered)
 
     # -- lifecycle ------------------------------------------------------------------------
 

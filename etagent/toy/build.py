@@ -88,7 +88,7 @@ def build(cfg: DictConfig, out_dir: Path) -> dict:
             behaviour = rng.choices(list(mix), weights=list(mix.values()))[0]
             trajectory = write_trajectory(q, behaviour, version, searches[k], rng)
             trajectory.id = f"{q.question.id}/seed{i}"
-            trajectory.provenance["world_version"] = k
+            trajectory.provenance.world_version = k
             trajectories.append(trajectory)
         groups.append(TrajectoryGroup.for_question(q.question, trajectories))
     train = [q for _, _, q in train]
@@ -97,7 +97,7 @@ def build(cfg: DictConfig, out_dir: Path) -> dict:
         SFTExample.from_trajectory(t.id, g.question, t.text, source=g.source, provenance=t.provenance)
         for g in groups
         for t in g.trajectories
-        if t.score == 1.0 and protocol.validate_template_format(t.text)
+        if t.judgement.score == 1.0 and protocol.validate_template_format(t.text)
     ]
 
     texts = [protocol.SYSTEM_PROMPT] + [d["contents"] for d in corpus]
@@ -125,7 +125,7 @@ def build(cfg: DictConfig, out_dir: Path) -> dict:
     check_token_ids_survive_reload(tokenizer, model_dir, texts + [s.response for s in sft[:50]])
 
     all_trajectories = [t for g in groups for t in g.trajectories]
-    behaviours = Counter(t.provenance["behaviour"] for t in all_trajectories)
+    behaviours = Counter(t.provenance.behaviour for t in all_trajectories)
     kinds = Counter(q.toy_kind for q in train)
     summary = {
         "entities": {"people": len(world.people), "cities": len(world.cities)},
@@ -133,7 +133,7 @@ def build(cfg: DictConfig, out_dir: Path) -> dict:
         "questions": {"train": len(train), "test": len(test), "per_kind_train": dict(kinds)},
         "seed_trajectories": len(all_trajectories),
         "behaviours": dict(behaviours),
-        "seed_accuracy": round(sum(t.score for t in all_trajectories) / len(all_trajectories), 4),
+        "seed_accuracy": round(sum(t.judgement.score for t in all_trajectories) / len(all_trajectories), 4),
         "seed_mean_tool_calls": round(sum(len(t.tool_calls) for t in all_trajectories) / len(all_trajectories), 4),
         "sft_examples": len(sft),
         "tokenizer_vocab": len(tokenizer),

@@ -26,8 +26,8 @@ import time
 from collections.abc import Sequence
 
 from etagent import protocol
-from etagent.records import ToolCallRecord, Trajectory
-from etagent.scoring import rule_correctness
+from etagent.records import Provenance, ToolCallRecord, Trajectory
+from etagent.scoring import rule_judgement
 from etagent.tools.search import BM25Index, format_documents
 from etagent.toy.world import PROFESSIONS, ToyQuestion, World
 
@@ -155,7 +155,7 @@ def write_trajectory(q: ToyQuestion, behaviour: str, world: World, search: ToySe
         text=b.text,
         tool_calls=b.calls,
         prediction=prediction,
-        score=rule_correctness(prediction, q.question.answer, q.question.kind),
+        judgement=rule_judgement(prediction, q.question.answer, q.question.kind),
         finish_reason="answer",
-        provenance={"stage": "toy", "op": "seed", "behaviour": behaviour},
+        provenance=Provenance(stage="toy", operation="seed", behaviour=behaviour),
     )

@@ -110,10 +110,7 @@ class Person:
         return f"{self.name} works as {article} {self.profession}"
 
     def passage(self) -> str:
-        return (
-            f"{self.works_as}. "
-            f"{self.name} was born in {self.born}. {self.name} was born in the city of {self.city}."
-        )
+        return f"{self.works_as}. {self.name} was born in {self.born}. {self.name} was born in the city of {self.city}."
 
 
 @dataclass

@@ -1,0 +1,60 @@
+"""The repository's rules that code review alone would let slip: no stage imports another stage
+(shared code lives in etagent/), and the core imports no stage. Read from the source with ast,
+so an import inside a function counts too."""
+
+from __future__ import annotations
+
+import ast
+import time
+from pathlib import Path
+
+import pytest
+
+from etagent.timing import phase
+
+ROOT = Path(__file__).resolve().parents[1]
+STAGES = ("flywheel", "direct_rollout", "pareto", "sft", "rl", "retriever", "evaluation", "radar")
+
+
+def imported_packages(path: Path) -> set[str]:
+    tree = ast.parse(path.read_text(), filename=str(path))
+    names = set()
+    for node in ast.walk(tree):
+        if isinstance(node, ast.Import):
+            names |= {alias.name.split(".")[0] for alias in node.names}
+        elif isinstance(node, ast.ImportFrom) and node.level == 0 and node.module:
+            names.add(node.module.split(".")[0])
+    return names
+
+
+@pytest.mark.parametrize("package", STAGES + ("etagent",))
+def test_no_stage_imports_another_stage(package):
+    files = sorted((ROOT / package).rglob("*.py"))
+    assert files or package in ("flywheel", "direct_rollout", "pareto", "rl"), f"{package}/ has no Python files"
+    offences = [
+        f"{path.relative_to(ROOT)} imports {name}"
+        for path in files
+        for name in sorted(imported_packages(path) & set(STAGES))
+        if name != package
+    ]
+    assert not offences, "stages share code through etagent/, never through each other:\n" + "\n".join(offences)
+
+
+def test_the_rule_sees_imports_inside_functions(tmp_path):
+    module = tmp_path / "m.py"
+    module.write_text("def f():\n    from evaluation.metrics import aggregate\n    import radar.chart\n")
+    assert imported_packages(module) >= {"evaluation", "radar"}
+
+
+def test_phases_add_up_and_survive_errors():
+    metrics: dict[str, float] = {}
+    with phase("generate", metrics):
+        time.sleep(0.02)
+        with phase("reward", metrics):
+            time.sleep(0.01)
+    with phase("generate", metrics):
+        time.sleep(0.01)
+    with pytest.raises(RuntimeError), phase("update", metrics):
+        raise RuntimeError("boom")
+    assert set(metrics) == {"timing_s/generate", "timing_s/reward", "timing_s/update"}
+    assert metrics["timing_s/generate"] >= 0.03 and 0.01 <= metrics["timing_s/reward"] < metrics["timing_s/generate"]
