@@ -38,7 +38,7 @@ class CountingEngine:
     """Wraps an engine and records every request and the tokens it generated."""
 
     def __init__(self, engine):
-        self.engine, self.tokenizer = engine, engine.tokenizer
+        self.engine, self.tokenizer, self.max_model_len = engine, engine.tokenizer, engine.max_model_len
         self.requests, self.generated = [], 0
 
     async def agenerate(self, requests):

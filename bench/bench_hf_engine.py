@@ -15,7 +15,8 @@ Rows printed, in one run, each timed after one warm-up pass:
 - ``hf engine``: the same settings, one request per prompt;
 - ``hf engine, agent settings``: plus the agent loop's four stop strings and top-10
   log-probabilities over the first 20 positions (what a rollout asks for);
-and the ratio of tokens per second against ``generate``. Both sides generate every token of the
+and the ratio of tokens per second against ``generate``; then whether two seeded requests give the
+same tokens alone as they gave in the batch. Both sides generate every token of the
 budget (no EOS, stop strings that never occur). Printed, never asserted.
 """
 
@@ -101,14 +102,16 @@ def main() -> None:
         )
         assert out.shape[1] == args.prompt_tokens + args.new_tokens
 
+    outputs = {}  # the last engine run's requests and samples
+
     def engine_run(**extra):
         requests = [
             GenerationRequest(tuple(p), max_new_tokens=args.new_tokens, seed=i, **sampling, **extra) for i, p in enumerate(prompts.tolist())
         ]
 
         def run():
-            out = engine.generate(requests)
-            assert all(len(s.token_ids) == args.new_tokens for [s] in out)
+            outputs["batch"], outputs["requests"] = engine.generate(requests), requests
+            assert all(len(s.token_ids) == args.new_tokens for [s] in outputs["batch"])
 
         return run
 
@@ -120,6 +123,9 @@ def main() -> None:
     for name, extra in (("hf engine", {}), ("hf engine, agent settings", dict(stop=STOPS, logprobs=10, logprobs_window=20))):
         rate = tokens / timed(engine_run(**extra), args.device)
         print(f"{name:<28} {rate:9.1f} tokens/s   {rate / base:.2f}x generate")
+    alone = [engine.generate([r])[0][0].token_ids for r in outputs["requests"][:2]]
+    same = alone == [s.token_ids for [s] in outputs["batch"][:2]]
+    print(f"seeded samples alone equal the same requests in the batch of {args.batch}: {same}")
 
 
 if __name__ == "__main__":

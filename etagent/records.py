@@ -36,7 +36,7 @@ from enum import IntEnum
 from pathlib import Path
 from typing import Any, Literal, TypeVar
 
-from pydantic import BaseModel, ConfigDict, ValidationError, field_validator, model_validator
+from pydantic import BaseModel, ConfigDict, Field, ValidationError, field_validator, model_validator
 
 from etagent import protocol
 
@@ -215,7 +215,7 @@ class Trajectory(Record):
     entropies_exact: list[float] | None = None
     sampling: dict[str, Any] | None = None
     policy_version: str | None = None
-    provenance: Provenance = Provenance()
+    provenance: Provenance = Field(default_factory=Provenance)
 
     @model_validator(mode="after")
     def _token_fields_align(self) -> Trajectory:
