@@ -179,14 +179,18 @@ class TrajectoryState:
 
         ``at_segment=None`` copies everything. ``at_segment=k`` keeps the trajectory as it was just
         before its generated segment k began (after the tool result that preceded it), ready to
-        sample segment k again; ``k == segments`` is the current end. The copy's provenance is the
-        parent's with ``operation="fork"``, the parent's id and the branch point."""
+        sample segment k again; ``k == segments`` is the current end of an unfinished trajectory.
+        The copy has its own wall clock, and its provenance is the parent's with
+        ``operation="fork"``, the parent's id and the branch point."""
+        if at_segment is not None and not 0 <= at_segment <= self.segments:
+            raise ValueError(f"fork of {self.id}: segment {at_segment} does not exist (it has {self.segments})")
+        if at_segment == self.segments and self.done:
+            raise ValueError(f"fork of {self.id}: it has finished ({self.finish_reason}); fork at an earlier segment to resample")
         twin = copy.deepcopy(self)
         twin.id = new_id
+        twin.started_at = time.monotonic()  # the branch's own wall clock
         branch_token = len(self.response_ids)
         if at_segment is not None:
-            if not 0 <= at_segment <= self.segments:
-                raise ValueError(f"fork of {self.id}: segment {at_segment} does not exist (it has {self.segments})")
             if at_segment < self.segments:
                 start = self.segment_starts[at_segment]
                 branch_token = start.token
@@ -198,7 +202,7 @@ class TrajectoryState:
                 twin.budget_messages = start.budget_messages
                 twin.segment_starts = twin.segment_starts[:at_segment]
                 twin.entropies, twin.entropies_exact = twin.entropies[:at_segment], twin.entropies_exact[:at_segment]
-            twin.finish_reason = twin.error = None
+                twin.finish_reason = twin.error = None
         twin.provenance = self.provenance.model_copy(
             update=dict(
                 operation="fork",
@@ -270,9 +274,10 @@ class AgentLoop:
             start = max(start, consumed)
             if start < end:
                 state.append(self.tokenize(prefix[start:end]), TokenOrigin.TOOL if is_result else TokenOrigin.GIVEN)
-        results = protocol.tool_results(prefix)
-        records = list(source.tool_calls[: len(results)]) if source is not None else []
-        state.tool_calls = records + _calls_from_text(prefix)[len(records) :]
+        state.tool_calls = _calls_from_text(prefix)
+        if source is not None:  # the source's own records where they are the same calls
+            state.tool_calls = _match_records(state.tool_calls, source.tool_calls)
+        state.budget_messages = sum(c.budget_exhausted for c in state.tool_calls)
         # the last piece of policy text: does it end with a call that has no result yet?
         pieces = protocol.split_result_segments(prefix)
         if pieces and not pieces[-1][1]:
@@ -406,6 +411,7 @@ class AgentLoop:
             s.finish_reason, s.error = "error", sample.error
             return
         s.segment_starts.append(SegmentStart(len(s.response_ids), len(s.tool_calls), s.budget_messages))
+        s.policy_version = self.policy_version  # the weights its latest segment came from
         s.append(list(sample.token_ids), TokenOrigin.SAMPLED, list(sample.logprobs), sample.tempered_logprobs)
         if sample.top_logprobs:
             s.entropies.append(topk_segment_entropy(sample.top_logprobs, self.vocab_size, c.entropy_window))
@@ -465,6 +471,27 @@ def _spans(text: str) -> list[tuple[int, int, bool]]:
         spans.append((pos, pos + len(piece), is_result))
         pos += len(piece)
     return spans
+
+
+def _match_records(rebuilt: list[ToolCallRecord], recorded: list[ToolCallRecord]) -> list[ToolCallRecord]:
+    """Each call read back from a prefix, replaced by the source's record of the same call (tool,
+    input and output), in order; calls an edit added or changed keep their rebuilt record."""
+    out, next_source = [], 0
+    for call in rebuilt:
+        match = next(
+            (
+                i
+                for i in range(next_source, len(recorded))
+                if (recorded[i].tool, recorded[i].input, recorded[i].output.strip()) == (call.tool, call.input, call.output.strip())
+            ),
+            None,
+        )
+        if match is None:
+            out.append(call)
+        else:
+            out.append(recorded[match])
+            next_source = match + 1
+    return out
 
 
 def _calls_from_text(text: str) -> list[ToolCallRecord]:

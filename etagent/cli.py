@@ -51,12 +51,10 @@ def _score_lines(source: IO[str], name: str, out: IO[str], judge: scoring.LLMJud
             out.write(json.dumps({**item, **metrics}, ensure_ascii=False) + "\n")
             out.flush()
         else:
-            rows.append((item, metrics))
+            rows.append((item, golds, metrics))
     if judge is not None:  # judged together, concurrently
-        judge.judge_into(
-            [(metrics, item["question"], item.get("answers", item.get("answer")), str(item["prediction"])) for item, metrics in rows]
-        )
-        for item, metrics in rows:
+        judge.judge_into([(metrics, item["question"], golds, str(item["prediction"])) for item, golds, metrics in rows])
+        for item, _, metrics in rows:
             out.write(json.dumps({**item, **metrics}, ensure_ascii=False) + "\n")
         out.flush()
     return 0

@@ -462,16 +462,19 @@ class LLMJudge:
         if any(is_equiv(prediction, str(g)) for g in golds):
             return Judgement(metric="is_equiv", score=1.0, verdict=True, attempts=0)
         messages = [{"role": "user", "content": self.prompt(question, golds, prediction)}]
-        reply = ""
+        reply, error = "", ""
         for attempt in range(1, self.attempts + 1):
             try:
                 reply = await self.engine.chat(messages, temperature=self.temperature, max_tokens=self.max_tokens)
             except ExternalCallError as exc:  # the engine has retried and failed over already
                 return Judgement(metric="llm_judge", score=None, verdict=None, reply=reply, attempts=attempt, error=str(exc))
+            except (KeyError, IndexError, TypeError) as exc:  # an answer without a message: ask again
+                error = f"malformed answer ({type(exc).__name__}: {exc})"
+                continue
             verdict = parse_judgement(reply)
             if verdict is not None:
                 return Judgement(metric="llm_judge", score=float(verdict), verdict=verdict, reply=reply, attempts=attempt)
-        error = f"unparseable reply {reply[:80]!r}"
+            error = f"unparseable reply {reply[:80]!r}"
         return Judgement(metric="llm_judge", score=None, verdict=None, reply=reply, attempts=self.attempts, error=error)
 
     async def ajudge_many(self, items: Sequence[tuple[str, Sequence[str], str]]) -> list[Judgement]:

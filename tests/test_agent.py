@@ -293,6 +293,8 @@ def test_fork_at_a_segment(tokenizer):
     assert whole.response_ids == s.response_ids and whole.done and whole.provenance.branch_segment == 3
     with pytest.raises(ValueError, match="segment 4 does not exist"):
         s.fork("x", at_segment=4)
+    with pytest.raises(ValueError, match="it has finished"):
+        s.fork("x", at_segment=3)  # nothing to generate after </answer>
 
 
 def test_from_prefix_runs_a_trailing_call_and_keeps_the_sources_ids(tokenizer):
@@ -368,3 +370,23 @@ def test_hints_are_trained_text_and_sft_agrees_with_or_without_ids(tokenizer):
     trained = tokenizer.decode([t for t, label in zip(a.input_ids, a.labels) if label != IGNORE])
     assert "Hint: check the result" in trained and "Doc about" not in trained
     assert "Doc about" in tokenizer.decode(a.input_ids)
+
+
+def test_from_prefix_matches_records_by_call_and_counts_budget_messages(tokenizer):
+    """An edit that drops the source's first call: the kept call keeps its own record (not the
+    dropped one's), and budget messages already in the prefix count against max_budget_messages."""
+    rng = random.Random(0)
+    loop = AgentLoop(ScriptedEngine(tokenizer, SCRIPTS), ToolExecutor([FakeSearch(rng), FakePython(rng)]), AgentConfig(logprobs=0))
+    _, _, [source_state] = run_loop(tokenizer, ["q-python"], 1, 0)
+    source = loop.to_record(source_state)
+    second = source.text.index("<think>check again")
+    end = source.text.index("</result>", second) + len("</result>")
+    state = loop.from_prefix(question("q-python"), "d/0", source.text[second:end], source=source)
+    assert [(c.input, c.rebuilt) for c in state.tool_calls] == [("print(84 + 0)", False)]
+    assert state.tool_calls[0] is source.tool_calls[1] or state.tool_calls[0] == source.tool_calls[1]
+
+    budget = "<search>a</search>" + protocol.format_result(
+        "Tool budget exhausted: 2 search calls made, the limit is 2. No more search calls will run; answer with the information you have."
+    )
+    state = loop.from_prefix(question("q-search"), "d/1", budget * 2)
+    assert state.budget_messages == 2 and all(c.budget_exhausted for c in state.tool_calls)

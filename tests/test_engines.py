@@ -286,3 +286,30 @@ def test_counter_uniform_is_uniform_and_device_free():
     assert 0 <= u.min() and u.max() < 1 and abs(u.mean().item() - 0.5) < 0.01
     assert torch.equal(u[:10], counter_uniform(seeds[:10], torch.full_like(seeds[:10], 3)))
     assert not torch.equal(u, counter_uniform(seeds, torch.full_like(seeds, 4)))
+
+
+def test_a_seeded_row_draws_the_same_whatever_filters_its_batch_needs(hf):
+    """Rows with top-k, with top-p, or with neither make the batch take different candidate paths
+    (top-k, full sort, unsorted); a row's draw must not follow them."""
+    p, q = prompts(hf)[0], prompts(hf)[1]
+    plain = GenerationRequest(tuple(p), temperature=1.0, max_new_tokens=12, seed=7)
+    alone = hf.generate([plain])[0][0].token_ids
+    with_top_p = hf.generate([GenerationRequest(tuple(q), temperature=1.0, top_p=0.9, max_new_tokens=12, seed=1), plain])[1][0].token_ids
+    filtered = GenerationRequest(tuple(p), temperature=1.0, top_k=50, max_new_tokens=12, seed=7)
+    filtered_alone = hf.generate([filtered])[0][0].token_ids
+    with_top_k = hf.generate([GenerationRequest(tuple(q), temperature=1.0, top_k=5, max_new_tokens=12, seed=1), filtered])[1][0].token_ids
+    assert alone == with_top_p and filtered_alone == with_top_k
+
+
+def test_a_shared_model_in_training_mode_decodes_in_eval_and_stays_in_training(hf, toy):
+    """A trainer's module is in train mode, often with gradient checkpointing (which turns the KV
+    cache off in train mode): the engine decodes in eval mode and gives the module back as it was."""
+    from transformers import AutoModelForCausalLM
+
+    model = AutoModelForCausalLM.from_pretrained(toy / "model")
+    model.gradient_checkpointing_enable()
+    model.train()
+    shared = HFEngine.from_model(model, hf.tokenizer)
+    greedy = GenerationRequest(tuple(prompts(hf)[0]), temperature=0, max_new_tokens=10)
+    assert shared.generate([greedy])[0][0].token_ids == hf.generate([greedy])[0][0].token_ids
+    assert model.training

@@ -233,6 +233,8 @@ def scripted_judge_server():
             await asyncio.sleep(1.0)
         if prediction == "flaky" and calls[prediction] == 1:
             return JSONResponse({"error": "overloaded"}, status_code=503)
+        if prediction == "malformed-once" and calls[prediction] == 1:
+            return {"choices": []}
         if prediction == "garbage-once" and calls[prediction] == 1:
             return {"choices": [{"message": {"content": "hmm"}}]}
         replies = {"garbage": "I am not sure what you mean", "Paris, France": "Correct", "Lyon": "Incorrect", "Paris?": "not correct"}
@@ -252,6 +254,7 @@ def test_llm_judge_against_a_real_server():
             ("Capital of France?", ["Paris"], "Paris"),  # equal by the MATH rules: no call
             ("Capital of France?", ["Paris"], "flaky"),
             ("Capital of France?", ["Paris"], "garbage-once"),
+            ("Capital of France?", ["Paris"], "malformed-once"),
             ("Capital of France?", ["Paris"], "garbage"),
             ("Capital of France?", ["Paris"], "slow"),
         ]
@@ -266,6 +269,7 @@ def test_llm_judge_against_a_real_server():
     # a 503 is retried by the engine's transport (one judge attempt); an unparseable reply by the judge
     assert got["flaky"].verdict is True and got["flaky"].attempts == 1 and calls["flaky"] == 2
     assert got["garbage-once"].verdict is True and got["garbage-once"].attempts == 2
+    assert got["malformed-once"].verdict is True and got["malformed-once"].attempts == 2
     assert got["garbage"].verdict is None and got["garbage"].error.startswith("unparseable") and got["garbage"].attempts == 3
     assert calls["garbage"] == 3
     assert got["slow"].verdict is None and got["slow"].score is None and "every server failed" in got["slow"].error

@@ -69,7 +69,8 @@ class Sample:
     the sampled one). ``entropy[i]``, when the engine sees full distributions (hf), is the exact
     entropy of position i's distribution in nats. ``tempered_logprobs`` are the sampled tokens'
     log-probabilities with the temperature applied (what a trainer recomputes when it samples at
-    T != 1): the hf engine always gives them, the others where T == 1 (they equal ``logprobs``).
+    T != 1): the hf engine gives them for every sampled (T > 0) request, the others where T == 1
+    (they equal ``logprobs``).
     """
 
     token_ids: list[int]
@@ -91,9 +92,9 @@ class Engine(Protocol):
     """What every engine provides. ``generate`` blocks; ``agenerate`` can be awaited (in-process
     engines run ``generate`` in a worker thread).
 
-    ``update_weights`` replaces every weight of the policy (names as in the Hugging Face
-    checkpoint, full unsharded tensors); a wrong, missing or misshapen name raises ``ValueError``
-    and leaves the engine unchanged. ``sleep(level)`` frees accelerator memory while a trainer
+    ``update_weights`` replaces every weight of the policy (the names of the transformers model's
+    ``state_dict()``, full unsharded tensors; a tied ``lm_head.weight`` may be left out); a
+    wrong, missing or misshapen name raises ``ValueError`` and leaves the engine unchanged. ``sleep(level)`` frees accelerator memory while a trainer
     steps (level 1: the KV cache freed and weights offloaded; level 2: weights discarded too,
     because an update follows); ``wake_up(tags)`` restores ``"weights"`` and/or ``"kv_cache"``
     (all when None), so that new weights can be loaded before the cache is re-allocated.
@@ -113,12 +114,13 @@ class Engine(Protocol):
     def wake_up(self, tags: list[str] | None = None) -> None: ...
 
 
-def check_weights(weights: dict, expected: dict[str, tuple[int, ...]], model: str) -> None:
-    """Refuse a weight update unless it names exactly the model's tensors with their shapes.
+def check_weights(weights: dict, expected: dict[str, tuple[int, ...]], model: str, optional: set[str] = frozenset()) -> None:
+    """Refuse a weight update unless it names exactly the model's tensors with their shapes
+    (``optional`` names, tied aliases such as ``lm_head.weight``, may be left out).
 
     Called before any tensor is touched, so a refused update leaves the engine as it was."""
     unknown = sorted(set(weights) - set(expected))
-    missing = sorted(set(expected) - set(weights))
+    missing = sorted(set(expected) - set(weights) - set(optional))
     if unknown or missing:
         raise ValueError(
             f"update_weights for {model}: {len(unknown)} unknown name(s) {unknown[:3]}, {len(missing)} missing {missing[:3]}; "
@@ -173,6 +175,7 @@ def make_engine(cfg):
             enforce_eager=v.enforce_eager,
             cpu_kv_cache_gb=v.cpu_kv_cache_gb,
             seed=cfg.seed,
+            colocated=v.colocated,
         )
     if cfg.kind == "openai":
         from etagent.llm.openai_engine import OpenAIEngine

@@ -8,9 +8,11 @@ batch costs what its live rows cost.
 Sampling runs on the model's device, vectorised over rows, in vLLM's order: repetition penalty,
 temperature, min-p, then top-k and top-p on what is left. Top-k takes the k best logits
 (``torch.topk``, no full sort); only a row with top-p and no top-k needs a full-vocabulary sort.
-The draw is an inverse-CDF lookup with one uniform number per row and position, made by hashing
-the row's seed with the position (a counter-based generator), so a seeded sample is the same
-whatever else is in its batch, on CPU and GPU alike, without a host round trip per row. Token
+The draw is an inverse-CDF lookup, over the kept tokens in token-id order and in float64, with
+one uniform number per row and position made by hashing the row's seed with the position (a
+counter-based generator): the random numbers are the same whatever else is in the batch and on
+any device, without a host round trip per row, so a seeded sample is the same in any batch up to
+the rounding of the logits themselves (which padding and dtype can move). Token
 ids the tokenizer does not have (Qwen2.5 has 152,064 logits for 151,665 tokens) are never drawn.
 
 A row generates at most ``max_new_tokens``, and never past ``max_model_len`` (the model's
@@ -61,14 +63,14 @@ def _shift_right(x: torch.Tensor, bits: int) -> torch.Tensor:
 
 
 def counter_uniform(seeds: torch.Tensor, counters: torch.Tensor) -> torch.Tensor:
-    """One uniform number in [0, 1) per (seed, counter) pair: splitmix64 of seed + counter * golden.
-
-    Pure integer arithmetic, so the same pair gives the same number on any device and in any batch."""
+    """One uniform float64 in [0, 1) per (seed, counter) pair (53 random bits): splitmix64 of
+    seed + counter * golden. Pure integer arithmetic, so the same pair gives the same number on
+    any device and in any batch."""
     z = seeds + counters * _GOLDEN
     z = (z ^ _shift_right(z, 30)) * _MIX1
     z = (z ^ _shift_right(z, 27)) * _MIX2
     z = z ^ _shift_right(z, 31)
-    return _shift_right(z, 40).to(torch.float32) / float(1 << 24)
+    return _shift_right(z, 11).to(torch.float64) / float(1 << 53)
 
 
 @dataclass
@@ -124,7 +126,7 @@ class HFEngine:
         # the model may have more logits than the tokenizer has tokens; those ids are never drawn
         self.n_tokens = min(len(tokenizer), model.config.vocab_size)
         self.max_model_len = int(model.config.max_position_embeddings)
-        self._offloaded = False
+        self._offloaded, self._home = False, None
 
     @property
     def device(self) -> torch.device:
@@ -133,9 +135,14 @@ class HFEngine:
     # -- lifecycle --------------------------------------------------------------------------
 
     def update_weights(self, weights: dict[str, torch.Tensor]) -> None:
-        """Copy new weights into the model in place: every tensor of its state dict, by name."""
+        """Copy new weights into the model in place: every tensor of its state dict, by name (a
+        tied alias may be left out)."""
         state = self.model.state_dict()
-        check_weights(weights, {k: tuple(v.shape) for k, v in state.items()}, self.name)
+        # a tied alias (lm_head.weight sharing the embedding's storage) may be left out, as
+        # checkpoints of tied models leave it out
+        first_name: dict[int, str] = {}
+        aliases = {k for k, v in state.items() if first_name.setdefault(v.data_ptr(), k) != k}
+        check_weights(weights, {k: tuple(v.shape) for k, v in state.items()}, self.name, optional=aliases)
         with torch.no_grad():
             for name, tensor in weights.items():
                 state[name].copy_(tensor)
@@ -144,13 +151,14 @@ class HFEngine:
         """On a GPU, move the weights to host memory (the KV cache lives only inside ``generate``).
         Nothing to do on CPU, or when the model is the trainer's."""
         if self.owns_model and self.device.type == "cuda":
+            self._home = self.device
             self.model.to("cpu")
             self._offloaded = True
             torch.cuda.empty_cache()
 
     def wake_up(self, tags: list[str] | None = None) -> None:
         if self._offloaded and (tags is None or "weights" in tags):
-            self.model.to("cuda")
+            self.model.to(self._home)
             self._offloaded = False
 
     # -- generation -------------------------------------------------------------------------
@@ -167,18 +175,43 @@ class HFEngine:
                 seed = sample_seed(r.seed, i)
                 row = _Row(r, list(r.prompt_ids), random.getrandbits(63) if seed is None else seed)
                 row.budget = min(r.max_new_tokens, self.max_model_len - len(row.prompt))
-                if row.budget <= 0 or not row.prompt:
-                    row.done, row.finish = True, "error"
+                if not row.prompt or r.max_new_tokens <= 0:
+                    row.error = "an empty prompt" if not row.prompt else f"max_new_tokens is {r.max_new_tokens}"
+                elif row.budget <= 0:
                     row.error = f"a prompt of {len(row.prompt)} tokens leaves no room for new tokens in max_model_len {self.max_model_len}"
+                if row.error is not None:
+                    row.done, row.finish = True, "error"
                 rows.append(row)
         live = [row for row in rows if not row.done]
-        for start in range(0, len(live), self.max_batch_size):
-            self._decode(live[start : start + self.max_batch_size])
+        training = self.model.training  # a trainer's module may be in training mode: decode in eval
+        self.model.eval()
+        try:
+            for start in range(0, len(live), self.max_batch_size):
+                self._decode_or_isolate(live[start : start + self.max_batch_size])
+        finally:
+            self.model.train(training)
         out, k = [], 0
         for r in requests:
             out.append([self._sample(row) for row in rows[k : k + r.n]])
             k += r.n
         return out
+
+    def _decode_or_isolate(self, rows: list[_Row]) -> None:
+        """Decode a batch; if the model fails on it (out of memory, a bad input), decode each row
+        alone so that only the rows that fail by themselves come back as errors."""
+        try:
+            self._decode(rows)
+        except Exception:
+            if len(rows) == 1:
+                raise
+            for row in rows:
+                row.tokens, row.logprobs, row.tempered, row.top, row.entropy, row.text = [], [], [], [], [], ""
+                row.done, row.finish, row.stop = False, "length", None
+                try:
+                    self._decode([row])
+                except Exception as error:
+                    row.tokens, row.logprobs, row.tempered, row.top, row.entropy = [], [], [], [], []
+                    row.done, row.finish, row.error = True, "error", f"{type(error).__name__}: {error}"
 
     @staticmethod
     def _sample(row: _Row) -> Sample:
@@ -203,8 +236,9 @@ class HFEngine:
         settings = _Settings.of(rows, self.n_tokens, device)
         seen = None
         if settings.penalised:
-            seen = torch.zeros((len(rows), self.n_tokens), dtype=torch.bool, device=device)
-            seen.scatter_(1, ids.clamp(max=self.n_tokens - 1), mask.bool())
+            # prompt tokens, padding excluded (scatter_add: a pad id may also occur in a prompt)
+            counts = torch.zeros((len(rows), self.n_tokens), dtype=torch.long, device=device)
+            seen = counts.scatter_add_(1, ids.clamp(max=self.n_tokens - 1), mask) > 0
         live = list(range(len(rows)))  # rows[live[b]] is batch row b
         cache, step_ids, step_positions = None, ids, positions
         step = 0
@@ -296,10 +330,16 @@ class HFEngine:
             drop |= ranks >= s.top_k
         probs = torch.softmax(values.masked_fill(drop, float("-inf")), dim=-1)
         if order is not None:
-            drop = (probs.cumsum(-1) - probs) > s.top_p  # top-p on what top-k and min-p left
-            drop[:, 0] = False  # the most likely token always stays
+            # top-p on what top-k and min-p left; the most likely token always stays, and a row
+            # without top-p keeps everything (its float cumulative sum may pass 1)
+            drop = ((probs.cumsum(-1) - probs) > s.top_p) & (s.top_p < 1)
+            drop[:, 0] = False
             probs = probs.masked_fill(drop, 0.0)
-        cdf = probs.cumsum(-1)
+            # back to token-id order, so a row's draw does not depend on which candidate order its
+            # batch needed: the same uniform number picks the same token in every batch
+            order, position = order.sort(dim=-1)
+            probs = probs.gather(1, position)
+        cdf = probs.double().cumsum(-1)  # float64: tiny probabilities keep their width
         u = counter_uniform(s.seeds, torch.full_like(s.seeds, step)).unsqueeze(1) * cdf[:, -1:]
         pick = torch.searchsorted(cdf, u, right=True).clamp(max=values.shape[-1] - 1)
         # u rounded up to the total would land on a trailing filtered-out entry: take the best then

@@ -93,6 +93,7 @@ class VLLMEngine:
         # tensors can be handed over only where the engine core shares this process
         self.in_process = colocated or os.environ.get("VLLM_ENABLE_V1_MULTIPROCESSING") == "0"
         self._expected: dict[str, tuple[int, ...]] | None = None
+        self._tied: set[str] = set()  # tied aliases an update may leave out
         self._lock = threading.Lock()  # one generate at a time: the offline engine is not reentrant
 
     # -- generation -------------------------------------------------------------------------
@@ -190,16 +191,25 @@ class VLLMEngine:
             with torch.device("meta"):
                 model = AutoModelForCausalLM.from_config(config)
             self._expected = {name: tuple(t.shape) for name, t in model.state_dict().items()}
+            tied = bool(getattr(config.get_text_config(), "tie_word_embeddings", False))
+            self._tied = {"lm_head.weight"} if tied and "lm_head.weight" in self._expected else set()
         return self._expected
 
     def update_weights(self, weights: dict) -> None:
-        """Load a full set of new weights (the checkpoint's names) into the running engine."""
+        """Load a full set of new weights (the transformers state dict's names; a tied
+        ``lm_head.weight`` may be left out) into the running engine."""
         if not self.in_process:
             raise RuntimeError(
                 "update_weights needs the engine in this process: build it with colocated=True under torchrun "
                 "(or, on CPU, with VLLM_ENABLE_V1_MULTIPROCESSING=0)"
             )
-        check_weights(weights, self._parameter_shapes(), self.model_path)
+        if self.on_gpu and self.llm.llm_engine.is_sleeping():
+            raise RuntimeError("update_weights on a sleeping engine: call wake_up(['weights']) first")
+        check_weights(weights, self._parameter_shapes(), self.model_path, optional=self._tied)
+        weights = dict(weights)
+        for alias, source in ((a, "model.embed_tokens.weight") for a in self._tied):
+            # vLLM computes logits with its own lm_head matrix: give it the embedding's
+            weights.setdefault(alias, weights[source])
         with self._lock:
             self.llm.collective_rpc("reload_weights", kwargs={"weights_iterator": iter(weights.items()), "is_checkpoint_format": True})
             self.llm.reset_prefix_cache()
