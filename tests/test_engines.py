@@ -256,6 +256,8 @@ def test_hf_top_logprobs_and_entropy_only_in_the_window(hf):
     p = prompts(hf)[0]
     [s] = hf.generate([GenerationRequest(tuple(p), temperature=1.0, max_new_tokens=12, logprobs=3, logprobs_window=5, seed=2)])[0]
     assert len(s.token_ids) == len(s.logprobs) == 12 and len(s.top_logprobs) == len(s.entropy) == 5
+    [plain] = hf.generate([GenerationRequest(tuple(p), temperature=1.0, max_new_tokens=12, seed=2)])[0]
+    assert plain.top_logprobs == [] and plain.entropy is None and plain.token_ids == s.token_ids
 
 
 def test_hf_never_samples_ids_the_tokenizer_lacks(toy):

@@ -66,8 +66,9 @@ class Sample:
     include it), ``eos`` (an end-of-sequence token, kept as the last token), ``length``, or
     ``error`` (nothing was generated; ``error`` says why).
     ``top_logprobs[i]`` maps token id to log-probability for the top-k tokens at position i (plus
-    the sampled one). ``entropy[i]``, when the engine sees full distributions (hf), is the exact
-    entropy of position i's distribution in nats. ``tempered_logprobs`` are the sampled tokens'
+    the sampled one). ``entropy[i]``, when the engine sees full distributions (hf) and the
+    request asked for log-probabilities, is the exact entropy of position i's distribution in
+    nats (over the same positions as ``top_logprobs``). ``tempered_logprobs`` are the sampled tokens'
     log-probabilities with the temperature applied (what a trainer recomputes when it samples at
     T != 1): the hf engine gives them for every sampled (T > 0) request, the others where T == 1
     (they equal ``logprobs``).

@@ -25,7 +25,8 @@ vLLM keeps it. EOS ends a row and is kept as its last token.
 
 Reported log-probabilities and entropies are those of the raw distribution (log-softmax of all the
 logits, before the sampling settings), which is what vLLM reports too. Top log-probabilities and
-exact entropies are computed only for the positions a request asks for (``logprobs_window``).
+exact entropies are computed only for requests that ask for log-probabilities (``logprobs > 0``),
+and only at the positions they ask for (``logprobs_window``).
 
 The engine can share the trainer's model object (:meth:`HFEngine.from_model`): it then samples with
 whatever weights the trainer holds, and ``update_weights``/``sleep``/``wake_up`` are not needed.
@@ -218,7 +219,8 @@ class HFEngine:
         if row.error is not None:
             return Sample.failed(row.error)
         tempered = row.tempered if row.request.temperature > 0 else None
-        return Sample(row.tokens, row.logprobs, row.finish, row.stop, row.top, row.entropy, tempered_logprobs=tempered)
+        entropy = row.entropy if row.request.logprobs > 0 else None
+        return Sample(row.tokens, row.logprobs, row.finish, row.stop, row.top, entropy, tempered_logprobs=tempered)
 
     @torch.inference_mode()
     def _decode(self, rows: list[_Row]) -> None:
@@ -263,7 +265,7 @@ class HFEngine:
                 t = settings.temperature
                 tempered_logprobs = (chosen_logits / t - torch.logsumexp(logits / t, dim=-1, keepdim=True)).squeeze(1)
             batch_rows = [rows[i] for i in live]
-            in_window = [b for b, row in enumerate(batch_rows) if step < row.window]
+            in_window = [b for b, row in enumerate(batch_rows) if row.request.logprobs > 0 and step < row.window]
             top = entropy = None
             if in_window:
                 raw = logits[in_window] - normaliser[in_window]
