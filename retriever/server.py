@@ -6,8 +6,8 @@
 Routes (both contracts users already have clients for):
 
 - ``POST /retrieve`` (Search-R1): ``{queries: [...], topk, return_scores, method?}`` ->
-  ``{result: [[{document: {id, contents}, score}, ...], ...]}`` (without ``return_scores``, each
-  hit is the document itself);
+  ``{result: [[{document: {id, contents, title}, score}, ...], ...]}`` (without
+  ``return_scores``, each hit is the document itself; ``title`` where the corpus has one);
 - ``POST /search`` (the paper's): ``{query, top_n, return_score}`` -> ``[{id, contents}, ...]``,
   or ``[[docs], [scores]]`` with ``return_score``;
 - ``POST /batch_search``: ``{query: [...], top_n, return_score}`` -> ``[[docs], ...]`` (or
@@ -23,9 +23,12 @@ searched together in a worker thread; nothing blocks the event loop. Each respon
 batch's timings in ``X-Encode-Ms``, ``X-Search-Ms`` and ``Server-Timing``.
 
 Safety: binds 127.0.0.1 unless ``serve.host`` says otherwise; with ``serve.token_env`` set, POST
-routes need ``Authorization: Bearer <token>``; bad requests get HTTP 422 with a reason (empty
-query, topk out of range, too many queries, body over ``serve.max_body_bytes``). Nothing is
-unpickled and nothing is written.
+routes need ``Authorization: Bearer <token>``; malformed requests get HTTP 422 with a reason
+(topk out of range, more than ``serve.max_queries`` queries, a body over
+``serve.max_body_bytes``, a missing field). What real training runs send is answered as
+Search-R1's server answers it: an empty list of queries gets an empty result, and an empty or
+blank query gets no hits while the others in its request are searched. Nothing is unpickled and
+nothing is written.
 """
 
 from __future__ import annotations
@@ -90,14 +93,18 @@ class Index:
         return ["dense", "bm25", "hybrid"] if self.bm25 is not None else ["dense"]
 
     def documents(self, positions: list[int]) -> dict[int, dict]:
-        """{position: {id, contents}} from the document store (one connection per thread)."""
+        """{position: {id, contents[, title]}} from the document store (one connection per thread);
+        ``title`` where the corpus had one, as Search-R1's hits carry it."""
         if not hasattr(self._local, "db"):
             self._local.db = sqlite3.connect(f"file:{self._db_path}?mode=ro", uri=True, check_same_thread=False)
         unique = sorted(set(positions))
         rows = self._local.db.execute(
-            f"SELECT position, id, contents FROM docs WHERE position IN ({','.join('?' * len(unique))})", unique
+            f"SELECT position, id, title, contents FROM docs WHERE position IN ({','.join('?' * len(unique))})", unique
         ).fetchall()
-        return {position: {"id": doc_id, "contents": contents} for position, doc_id, contents in rows}
+        return {
+            position: {"id": doc_id, "contents": contents} | ({"title": title} if title is not None else {})
+            for position, doc_id, title, contents in rows
+        }
 
     def dense(self, queries: list[str], k: int) -> tuple[list[list[tuple[int, float]]], float, float]:
         """Hits per query, plus encode and search milliseconds."""
@@ -309,20 +316,29 @@ def create_app(cfg: DictConfig, index: Index | None = None) -> FastAPI:
     app.add_middleware(Guard, max_bytes=serve.max_body_bytes, token=token, state=state)
 
     def check(queries: list[str], k: int) -> None:
-        if not queries:
-            raise HTTPException(422, "no queries")
         if len(queries) > serve.max_queries:
             raise HTTPException(422, f"{len(queries)} queries in one request; the limit is {serve.max_queries}")
-        for i, q in enumerate(queries):
-            if not q.strip():
-                raise HTTPException(422, f"query {i} is empty")
         if not 1 <= k <= serve.max_topk:
             raise HTTPException(422, f"topk must be between 1 and {serve.max_topk}, got {k}")
 
     async def run(queries: list[str], k: int, method: str) -> tuple[list[list[tuple[dict, float]]], dict]:
+        """Hits per query. An empty or blank query has no hits (a model wrote ``<search></search>``);
+        the others are searched as usual, whatever their number (the dense micro-batcher encodes
+        them ``serve.max_batch`` at a time)."""
         index: Index = state["index"]
         if method not in index.methods():
             raise HTTPException(422, f"method {method!r} is not available (this index has: {', '.join(index.methods())})")
+        asked = [i for i, q in enumerate(queries) if q.strip()]
+        rows: list[list[tuple[dict, float]]] = [[] for _ in queries]
+        if not asked:
+            return rows, {"encode_ms": 0.0, "search_ms": 0.0}
+        found, timing = await search_non_blank([queries[i] for i in asked], k, method)
+        for i, row in zip(asked, found):
+            rows[i] = row
+        return rows, timing
+
+    async def search_non_blank(queries: list[str], k: int, method: str) -> tuple[list[list[tuple[dict, float]]], dict]:
+        index: Index = state["index"]
         timing = {"encode_ms": 0.0, "search_ms": 0.0}
         if method in ("dense", "hybrid"):
             depth = k if method == "dense" else max(k, 50)
