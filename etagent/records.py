@@ -336,31 +336,57 @@ class SFTExample(Record):
         return self.messages[-1].content
 
 
+def _observation_turns(example: SFTExample) -> list[dict[str, str]] | None:
+    """The assistant turn as alternating gpt and observation turns (None when it does not end with
+    policy text, which LLaMA-Factory requires). An observation holds the tool output: the text
+    :func:`protocol.format_result` wrapped, or the whole span where it was wrapped otherwise."""
+    turns = []
+    for piece, is_result in protocol.split_result_segments(example.response):
+        if not is_result:
+            turns.append({"from": "gpt", "value": piece})
+            continue
+        inner = piece[len("<result>\n") : -len("\n</result>")]
+        turns.append({"from": "observation", "value": inner if protocol.format_result(inner) == piece else piece})
+    if not turns or turns[0]["from"] != "gpt" or turns[-1]["from"] != "gpt":
+        return None
+    return turns
+
+
 def export_llamafactory(
     examples: Iterable[SFTExample], out_dir: str | os.PathLike, name: str = "etagent_sft", fmt: str = "sharegpt"
 ) -> Path:
     """Write SFT data for LLaMA-Factory: ``{name}.json`` and a ``dataset_info.json`` entry.
 
-    The protocol prompt goes in the system column (the reference put it in the user turn). The
-    assistant turn is one message, so LLaMA-Factory will train on tool results too: it has no
-    per-span masking. Use ``sft/`` to train with tool results masked.
+    The protocol prompt goes in the system column (the reference put it in the user turn).
+
+    - ``alpaca`` and ``sharegpt``: the assistant turn is one message, as our rollouts have it;
+      LLaMA-Factory then trains on the tool results too (it has no per-span masking). Our own
+      importer (``sft/``) masks them again.
+    - ``sharegpt_observation``: tool results as observation turns, which LLaMA-Factory masks; its
+      chat template then renders each result as a turn of its own (role tokens around it), which
+      is not how our agent loop inserts results (inline in one assistant turn). An example that
+      does not end with policy text is left out (LLaMA-Factory needs an assistant turn last).
     """
     out = Path(out_dir)
     out.mkdir(parents=True, exist_ok=True)
+    examples = list(examples)
     if fmt == "alpaca":
         rows = [{"instruction": e.question, "input": "", "output": e.response, "system": e.system} for e in examples]
         info = {
             "file_name": f"{name}.json",
             "columns": {"prompt": "instruction", "query": "input", "response": "output", "system": "system"},
         }
-    elif fmt == "sharegpt":
-        rows = [
-            {"conversations": [{"from": "human", "value": e.question}, {"from": "gpt", "value": e.response}], "system": e.system}
-            for e in examples
-        ]
+    elif fmt in ("sharegpt", "sharegpt_observation"):
+        rows = []
+        for e in examples:
+            turns = [{"from": "gpt", "value": e.response}] if fmt == "sharegpt" else _observation_turns(e)
+            if turns is None:
+                log.warning("%s: the assistant turn does not end with policy text; left out of the %s export", e.id, fmt)
+                continue
+            rows.append({"conversations": [{"from": "human", "value": e.question}] + turns, "system": e.system})
         info = {"file_name": f"{name}.json", "formatting": "sharegpt", "columns": {"messages": "conversations", "system": "system"}}
     else:
-        raise ValueError(f"unknown LLaMA-Factory format {fmt!r} (alpaca or sharegpt)")
+        raise ValueError(f"unknown LLaMA-Factory format {fmt!r} (alpaca, sharegpt or sharegpt_observation)")
     _atomic_write_text(out / f"{name}.json", json.dumps(rows, ensure_ascii=False, indent=1))
     _atomic_write_text(out / "dataset_info.json", json.dumps({name: info}, indent=2))
     return out / f"{name}.json"

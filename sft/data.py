@@ -130,7 +130,8 @@ def load_alpaca(path: Path) -> list[SFTExample]:
 
 def load_sharegpt(path: Path) -> list[SFTExample]:
     """LLaMA-Factory sharegpt JSON: ``conversations`` of human/gpt turns (observation turns are
-    tool results: masked), optional ``system``. One human turn, then the assistant's."""
+    tool results, and so are ``<result>`` spans inline in a gpt turn: both masked), optional
+    ``system``. One human turn, then the assistant's."""
     rows = json.loads(path.read_text())
     out = []
     for i, row in enumerate(rows, start=1):
@@ -142,10 +143,12 @@ def load_sharegpt(path: Path) -> list[SFTExample]:
         pieces = []
         for j, turn in enumerate(turns[1:], start=1):
             role = turn.get("from")
-            if role in ("gpt", "function_call"):
-                pieces.append(Segment(text=turn["value"], train=True))
-            elif role == "observation":
-                pieces.append(Segment(text=protocol.format_result(turn["value"]), train=False))
+            if role in ("gpt", "function_call"):  # results inline in a turn are masked too
+                pieces += [Segment(text=text, train=not is_result) for text, is_result in protocol.split_result_segments(turn["value"])]
+            elif role == "observation":  # tool output, wrapped as the agent loop wraps it
+                value = turn["value"]
+                whole = value.startswith("<result>") and value.endswith("</result>")
+                pieces.append(Segment(text=value if whole else protocol.format_result(value), train=False))
             else:
                 raise RecordError(path, i, f"conversations.{j}.from", f"{role!r} after the question (expected gpt or observation)")
         system = row.get("system") or protocol.SYSTEM_PROMPT

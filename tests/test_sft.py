@@ -282,3 +282,34 @@ def test_tiny_preset_answers_held_out_questions_with_the_right_tools(sft_model, 
     assert sum(correct.values()) / len(correct) >= 0.65
     assert all(sum(v) / len(v) >= 0.4 for v in per_kind.values()), per_kind
     assert sum(correct[i] for i in HANDFUL) >= 6, [(i, correct[i]) for i in HANDFUL]
+
+
+def test_llamafactory_exports_round_trip_with_tool_results_masked(tmp_path, tokenizer):
+    """All three exports re-import with the same masked spans and the same labels; the
+    observation export gives LLaMA-Factory the results as observation turns (which it masks)."""
+    text = (
+        "<think>look it up</think><search>Zorvak Telmin</search>"
+        + protocol.format_result("Zorvak Telmin was born in 1873.")
+        + "<think>compute</think><python>print(2024 - 1873)</python><result>151</result>"  # wrapped otherwise
+        + "<think>done</think><answer>\\boxed{151}</answer>"
+    )
+    example = SFTExample.from_trajectory("e", "How old is Zorvak Telmin?", text)
+    masked = [s.text for s in example.segments if not s.train]
+    expected = tokenize_example(example, tokenizer)
+    for fmt in ("alpaca", "sharegpt", "sharegpt_observation"):
+        path = export_llamafactory([example], tmp_path / fmt, name="ours", fmt=fmt)
+        [back] = load_examples(path, "alpaca" if fmt == "alpaca" else "sharegpt")
+        assert back.response == text and [s.text for s in back.segments if not s.train] == masked, fmt
+        again = tokenize_example(back, tokenizer)
+        assert (again.input_ids, again.labels) == (expected.input_ids, expected.labels), fmt
+    [row] = json.loads((tmp_path / "sharegpt_observation" / "ours.json").read_text())
+    roles = [t["from"] for t in row["conversations"]]
+    assert roles == ["human", "gpt", "observation", "gpt", "observation", "gpt"]
+    assert row["conversations"][2]["value"] == "Zorvak Telmin was born in 1873."
+    assert row["conversations"][4]["value"] == "<result>151</result>"
+    info = json.loads((tmp_path / "sharegpt_observation" / "dataset_info.json").read_text())
+    assert info["ours"]["formatting"] == "sharegpt"
+    # a trajectory cut off inside its tool output cannot end with an assistant turn: left out
+    cut = SFTExample.from_trajectory("cut", "q?", "<search>x</search>" + protocol.format_result("doc"))
+    path = export_llamafactory([cut, example], tmp_path / "cut", name="ours", fmt="sharegpt_observation")
+    assert len(json.loads(path.read_text())) == 1
