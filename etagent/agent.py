@@ -55,7 +55,7 @@ from tokenizers.decoders import DecodeStream
 from etagent import protocol
 from etagent.llm import GenerationRequest, Sample, exact_segment_entropy, topk_segment_entropy
 from etagent.records import Provenance, Question, TokenOrigin, ToolCallRecord, Trajectory
-from etagent.tools.executor import budget_exhausted_record
+from etagent.tools.executor import BUDGET_MESSAGE_START, budget_exhausted_record
 
 # Engine-side stops: the tools' closing tags, the end of the answer, and the opening of a result
 # (a policy never writes one; if it does, it is inventing tool output).
@@ -502,9 +502,11 @@ def _calls_from_text(text: str) -> list[ToolCallRecord]:
             policy = piece
             continue
         call = protocol.parse_segment(policy)
-        output = piece[len("<result>") : -len("</result>")].strip("\n")
+        output = protocol.unwrap_result(piece)
+        if output is None:  # wrapped otherwise (imported data): its content
+            output = piece[len("<result>") : -len("</result>")].strip("\n")
         tool, code = (call.tool, call.input) if isinstance(call, protocol.ToolCall) else ("unknown", "")
-        budget = output.startswith("Tool budget exhausted:")
+        budget = output.startswith(BUDGET_MESSAGE_START)
         records.append(ToolCallRecord(tool=tool, input=code, output=output, ok=not budget, budget_exhausted=budget, rebuilt=True))
         policy = ""
     return records

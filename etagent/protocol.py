@@ -91,6 +91,13 @@ def format_result(output: str) -> str:
     return f"<result>\n{output}\n</result>"
 
 
+def unwrap_result(span: str) -> str | None:
+    """The output a ``<result>...</result>`` span wraps, if :func:`format_result` made it (None
+    for a span wrapped some other way, as imported data may have it)."""
+    inner = span[len("<result>\n") : -len("\n</result>")]
+    return inner if len(span) >= len("<result>\n\n</result>") and format_result(inner) == span else None
+
+
 # ---------------------------------------------------------------------------------------------
 # Parsing a generated segment
 

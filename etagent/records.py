@@ -345,8 +345,8 @@ def _observation_turns(example: SFTExample) -> list[dict[str, str]] | None:
         if not is_result:
             turns.append({"from": "gpt", "value": piece})
             continue
-        inner = piece[len("<result>\n") : -len("\n</result>")]
-        turns.append({"from": "observation", "value": inner if protocol.format_result(inner) == piece else piece})
+        inner = protocol.unwrap_result(piece)
+        turns.append({"from": "observation", "value": piece if inner is None else inner})
     if not turns or turns[0]["from"] != "gpt" or turns[-1]["from"] != "gpt":
         return None
     return turns

@@ -289,3 +289,9 @@ def test_functions_are_total_on_arbitrary_text(text):
         assert count_valid_tags(text, tag) <= text.count(f"<{tag}>")
     assert isinstance(validate_format(text), bool)
     parse_segment(text)
+
+
+def test_unwrap_result_is_the_inverse_of_format_result():
+    for output in ("84", "", "a\nb", "<answer>x</answer>"):
+        assert protocol.unwrap_result(protocol.format_result(output)) == output
+    assert protocol.unwrap_result("<result>84</result>") is None  # wrapped some other way

@@ -86,6 +86,7 @@ class _Row:
     entropy: list[float] = field(default_factory=list)
     text: str = ""  # the decoded tail of the generated tokens, for the stop check
     budget: int = 0  # new tokens allowed: the request's, within the context length
+    longest_stop: int = 0
     stream: DecodeStream | None = None
     done: bool = False
     finish: str = "length"
@@ -176,6 +177,7 @@ class HFEngine:
                 seed = sample_seed(r.seed, i)
                 row = _Row(r, list(r.prompt_ids), random.getrandbits(63) if seed is None else seed)
                 row.budget = min(r.max_new_tokens, self.max_model_len - len(row.prompt))
+                row.longest_stop = max((len(stop) for stop in r.stop), default=0)
                 if not row.prompt or r.max_new_tokens <= 0:
                     row.error = "an empty prompt" if not row.prompt else f"max_new_tokens is {r.max_new_tokens}"
                 elif row.budget <= 0:
@@ -357,8 +359,7 @@ class HFEngine:
         if stops:
             piece = row.stream.step(self.tokenizer.backend_tokenizer, token)
             if piece:  # None while a multi-byte character is incomplete
-                longest = max(len(s) for s in stops)
-                row.text = (row.text + piece)[-(longest + len(piece)) :]
+                row.text = (row.text + piece)[-(row.longest_stop + len(piece)) :]
                 # a stop string completed by this token ends inside its text
                 for stop in stops:
                     if row.text.find(stop, max(0, len(row.text) - len(piece) - len(stop) + 1)) >= 0:

@@ -88,9 +88,13 @@ class ToolExecutor:
         self.close()
 
 
+# How every budget message begins (the agent loop recognises one in a prefix given as text).
+BUDGET_MESSAGE_START = "Tool budget exhausted:"
+
+
 def budget_exhausted_record(call: ToolCall, used: int, limit: int, scope: str) -> ToolCallRecord:
     """The record for a call over its trajectory's budget (scope: the tool name, or "tool")."""
-    text = f"Tool budget exhausted: {used} {scope} calls made, the limit is {limit}. No more {scope} calls will run; answer with the information you have."
+    text = f"{BUDGET_MESSAGE_START} {used} {scope} calls made, the limit is {limit}. No more {scope} calls will run; answer with the information you have."
     return ToolCallRecord(tool=call.tool, input=call.input, output=text, ok=False, seconds=0.0, budget_exhausted=True)
 
 
