@@ -2,7 +2,8 @@
 
     etagent toy build --out runs/toy [overrides]   build the toy world and tiny model
     etagent retriever build|serve [overrides]      index a corpus / serve it (retriever/)
-    etagent sample [--preset P] [overrides]        n rollouts per question (etagent/sampling.py)
+    etagent direct-rollout [--preset P] [overrides] K chains per question for RL (direct_rollout/run.py)
+    etagent pareto [--preset P] [overrides]        choose a stage's RL questions (pareto/run.py)
     etagent sft [--preset P] [overrides]           fine-tune on trajectories (sft/run.py)
     etagent evaluate [--preset P] [overrides]      benchmarks and the paper's table (evaluation/run.py)
     etagent radar [--preset P] [overrides]         radar metrics and chart (radar/run.py)
@@ -129,7 +130,12 @@ STAGES = {
     "toy": ("build", "etagent.toy.build", "build the toy world and tiny model: etagent toy build --out DIR"),
     "retriever build": (None, "retriever.build", "index a corpus: etagent retriever build [overrides]"),
     "retriever serve": (None, "retriever.server", "serve an index: etagent retriever serve [overrides]"),
-    "sample": (None, "etagent.sampling", "n rollouts per question with the agent loop: etagent sample [--preset P] [overrides]"),
+    "direct-rollout": (
+        None,
+        "direct_rollout.run",
+        "K judged chains per question with the policy: etagent direct-rollout [--preset P] [overrides]",
+    ),
+    "pareto": (None, "pareto.run", "Pareto selection of a stage's RL questions into rl.parquet: etagent pareto [--preset P] [overrides]"),
     "sft": (None, "sft.run", "fine-tune on trajectories with tool results masked: etagent sft [--preset P] [overrides]"),
     "evaluate": (None, "evaluation.run", "benchmarks, metrics and the paper's table: etagent evaluate [--preset P] [overrides]"),
     "radar": (None, "radar.run", "radar metrics and chart over evaluation runs: etagent radar [--preset P] [overrides]"),

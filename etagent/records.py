@@ -411,13 +411,15 @@ class ExtraInfo(Record):
 
 class RLRow(Record):
     """One RL prompt in verl's schema. ``extra_info.index`` is unique per question: the
-    efficiency reward groups a question's rollouts by it."""
+    efficiency reward groups a question's rollouts by it. ``metadata`` is the column the paper's
+    parquet has (always null there)."""
 
     data_source: str
     prompt: list[Message]
     ability: Literal["math", "qa"]
     reward_model: RewardModel
     extra_info: ExtraInfo
+    metadata: str | None = None
 
     @classmethod
     def for_question(cls, question: Question, index: int, split: str, system_prompt: str = protocol.SYSTEM_PROMPT) -> RLRow:
@@ -452,6 +454,7 @@ def _rl_schema():
                     ]
                 ),
             ),
+            ("metadata", pa.string()),
         ]
     )
 

@@ -1,18 +1,17 @@
 """Sample n rollouts per question with the agent loop, in one process or across a Ray cluster.
 
-    etagent sample [--preset tiny|paper] questions=FILE engine.model=MODEL n=8 out_dir=DIR
-    python -m etagent.sampling ...                         (the same)
-
-Writes ``out_dir/trajectories.jsonl`` (one :class:`TrajectoryGroup` per question, each rollout
-judged with :func:`etagent.scoring.rule_judgement`) and ``manifest.json``. Questions already in
-the output are skipped, so a killed run resumes where it stopped and never duplicates a question.
+:func:`run_sampling` writes ``out_dir/trajectories.jsonl`` (one :class:`TrajectoryGroup` per
+question, each rollout judged by the stage's judge, :func:`etagent.scoring.rule_judgement` unless
+it gives its own) and ``manifest.json``. Questions already in the output are skipped, so a killed
+run resumes where it stopped and never duplicates a question.
 
 With ``ray.workers > 0`` the questions are split into batches and fanned out to a pool of Ray
 actors, each holding its own engine (one per GPU with ``ray.num_gpus_per_worker: 1``) and tools;
 the driver writes the results as they come back. With ``ray.workers: 0`` everything runs here.
 
-This is the sampling every rollout stage shares (direct rollout, evaluation, the flywheel's
-initial rollouts); what a stage does with the rollouts is that stage's business.
+This is the sampling machinery every rollout stage shares (direct rollout, evaluation, the
+flywheel's initial rollouts); each stage owns its entry point and config (``direct_rollout/``,
+``evaluation/``) and decides what it does with the rollouts. Nothing here is a command.
 """
 
 from __future__ import annotations
@@ -21,17 +20,25 @@ import asyncio
 import logging
 import time
 from collections import Counter
-from collections.abc import Iterator, Sequence
+from collections.abc import Callable, Iterator, Sequence
 from pathlib import Path
 
 from omegaconf import DictConfig, OmegaConf
 from tqdm import tqdm
 
 from etagent.agent import AgentConfig, AgentLoop
-from etagent.records import JsonlAppender, Question, TrajectoryGroup, read_questions, write_manifest
+from etagent.records import JsonlAppender, Judgement, Question, TrajectoryGroup, read_questions, write_manifest
 from etagent.scoring import rule_judgement
 
 log = logging.getLogger(__name__)
+
+# A judge: (prediction, gold answers, kind) -> Judgement. A module-level function, so that Ray can
+# send it to its workers by name.
+Judge = Callable[[str, Sequence[str], str], Judgement]
+
+# The per-token fields of a trajectory. A stage that only reads answers and counts (direct
+# rollout) leaves them out: at the paper's scale they would make its file tens of gigabytes.
+TOKEN_ARRAYS = frozenset({"prompt_ids", "response_ids", "response_mask", "response_origin", "logprobs", "tempered_logprobs"})
 
 
 def agent_config(cfg) -> AgentConfig:
@@ -41,9 +48,9 @@ def agent_config(cfg) -> AgentConfig:
 class Sampler:
     """An engine, the tools and the agent loop: turns questions into scored trajectory groups."""
 
-    def __init__(self, engine, executor, config: AgentConfig, n: int, stage: str = "sample"):
+    def __init__(self, engine, executor, config: AgentConfig, n: int, stage: str, judge: Judge = rule_judgement, token_arrays: bool = True):
         self.loop = AgentLoop(engine, executor, config)
-        self.n, self.stage = n, stage
+        self.n, self.stage, self.judge, self.token_arrays = n, stage, judge, token_arrays
 
     def sample(self, questions: Sequence[Question]) -> list[TrajectoryGroup]:
         states = [self.loop.new(q, f"{q.id}/{k}", stage=self.stage) for q in questions for k in range(self.n)]
@@ -52,7 +59,10 @@ class Sampler:
         for i, q in enumerate(questions):
             records = [self.loop.to_record(s) for s in states[i * self.n : (i + 1) * self.n]]
             for record in records:
-                record.judgement = rule_judgement(record.prediction, q.answer, q.kind)
+                record.judgement = self.judge(record.prediction, q.answer, q.kind)
+                if not self.token_arrays:
+                    for name in TOKEN_ARRAYS:
+                        setattr(record, name, None)
             groups.append(TrajectoryGroup.for_question(q, records))
         return groups
 
@@ -62,18 +72,18 @@ def _batches(items: Sequence, size: int) -> Iterator[list]:
         yield list(items[start : start + size])
 
 
-def _local(cfg: DictConfig, todo: list[Question]) -> Iterator[list[TrajectoryGroup]]:
+def _local(cfg: DictConfig, todo: list[Question], judge: Judge, token_arrays: bool) -> Iterator[list[TrajectoryGroup]]:
     from etagent.llm import make_engine
     from etagent.tools.executor import build_executor
 
     engine = make_engine(cfg.engine)
     with build_executor(cfg.tools) as executor:
-        sampler = Sampler(engine, executor, agent_config(cfg.agent), cfg.n, cfg.stage)
+        sampler = Sampler(engine, executor, agent_config(cfg.agent), cfg.n, cfg.stage, judge, token_arrays)
         for batch in _batches(todo, cfg.batch_questions):
             yield sampler.sample(batch)
 
 
-def _ray(cfg: DictConfig, todo: list[Question]) -> Iterator[list[TrajectoryGroup]]:
+def _ray(cfg: DictConfig, todo: list[Question], judge: Judge, token_arrays: bool) -> Iterator[list[TrajectoryGroup]]:
     import ray
     from ray.util import ActorPool
 
@@ -86,7 +96,7 @@ def _ray(cfg: DictConfig, todo: list[Question]) -> Iterator[list[TrajectoryGroup
 
     @ray.remote
     class SamplingWorker:
-        def __init__(self, config: dict):
+        def __init__(self, config: dict, judge: Judge, token_arrays: bool):
             import torch
 
             from etagent.llm import make_engine
@@ -95,22 +105,24 @@ def _ray(cfg: DictConfig, todo: list[Question]) -> Iterator[list[TrajectoryGroup
             config = OmegaConf.create(config)
             torch.set_num_threads(max(1, config.ray.num_cpus_per_worker))
             self.executor = build_executor(config.tools)
-            self.sampler = Sampler(make_engine(config.engine), self.executor, agent_config(config.agent), config.n, config.stage)
+            engine = make_engine(config.engine)
+            self.sampler = Sampler(engine, self.executor, agent_config(config.agent), config.n, config.stage, judge, token_arrays)
 
         def sample(self, questions: list[dict]) -> list[dict]:
             groups = self.sampler.sample([Question.model_validate(q) for q in questions])
             return [g.to_json() for g in groups]
 
     options = {"num_cpus": cfg.ray.num_cpus_per_worker, "num_gpus": cfg.ray.num_gpus_per_worker}
-    workers = [SamplingWorker.options(**options).remote(plain) for _ in range(cfg.ray.workers)]
+    workers = [SamplingWorker.options(**options).remote(plain, judge, token_arrays) for _ in range(cfg.ray.workers)]
     pool = ActorPool(workers)
     batches = [[q.to_json() for q in batch] for batch in _batches(todo, cfg.batch_questions)]
     for result in pool.map_unordered(lambda worker, batch: worker.sample.remote(batch), batches):
         yield [TrajectoryGroup.model_validate(g) for g in result]
 
 
-def run_sampling(cfg: DictConfig) -> dict:
-    """Sample every question of cfg.questions not yet in the output; return summary metrics."""
+def run_sampling(cfg: DictConfig, judge: Judge = rule_judgement, token_arrays: bool = True) -> dict:
+    """Sample every question of cfg.questions not yet in the output, judging each rollout with
+    ``judge``; return summary metrics. ``token_arrays=False`` leaves the per-token fields out."""
     started = time.time()
     out = Path(cfg.out_dir)
     out.mkdir(parents=True, exist_ok=True)
@@ -123,7 +135,7 @@ def run_sampling(cfg: DictConfig) -> dict:
         progress = tqdm(total=len(todo), desc="sampling", unit="question", dynamic_ncols=True, disable=None)
         runner = _ray if cfg.ray.workers > 0 else _local
         trajectories = 0
-        for groups in runner(cfg, todo):
+        for groups in runner(cfg, todo, judge, token_arrays):
             for group in groups:
                 writer.write(group)
             trajectories += sum(len(g.trajectories) for g in groups)
@@ -145,33 +157,27 @@ def run_sampling(cfg: DictConfig) -> dict:
 
 
 def summarise(path: Path) -> dict:
-    """Score, tool use and finish reasons over a trajectories file."""
+    """Score, tool use, length and finish reasons over a trajectories file, overall and per kind."""
     from etagent.records import read_jsonl
 
     groups = read_jsonl(path, TrajectoryGroup)
+
+    def stats(trajectories: list) -> dict:
+        n = max(len(trajectories), 1)
+        return {
+            "trajectories": len(trajectories),
+            "mean_score": round(sum(t.judgement.score or 0.0 for t in trajectories if t.judgement) / n, 4),
+            "mean_tool_calls_executed": round(sum(t.tool_calls_executed or 0 for t in trajectories) / n, 4),
+            "mean_tool_calls_written": round(sum(t.tool_calls_written or 0 for t in trajectories) / n, 4),
+            "mean_generated_tokens": round(sum(t.n_generated or 0 for t in trajectories) / n, 1),
+            "mean_tokens": round(sum(t.n_tokens for t in trajectories) / n, 1),
+        }
+
     trajectories = [t for g in groups for t in g.trajectories]
-    n = max(len(trajectories), 1)
+    kinds = sorted({g.kind for g in groups})
     return {
         "questions": len(groups),
-        "trajectories": len(trajectories),
-        "mean_score": round(sum(t.judgement.score or 0.0 for t in trajectories if t.judgement) / n, 4),
-        "mean_tool_calls": round(sum(len(t.tool_calls) for t in trajectories) / n, 4),
-        "mean_tokens": round(sum(t.n_tokens for t in trajectories) / n, 1),
+        **stats(trajectories),
         "finish_reasons": dict(Counter(t.finish_reason for t in trajectories)),
+        "per_kind": {kind: stats([t for g in groups if g.kind == kind for t in g.trajectories]) for kind in kinds},
     }
-
-
-def main(argv: list[str] | None = None) -> None:
-    from etagent.config import parse_stage_args
-
-    logging.basicConfig(level=logging.INFO, format="%(asctime)s %(name)s %(message)s")
-    logging.getLogger("httpx").setLevel(logging.WARNING)  # one line per tool request is noise
-    cfg = parse_stage_args("sample", argv, prog="etagent sample", doc=__doc__)
-    metrics = run_sampling(cfg)
-    print(
-        f"sampled {metrics['trajectories']} trajectories for {metrics['questions']} questions into {cfg.out_dir}: mean score {metrics['mean_score']}, {metrics['mean_tool_calls']} tool calls, finish {metrics['finish_reasons']}"
-    )
-
-
-if __name__ == "__main__":
-    main()

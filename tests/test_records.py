@@ -181,8 +181,9 @@ def test_rl_parquet_has_verls_schema(tmp_path):
     questions = [q(0), Question(id="m1", question="1+1?", answer=2, source="dapo", kind="math")]
     path = write_rl_parquet([RLRow.for_question(x, i, "train") for i, x in enumerate(questions)], tmp_path / "rl.parquet")
     table = pq.read_table(path)
-    assert table.column_names == ["data_source", "prompt", "ability", "reward_model", "extra_info"]
+    assert table.column_names == ["data_source", "prompt", "ability", "reward_model", "extra_info", "metadata"]
     rows = table.to_pylist()
+    assert rows[0]["metadata"] is None  # the paper's file has the column, always null
     assert rows[0]["data_source"] == "qa_effi_rl" and rows[1]["data_source"] == "math_effi_rl"
     assert rows[1]["prompt"] == protocol.prompt_messages("1+1?")
     assert rows[1]["reward_model"] == {"ground_truth": ["2"], "style": "rule"}

@@ -1,10 +1,10 @@
 """The agent loop with a real policy (the SFT'd toy model), real engines (hf, and vLLM on CPU)
-and real tools (the sandbox and the retriever service); sampling locally and on Ray, resumed."""
+and real tools (the sandbox and the retriever service). The sampling machinery's resume and Ray
+fan-out are tested through its stage, in test_direct_rollout.py."""
 
 from __future__ import annotations
 
 import asyncio
-import json
 
 import pytest
 import torch
@@ -12,8 +12,7 @@ import torch
 from etagent import protocol
 from etagent.agent import AgentConfig, AgentLoop
 from etagent.config import load_config
-from etagent.records import TrajectoryGroup, read_jsonl, read_questions
-from etagent.sampling import run_sampling
+from etagent.records import read_questions
 from etagent.tools.executor import build_executor
 from tests.conftest import TOKEN
 from tests.trajectories import mask_runs
@@ -87,52 +86,3 @@ def test_token_invariants_with_the_vllm_engine(sft_model, toy, tools_cfg):
     loop, states = run_agent(engine, tools_cfg, toy)
     check_token_invariants(loop, states, AutoModelForCausalLM.from_pretrained(sft_model / "model").eval())
     assert sum(s.finish_reason == "answer" for s in states) >= 0.8 * len(states)
-
-
-def sample_cfg(sft_model, toy, server, out, *extra):
-    return load_config(
-        "sample",
-        "tiny",
-        [
-            f"engine.model={sft_model / 'model'}",
-            f"questions={toy / 'questions' / 'test.jsonl'}",
-            f"out_dir={out}",
-            "n=2",
-            f"tools.search.local.url={server}",
-            "tools.search.local.token_env=RETRIEVER_TOKEN",
-            "batch_questions=4",
-            *extra,
-        ],
-    )
-
-
-def test_sampling_resumes_without_duplicates(sft_model, toy, server, tmp_path, monkeypatch):
-    monkeypatch.setenv("RETRIEVER_TOKEN", TOKEN)
-    out = tmp_path / "sample"
-    first = run_sampling(sample_cfg(sft_model, toy, server, out, "limit=6"))
-    assert first["questions"] == 6
-    before = (out / "trajectories.jsonl").read_text()
-    second = run_sampling(sample_cfg(sft_model, toy, server, out, "limit=10"))
-    assert second["questions"] == 10 and second["trajectories"] == 20
-    after = (out / "trajectories.jsonl").read_text()
-    assert after.startswith(before)  # the first six were kept as written, not redone
-    ids = [g.id for g in read_jsonl(out / "trajectories.jsonl", TrajectoryGroup)]
-    assert len(ids) == len(set(ids)) == 10
-    manifest = json.loads((out / "manifest.json").read_text())
-    assert manifest["counts"]["trajectories"] == 20 and manifest["stage"] == "sample"
-
-
-def test_sampling_on_a_local_ray_cluster_with_two_cpus(sft_model, toy, server, tmp_path, monkeypatch):
-    ray = pytest.importorskip("ray")
-    monkeypatch.setenv("RETRIEVER_TOKEN", TOKEN)
-    out = tmp_path / "ray"
-    try:
-        metrics = run_sampling(sample_cfg(sft_model, toy, server, out, "limit=8", "ray.workers=2", "ray.num_cpus_per_worker=1"))
-    finally:
-        ray.shutdown()
-    groups = read_jsonl(out / "trajectories.jsonl", TrajectoryGroup)
-    assert metrics["questions"] == 8 and sorted(g.id for g in groups) == sorted(
-        q.id for q in read_questions(toy / "questions" / "test.jsonl")[:8]
-    )
-    assert all(len(g.trajectories) == 2 and all(t.response_ids for t in g.trajectories) for g in groups)
-    assert sum(len(t.tool_calls) for g in groups for t in g.trajectories) > 0

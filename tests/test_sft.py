@@ -239,9 +239,10 @@ def test_tiny_preset_answers_held_out_questions_with_the_right_tools(sft_model, 
     monkeypatch.setenv("RETRIEVER_TOKEN", "test-token-123")
     out = sft_model.parent / "held-out"
     cfg = load_config(
-        "sample",
+        "direct_rollout",
         "tiny",
         [
+            "+stage=sft-check",
             f"engine.model={sft_model / 'model'}",
             f"questions={toy / 'questions' / 'test.jsonl'}",
             f"out_dir={out}",

@@ -263,3 +263,17 @@ def test_question_counts_the_config_or_the_world_cannot_give_are_clear_errors(tm
     too_many = SMALL + [f"out_dir={tmp_path / 'b'}", "questions.train.none=800"]
     with pytest.raises(ValueError, match="fewer than 100 distinct 'none' questions"):
         run(load_config("toy", "tiny", too_many))
+
+
+def test_rl_pool_is_asked_in_a_world_version_of_its_own(toy):
+    """questions/rl.jsonl: fresh questions for direct rollout and RL, answered by looking up
+    rl_world/corpus.jsonl (the served world's names with redrawn facts), never a held-out text."""
+    rl = read_questions(toy / "questions" / "rl.jsonl")
+    test = read_questions(toy / "questions" / "test.jsonl")
+    assert Counter(q.source for q in rl) == {"toy_search": 100, "toy_python": 100, "toy_both": 100, "toy_none": 50}
+    assert all(q.model_extra["world_version"] == "rl" for q in rl) and len({q.id for q in rl}) == len(rl)
+    assert not {q.question for q in rl} & {q.question for q in test}
+    served = [json.loads(line) for line in (toy / "corpus.jsonl").read_text().splitlines()]
+    rl_corpus = [json.loads(line) for line in (toy / "rl_world" / "corpus.jsonl").read_text().splitlines()]
+    assert [d["title"] for d in rl_corpus] == [d["title"] for d in served]
+    assert sum(a["contents"] != b["contents"] for a, b in zip(rl_corpus, served)) > 0.9 * len(served)

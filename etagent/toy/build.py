@@ -9,6 +9,9 @@ Writes, deterministically from ``seed``:
                                  asked in (same names, redrawn facts; see World.with_redrawn_facts)
     questions/train.jsonl        training questions, four kinds (see etagent.toy.world)
     questions/test.jsonl         held-out questions
+    questions/rl.jsonl           the RL question pool: fresh questions in a world version of its
+                                 own, never seen in SFT data (direct rollout, Pareto, RL)
+    rl_world/corpus.jsonl        that version's corpus: the retriever serves it during RL
     seed_trajectories.jsonl      trajectories for the training questions (etagent.toy.seeds)
     sft.jsonl                    the correct, well-formed seed trajectories as SFT data
     model/                       tokenizer + randomly initialised Qwen2 (save_pretrained)
@@ -57,8 +60,9 @@ def build(cfg: DictConfig, out_dir: Path) -> dict:
     corpus = world.corpus()
     write_jsonl(out_dir / "corpus.jsonl", corpus)
 
-    if set(cfg.questions.train) != set(KINDS):
-        raise ValueError(f"questions.train: give a count for each of {', '.join(KINDS)} (got {', '.join(cfg.questions.train)})")
+    for split in ("train", "rl"):
+        if set(cfg.questions[split]) != set(KINDS):
+            raise ValueError(f"questions.{split}: give a count for each of {', '.join(KINDS)} (got {', '.join(cfg.questions[split])})")
     test_texts: set[str] = set()
     test = make_questions(world, rng, {kind: cfg.questions.test_per_kind for kind in KINDS}, "test", test_texts)
     # Training questions are asked in versions of the world with redrawn facts (World.
@@ -92,6 +96,16 @@ def build(cfg: DictConfig, out_dir: Path) -> dict:
             trajectories.append(trajectory)
         groups.append(TrajectoryGroup.for_question(q.question, trajectories))
     train = [q for _, _, q in train]
+
+    # The RL pool is drawn last, so adding it changed nothing drawn before (world, questions,
+    # seeds). Its own world version keeps RL from learning the facts of held-out questions, as
+    # the training versions keep SFT from it; its own questions make RL more than a replay of SFT.
+    rl_world = world.with_redrawn_facts(rng)
+    write_jsonl(out_dir / "rl_world" / "corpus.jsonl", rl_world.corpus())
+    rl_pool = make_questions(rl_world, rng, dict(cfg.questions.rl), "rl", set(test_texts))
+    for q in rl_pool:
+        q.question.world_version = "rl"
+    write_jsonl(out_dir / "questions" / "rl.jsonl", [q.question for q in rl_pool])
 
     sft = [
         SFTExample.from_trajectory(t.id, g.question, t.text, source=g.source, provenance=t.provenance)
@@ -130,7 +144,7 @@ def build(cfg: DictConfig, out_dir: Path) -> dict:
     summary = {
         "entities": {"people": len(world.people), "cities": len(world.cities)},
         "corpus_documents": len(corpus),
-        "questions": {"train": len(train), "test": len(test), "per_kind_train": dict(kinds)},
+        "questions": {"train": len(train), "test": len(test), "rl": len(rl_pool), "per_kind_train": dict(kinds)},
         "seed_trajectories": len(all_trajectories),
         "behaviours": dict(behaviours),
         "seed_accuracy": round(sum(t.judgement.score for t in all_trajectories) / len(all_trajectories), 4),
@@ -149,6 +163,7 @@ def build(cfg: DictConfig, out_dir: Path) -> dict:
             "corpus": len(corpus),
             "train_questions": len(train),
             "test_questions": len(test),
+            "rl_questions": len(rl_pool),
             "seed_trajectories": len(all_trajectories),
             "sft_examples": len(sft),
         },
@@ -165,7 +180,9 @@ def print_summary(summary: dict, out_dir: Path, example: str | None = None) -> N
         f"  entities        {summary['entities']['people']} people, {summary['entities']['cities']} cities ({summary['corpus_documents']} corpus documents)"
     )
     per_kind = ", ".join(f"{k} {v}" for k, v in summary["questions"]["per_kind_train"].items())
-    print(f"  questions       {summary['questions']['train']} train ({per_kind}), {summary['questions']['test']} test")
+    print(
+        f"  questions       {summary['questions']['train']} train ({per_kind}), {summary['questions']['test']} test, {summary['questions']['rl']} RL pool"
+    )
     mix = ", ".join(f"{k} {v}" for k, v in sorted(summary["behaviours"].items()))
     print(
         f"  seed rollouts   {summary['seed_trajectories']} ({mix}); accuracy {summary['seed_accuracy']:.3f}, {summary['seed_mean_tool_calls']:.2f} tool calls each"

@@ -1,0 +1,296 @@
+"""Group-wise Pareto sampling: choose the RL questions of a curriculum stage from its rollouts.
+
+    python -m pareto.run [--preset tiny|paper] [overrides]      # or: etagent pareto ...
+    bash scripts/prepare_rl_stage.sh MODEL STAGE                # direct rollout, then this
+
+Reads the direct rollout of stage k (``rollouts``: trajectories.jsonl, one line per question with
+its K judged chains) and writes into ``out_dir``:
+
+    rl.parquet      the selected questions in verl's schema, as the paper's file: data_source
+                    math_effi_rl / qa_effi_rl, the chat prompt with the system prompt, ability,
+                    reward_model {ground_truth: [str], style}, extra_info {index (unique per row),
+                    need_tools_kwargs, question, split, question_id}, metadata (null); rows in a
+                    seeded random order
+    scores.jsonl    every question: its objectives, eligibility (and why not), front, crowding
+                    distance where computed, selected or not
+    report.json     counts (read, eligible, selected, dropped and why), front sizes, objective
+                    distributions, per source
+    scatter.png     the first two objectives, every question, the selected ones marked
+    manifest.json
+
+The method (paper_data_stages.md §5): per question, the population variance of its chains'
+correctness and of their executed tool calls (``objectives``, both maximised; more in
+pareto/selection.py), NSGA-II fronts, the first front that does not fit cut by crowding distance.
+The paper's mixed-outcome filter (math: a right and a wrong chain; QA: a chain at or above F1
+0.75 and one below) runs before the selection, not after it as in the reference, so exactly
+``count`` questions come out whenever that many qualify. Chains that failed in the engine
+(``finish_reason: error``) are left out of their question's group, and counted.
+
+The stage is quick and deterministic under ``seed`` (questions are taken in id order, so the
+order of the rollouts file does not matter): a rerun recomputes everything and writes the same
+files. What it does not do: roll out (``direct_rollout/``) or stratify by source.
+"""
+
+from __future__ import annotations
+
+import json
+import logging
+import time
+from collections import Counter
+from pathlib import Path
+
+import numpy as np
+from omegaconf import DictConfig, OmegaConf
+
+from etagent.records import Question, RecordError, RLRow, iter_jsonl, parse_record, write_jsonl, write_manifest, write_rl_parquet
+from pareto.selection import Chains, mixed_outcome, objectives, select
+
+log = logging.getLogger("pareto")
+
+# Per chain, the fields the objectives read, as direct_rollout writes them.
+CHAIN_FIELDS = ("judgement", "tool_calls_executed", "tool_calls_written", "n_generated", "finish_reason")
+
+
+def read_rollouts(path: Path) -> tuple[list[Question], dict[str, np.ndarray], Counter]:
+    """Questions (in id order) and their usable chains as flat arrays, plus the count of chains
+    left out and why. Only the fields the selection needs are read from each chain."""
+    rows: dict[str, tuple[Question, list[tuple[float, int, int, int]]]] = {}
+    left_out: Counter = Counter()
+    for line, data in iter_jsonl(path):
+        if not isinstance(data, dict):
+            raise RecordError(path, line, "(record)", "expected a JSON object")
+        chains = data.get("trajectories")
+        if not isinstance(chains, list):
+            raise RecordError(path, line, "trajectories", "missing" if chains is None else "expected a list")
+        question = parse_record(Question, {k: v for k, v in data.items() if k != "trajectories"}, path, line)
+        if question.id in rows:
+            raise RecordError(path, line, "id", f"question {question.id!r} appears twice")
+        usable = []
+        for k, chain in enumerate(chains):
+            where = f"trajectories.{k}"
+            missing = [f for f in CHAIN_FIELDS if not isinstance(chain, dict) or f not in chain]
+            if missing:
+                raise RecordError(path, line, f"{where}.{missing[0]}", "missing (direct_rollout writes it)")
+            if chain["finish_reason"] == "error":
+                left_out["engine_error"] += 1
+                continue
+            score = (chain["judgement"] or {}).get("score")
+            if score is None:
+                left_out["not_judged"] += 1
+                continue
+            try:
+                usable.append(
+                    (float(score), int(chain["tool_calls_executed"]), int(chain["tool_calls_written"]), int(chain["n_generated"]))
+                )
+            except (TypeError, ValueError) as exc:
+                raise RecordError(path, line, where, f"not a number: {exc}") from None
+        rows[question.id] = (question, usable)
+    questions, table = [], []
+    for row, qid in enumerate(sorted(rows)):
+        question, usable = rows[qid]
+        questions.append(question)
+        table += [(row, *chain) for chain in usable]
+    columns = np.array(table, dtype=float).reshape(-1, 5)
+    arrays = {
+        "question": columns[:, 0].astype(np.int64),
+        "correctness": columns[:, 1],
+        "tool_calls": columns[:, 2],
+        "written_tool_calls": columns[:, 3],
+        "generated_tokens": columns[:, 4],
+    }
+    return questions, arrays, left_out
+
+
+def ineligibility(chains: Chains, threshold: np.ndarray, mixed: np.ndarray) -> list[str | None]:
+    """Why each question cannot be selected (None: it can)."""
+    count = chains.per_question_count()
+    above = np.bincount(chains.question, weights=chains.correctness >= threshold[chains.question], minlength=chains.n_questions)
+    reasons: list[str | None] = []
+    for n, n_above, ok in zip(count, above, mixed):
+        if ok:
+            reasons.append(None)
+        elif n == 0:
+            reasons.append("no_usable_chain")
+        elif n == 1:
+            reasons.append("one_chain")
+        else:
+            reasons.append("all_correct" if n_above == n else "all_wrong")
+    return reasons
+
+
+def distribution(values: np.ndarray) -> dict:
+    """Summary of one objective over a set of questions."""
+    if len(values) == 0:
+        return {"n": 0}
+    q = np.quantile(values, [0.0, 0.25, 0.5, 0.75, 1.0])
+    distinct, counts = np.unique(values, return_counts=True)
+    summary = {"n": int(len(values)), "mean": round(float(values.mean()), 6)}
+    summary.update({name: round(float(v), 6) for name, v in zip(("min", "p25", "median", "p75", "max"), q)})
+    summary["distinct_values"] = int(len(distinct))
+    if len(distinct) <= 12:  # discrete objectives (binary correctness): the whole histogram
+        summary["histogram"] = {f"{v:.6g}": int(c) for v, c in zip(distinct, counts)}
+    return summary
+
+
+def draw_scatter(path: Path, points: np.ndarray, status: list[str], names: list[str], title: str) -> None:
+    """The first two objectives; each distinct point once per status, its area by how many
+    questions share it (with 8 chains the objectives take few values, so points pile up)."""
+    import matplotlib
+
+    matplotlib.use("Agg")
+    import matplotlib.pyplot as plt
+
+    styles = {
+        "ineligible": dict(color="#b0b0b0", label="not eligible (no mixed outcome)", zorder=1),
+        "eligible": dict(color="#6fa8dc", label="eligible, not selected", zorder=2),
+        "selected": dict(color="#cc0000", label="selected", zorder=3),
+    }
+    x = points[:, 0]
+    y = points[:, 1] if points.shape[1] > 1 else np.zeros(len(points))
+    fig, ax = plt.subplots(figsize=(7, 5.5), dpi=120)
+    status_array = np.array(status)
+    for name, style in styles.items():
+        mask = status_array == name
+        if not mask.any():
+            continue
+        distinct, counts = np.unique(np.stack([x[mask], y[mask]], axis=1), axis=0, return_counts=True)
+        ax.scatter(distinct[:, 0], distinct[:, 1], s=12 + 18 * np.sqrt(counts), alpha=0.7, edgecolors="none", **style)
+    ax.set_xlabel(names[0].replace("_", " "))
+    ax.set_ylabel(names[1].replace("_", " ") if len(names) > 1 else "")
+    ax.set_title(title, fontsize=10)
+    ax.legend(loc="best", fontsize=8, markerscale=0.7)
+    ax.grid(alpha=0.3)
+    fig.tight_layout()
+    tmp = path.with_name(path.stem + ".tmp.png")
+    fig.savefig(tmp)
+    plt.close(fig)
+    tmp.replace(path)
+
+
+def run(cfg: DictConfig) -> dict:
+    started = time.time()
+    names = list(cfg.objectives)
+    out = Path(cfg.out_dir)
+    out.mkdir(parents=True, exist_ok=True)
+    rollouts = Path(cfg.rollouts)
+    if rollouts.is_dir():
+        rollouts = rollouts / "trajectories.jsonl"
+    if not rollouts.exists():
+        raise FileNotFoundError(f"rollouts: no {rollouts} (run direct_rollout first)")
+
+    questions, arrays, left_out = read_rollouts(rollouts)
+    chains = Chains(**arrays, n_questions=len(questions))
+    kinds = np.array([q.kind for q in questions])
+    threshold = np.where(kinds == "math", cfg.mixed_outcome.math_threshold, cfg.mixed_outcome.qa_threshold).astype(float)
+    points = objectives(chains, names)
+    mixed = mixed_outcome(chains, threshold)
+    reasons = ineligibility(chains, threshold, mixed)
+    eligible = np.flatnonzero(mixed)
+    selection = select(points[eligible], int(cfg.count), int(cfg.seed))
+    chosen = eligible[selection.selected]
+
+    # the parquet: extra_info.index is the position in the selection, the rows are shuffled
+    rows = [RLRow.for_question(questions[i], index=k, split=cfg.split) for k, i in enumerate(chosen)]
+    order = np.random.default_rng(int(cfg.seed)).permutation(len(rows))
+    write_rl_parquet([rows[k] for k in order], out / "rl.parquet")
+
+    front = np.full(len(questions), -1)
+    front[eligible] = selection.ranks
+    distance = np.full(len(questions), np.nan)
+    distance[eligible] = selection.distance
+    selected = np.zeros(len(questions), dtype=bool)
+    selected[chosen] = True
+    count = chains.per_question_count()
+    mean_correctness = chains.mean(chains.correctness)
+    scores = []
+    for i, q in enumerate(questions):
+        scores.append(
+            {
+                "id": q.id,
+                "source": q.source,
+                "kind": q.kind,
+                "chains": int(count[i]),
+                "mean_correctness": round(float(mean_correctness[i]), 6),
+                "objectives": {name: float(points[i, j]) for j, name in enumerate(names)},
+                "eligible": reasons[i] is None,
+                "ineligible_because": reasons[i],
+                "front": int(front[i]) if front[i] >= 0 else None,
+                "crowding_distance": None if np.isnan(distance[i]) else float(distance[i]),
+                "selected": bool(selected[i]),
+            }
+        )
+    write_jsonl(out / "scores.jsonl", scores)
+
+    status = ["selected" if selected[i] else "eligible" if reasons[i] is None else "ineligible" for i in range(len(questions))]
+    dropped = Counter(r for r in reasons if r is not None)
+    dropped["not_selected"] = int(len(eligible) - len(chosen))
+    sources = sorted({q.source for q in questions})
+    report = {
+        "rl_stage": cfg.rl_stage,
+        "rollouts": str(rollouts),
+        "objectives": names,
+        "requested": int(cfg.count),
+        "counts": {
+            "questions": len(questions),
+            "chains": int(len(chains.question)),
+            "chains_left_out": dict(left_out),
+            "eligible": int(len(eligible)),
+            "selected": int(len(chosen)),
+            "fewer_eligible_than_requested": bool(len(eligible) < cfg.count),
+        },
+        "dropped": dict(dropped),
+        "fronts": {
+            "sizes": selection.front_sizes(),
+            "whole_fronts_taken": selection.cut_front if selection.cut_front is not None else len(selection.front_sizes()),
+            "cut_front": selection.cut_front,
+            "taken_from_cut_front": selection.taken_from_cut,
+        },
+        "objective_distributions": {
+            group: {name: distribution(points[rows_, j]) for j, name in enumerate(names)}
+            for group, rows_ in (("all", np.arange(len(questions))), ("eligible", eligible), ("selected", chosen))
+        },
+        "per_source": {
+            source: {
+                "questions": sum(q.source == source for q in questions),
+                "eligible": sum(q.source == source and r is None for q, r in zip(questions, reasons)),
+                "selected": int(sum(questions[i].source == source for i in chosen)),
+            }
+            for source in sources
+        },
+    }
+    (out / "report.json").write_text(json.dumps(report, indent=2) + "\n")
+    title = f"RL stage {cfg.rl_stage}: {len(chosen)} selected of {len(eligible)} eligible ({len(questions)} questions)"
+    draw_scatter(out / "scatter.png", points, status, names, title)
+    write_manifest(
+        out,
+        stage=f"pareto/stage{cfg.rl_stage}",
+        config=OmegaConf.to_container(cfg, resolve=True),
+        inputs=[rollouts],
+        counts={"questions": len(questions), "eligible": int(len(eligible)), "selected": int(len(chosen))},
+        seed=int(cfg.seed),
+        started_at=started,
+        metrics={"dropped": dict(dropped), "front_sizes": selection.front_sizes()},
+    )
+    return report
+
+
+def main(argv: list[str] | None = None) -> None:
+    from etagent.config import parse_stage_args
+
+    logging.basicConfig(level=logging.INFO, format="%(asctime)s %(name)s %(message)s")
+    cfg = parse_stage_args("pareto", argv, prog="python -m pareto.run", doc=__doc__)
+    report = run(cfg)
+    c, f = report["counts"], report["fronts"]
+    dropped = ", ".join(f"{k} {v}" for k, v in sorted(report["dropped"].items()))
+    print(
+        f"pareto for RL stage {cfg.rl_stage}: {c['selected']} of {c['eligible']} eligible questions selected "
+        f"({c['questions']} read, {c['chains']} chains); requested {report['requested']}\n"
+        f"  dropped: {dropped}\n"
+        f"  fronts: {f['sizes'][:12]}{' ...' if len(f['sizes']) > 12 else ''}; whole fronts taken {f['whole_fronts_taken']}, "
+        f"{f['taken_from_cut_front']} from front {f['cut_front']} by crowding distance\n"
+        f"  wrote {Path(cfg.out_dir) / 'rl.parquet'}, report.json, scores.jsonl, scatter.png"
+    )
+
+
+if __name__ == "__main__":
+    main()
