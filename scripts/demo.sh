@@ -7,37 +7,23 @@ VENV=$(realpath "${ETAGENT_VENV:-.venv}")
 RUN=${1:-runs/demo}
 export PATH="$VENV/bin:$PATH" HF_HUB_OFFLINE=1 TRANSFORMERS_OFFLINE=1 WANDB_MODE=offline TOKENIZERS_PARALLELISM=false
 
-echo "== 1/5 toy world and tiny model -> $RUN/toy"
+echo "== 1/6 toy world and tiny model -> $RUN/toy"
 etagent toy build --out "$RUN/toy"
 
 echo
-echo "== 2/5 retriever index over the toy corpus -> $RUN/index"
+echo "== 2/6 retriever index over the toy corpus -> $RUN/index"
 python -m retriever.build corpus="$RUN/toy/corpus.jsonl" index_dir="$RUN/index"
 
 echo
-echo "== 3/5 SFT of the tiny model on the seed trajectories, tool results masked -> $RUN/sft (about 5 minutes)"
+echo "== 3/6 SFT of the tiny model on the seed trajectories, tool results masked -> $RUN/sft (about 5 minutes)"
 python -m sft.run model="$RUN/toy/model" data.path="$RUN/toy/sft.jsonl" out_dir="$RUN/sft" train.progress_bar=false
 
 echo
-echo "== 4/5 evaluation of the SFT policy on the held-out questions, with the real tools -> $RUN/eval"
-PORT=$(python -c 'import socket; s = socket.socket(); s.bind(("127.0.0.1", 0)); print(s.getsockname()[1])')
-python -m retriever.server index_dir="$RUN/index" serve.port="$PORT" > "$RUN/retriever.log" 2>&1 &
-SERVER=$!
-trap 'kill $SERVER 2>/dev/null || true' EXIT
-python - "$PORT" <<'PY'
-import sys, time, httpx
-for _ in range(240):
-    try:
-        if httpx.get(f"http://127.0.0.1:{sys.argv[1]}/health", timeout=1).json()["status"] == "ok":
-            break
-    except (httpx.HTTPError, ValueError):
-        time.sleep(0.5)
-else:
-    sys.exit("the retriever did not start; see its log")
-PY
+echo "== 4/6 evaluation of the SFT policy on the held-out questions, with the real tools -> $RUN/eval"
+source scripts/serve_retriever.sh "$RUN/index" "$RUN/retriever.log"
 python -m evaluation.run engine.model="$RUN/sft/model" files.toy="$RUN/toy/questions/test.jsonl" out_dir="$RUN/eval" \
-  run_name=toy-sft n=2 tools.search.local.url="http://127.0.0.1:$PORT"
-kill $SERVER
+  run_name=toy-sft n=2 tools.search.local.url="$RETRIEVER_URL"
+stop_retriever
 python - "$RUN/eval/toy" <<'PY'
 import json, sys
 from pathlib import Path
@@ -53,7 +39,11 @@ print("    " + group["trajectories"][i]["text"].replace("\n", "\n    "))
 PY
 
 echo
-echo "== 5/5 radar metrics and chart -> $RUN/radar"
+echo "== 5/6 the data of RL stage 1: 8 chains per RL-pool question with the SFT policy, Pareto selection -> $RUN/rl_data/stage1"
+bash scripts/prepare_rl_stage.sh "$RUN/sft/model" 1 "$RUN"
+
+echo
+echo "== 6/6 radar metrics and chart -> $RUN/radar"
 python -m radar.run runs="[$RUN/eval]" tokenizer="$RUN/sft/model" out_dir="$RUN/radar"
 
 echo
