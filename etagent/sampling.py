@@ -134,13 +134,19 @@ def run_sampling(cfg: DictConfig, judge: Judge = rule_judgement, token_arrays: b
         log.info("%d questions, %d already done, %d to sample x %d", len(questions), len(questions) - len(todo), len(todo), cfg.n)
         progress = tqdm(total=len(todo), desc="sampling", unit="question", dynamic_ncols=True, disable=None)
         runner = _ray if cfg.ray.workers > 0 else _local
-        trajectories = 0
+        trajectories, done, logged = 0, 0, time.time()
         for groups in runner(cfg, todo, judge, token_arrays):
             for group in groups:
                 writer.write(group)
             trajectories += sum(len(g.trajectories) for g in groups)
+            done += len(groups)
+            rate = trajectories / max(time.time() - started, 1e-9)
             progress.update(len(groups))
-            progress.set_postfix(trajectories_per_s=f"{trajectories / max(time.time() - started, 1e-9):.2f}")
+            progress.set_postfix(trajectories_per_s=f"{rate:.2f}")
+            # no progress bar when the output is not a terminal (logs, CI): a line every 15 s
+            if progress.disable and (time.time() - logged >= 15 or done == len(todo)):
+                log.info("%d/%d questions, %d trajectories, %.1f trajectories/s", done, len(todo), trajectories, rate)
+                logged = time.time()
         progress.close()
     metrics = summarise(out / "trajectories.jsonl")
     write_manifest(

@@ -102,7 +102,8 @@ def read_rollouts(path: Path) -> tuple[list[Question], dict[str, np.ndarray], Co
 
 
 def ineligibility(chains: Chains, threshold: np.ndarray, mixed: np.ndarray) -> list[str | None]:
-    """Why each question cannot be selected (None: it can)."""
+    """Why each question cannot be selected (None: it can): ``no_usable_chain``, ``one_chain``,
+    ``all_correct`` (every chain at or above its kind's bar), ``all_wrong`` (none)."""
     count = chains.per_question_count()
     above = np.bincount(chains.question, weights=chains.correctness >= threshold[chains.question], minlength=chains.n_questions)
     reasons: list[str | None] = []
@@ -241,7 +242,7 @@ def run(cfg: DictConfig) -> dict:
         "dropped": dict(dropped),
         "fronts": {
             "sizes": selection.front_sizes(),
-            "whole_fronts_taken": selection.cut_front if selection.cut_front is not None else len(selection.front_sizes()),
+            "whole_fronts_taken": selection.whole_fronts,
             "cut_front": selection.cut_front,
             "taken_from_cut_front": selection.taken_from_cut,
         },

@@ -172,12 +172,14 @@ def crowding_distance(points: np.ndarray) -> np.ndarray:
 class Selection:
     """``selected``: the chosen rows, by front, then crowding distance (largest first), then the
     seeded tie-break. ``ranks``: every row's front. ``distance``: crowding distance of the rows of
-    the cut front, NaN elsewhere. ``cut_front``: the front that did not fit whole (None when
-    whole fronts filled the quota or everything was taken); ``taken_from_cut``: rows taken from it."""
+    the cut front, NaN elsewhere. ``whole_fronts``: how many fronts were taken whole;
+    ``cut_front``: the front that did not fit whole (None when whole fronts filled the quota or
+    everything was taken); ``taken_from_cut``: rows taken from it."""
 
     selected: np.ndarray
     ranks: np.ndarray
     distance: np.ndarray
+    whole_fronts: int
     cut_front: int | None
     taken_from_cut: int
 
@@ -210,4 +212,6 @@ def select(points: np.ndarray, count: int, seed: int) -> Selection:
     chosen = np.flatnonzero(taken)
     sort_distance = np.where(np.isnan(distance[chosen]), 0.0, -distance[chosen])
     selected = chosen[np.lexsort((tiebreak[chosen], sort_distance, ranks[chosen]))]
-    return Selection(selected=selected, ranks=ranks, distance=distance, cut_front=cut_front, taken_from_cut=taken_from_cut)
+    return Selection(
+        selected=selected, ranks=ranks, distance=distance, whole_fronts=whole, cut_front=cut_front, taken_from_cut=taken_from_cut
+    )

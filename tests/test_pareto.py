@@ -68,6 +68,7 @@ def check_selection(points: np.ndarray, count: int, seed: int):
     if chosen and rejected:
         # every selected question lies in an earlier or equal front than every rejected one
         assert max(s.ranks[list(chosen)]) <= min(s.ranks[rejected])
+    assert s.whole_fronts == (s.cut_front if s.cut_front is not None else len(set(s.ranks[s.selected].tolist())))
     if s.cut_front is None:
         # whole fronts only
         for front in set(s.ranks.tolist()):
@@ -172,3 +173,78 @@ def test_mixed_outcome_filter():
     ]
     threshold = np.array([1.0, 1.0, 1.0, 0.75, 0.75, 0.75, 1.0])
     assert mixed_outcome(chains_of(groups), threshold).tolist() == [True, False, False, True, True, False, False]
+
+
+def rollout_line(qid: str, kind: str, chains: list[tuple[float, int]], **extra) -> dict:
+    """One line of direct_rollout's trajectories.jsonl with the fields Pareto reads."""
+    return {
+        "id": qid,
+        "question": f"question {qid}?",
+        "answer": ["7"],
+        "source": "toy_python" if kind == "math" else "toy_search",
+        "kind": kind,
+        "trajectories": [
+            {
+                "id": f"{qid}/{k}",
+                "text": "...",
+                "judgement": {"metric": "f1", "score": c, "verdict": c >= 0.75},
+                "tool_calls_executed": t,
+                "tool_calls_written": t,
+                "n_generated": 50 + t,
+                "finish_reason": "answer",
+            }
+            for k, (c, t) in enumerate(chains)
+        ],
+        **extra,
+    }
+
+
+def test_pareto_stage_on_a_hand_made_rollout_file(tmp_path):
+    """The stage end to end on a file written by hand: reasons for dropping, failed chains left
+    out, exactly `count` selected, and the same files again on a rerun."""
+    import json
+
+    from etagent.config import load_config
+    from pareto.run import run
+
+    lines = [
+        rollout_line("a", "math", [(1, 0), (0, 2), (1, 1), (0, 3)]),
+        rollout_line("b", "math", [(1, 1), (1, 1), (1, 1), (1, 1)]),  # all right
+        rollout_line("c", "math", [(0, 0), (0, 5), (0, 1), (0, 0)]),  # all wrong
+        rollout_line("d", "qa", [(0.8, 1), (0.5, 1), (0.2, 1), (0.0, 1)]),
+        rollout_line("e", "qa", [(0.7, 1), (0.5, 2)]),  # none at 0.75: all wrong
+        rollout_line("f", "math", [(1, 1)]),  # one chain
+        rollout_line("g", "math", [(1, 0), (0, 0), (0, 4), (1, 4)]),
+    ]
+    lines[6]["trajectories"][3]["finish_reason"] = "error"  # left out: g keeps three chains
+    rollouts = tmp_path / "trajectories.jsonl"
+    rollouts.write_text("".join(json.dumps(line) + "\n" for line in reversed(lines)))
+    cfg = load_config("pareto", "tiny", [f"rollouts={rollouts}", f"out_dir={tmp_path / 'out'}", "count=2"])
+    report = run(cfg)
+    assert report["counts"]["eligible"] == 3 and report["counts"]["selected"] == 2
+    assert report["counts"]["chains_left_out"] == {"engine_error": 1}
+    assert report["dropped"] == {"all_correct": 1, "all_wrong": 2, "one_chain": 1, "not_selected": 1}
+    scores = {s["id"]: s for s in map(json.loads, (tmp_path / "out" / "scores.jsonl").read_text().splitlines())}
+    assert scores["g"]["chains"] == 3 and scores["e"]["ineligible_because"] == "all_wrong"
+    # front 0: a (correctness variance 0.25, tool-call variance 1.25) and g (2/9, 32/9); d (0.092, 0) is behind a
+    assert {i for i, s in scores.items() if s["selected"]} == {"a", "g"}
+    first = (tmp_path / "out" / "rl.parquet").read_bytes()
+    run(cfg)
+    assert (tmp_path / "out" / "rl.parquet").read_bytes() == first
+
+
+def test_pareto_names_the_file_line_and_field_of_bad_input(tmp_path):
+    import json
+
+    from etagent.records import RecordError
+    from pareto.run import read_rollouts
+
+    line = rollout_line("a", "math", [(1, 0), (0, 1)])
+    del line["trajectories"][1]["tool_calls_executed"]
+    path = tmp_path / "bad.jsonl"
+    path.write_text(json.dumps(rollout_line("z", "qa", [(1, 0)])) + "\n" + json.dumps(line) + "\n")
+    with pytest.raises(RecordError, match=r"bad.jsonl:2: field 'trajectories.1.tool_calls_executed': missing"):
+        read_rollouts(path)
+    path.write_text(json.dumps({**rollout_line("a", "math", [(1, 0)]), "kind": "poetry"}) + "\n")
+    with pytest.raises(RecordError, match=r"bad.jsonl:1: field 'kind'"):
+        read_rollouts(path)
