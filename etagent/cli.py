@@ -8,6 +8,7 @@
     etagent evaluate [--preset P] [overrides]      benchmarks and the paper's table (evaluation/run.py)
     etagent radar [--preset P] [overrides]         radar metrics and chart (radar/run.py)
     etagent score [FILE] [--judge-url URL ...]     score predictions, one JSON line each
+    etagent reward [FILE]                          the RL efficiency reward of groups, one JSON line each (rl/reward.py)
     etagent tool python|search ...                 run one tool call, print its record
 
 Stage subcommands take ``--preset NAME`` (``configs/<stage>/NAME.yaml``, default ``tiny``) and
@@ -138,6 +139,7 @@ STAGES = {
     "pareto": (None, "pareto.run", "Pareto selection of a stage's RL questions into rl.parquet: etagent pareto [--preset P] [overrides]"),
     "sft": (None, "sft.run", "fine-tune on trajectories with tool results masked: etagent sft [--preset P] [overrides]"),
     "evaluate": (None, "evaluation.run", "benchmarks, metrics and the paper's table: etagent evaluate [--preset P] [overrides]"),
+    "reward": (None, "rl.reward", "the RL efficiency reward of groups given as JSON lines: etagent reward [FILE]"),
     "radar": (None, "radar.run", "radar metrics and chart over evaluation runs: etagent radar [--preset P] [overrides]"),
 }
 UTILITIES = {"score": "score predictions given as JSON lines", "tool": "run one tool call (python or search) with the tools config"}

@@ -1,0 +1,246 @@
+"""The efficiency reward of the paper's RL stage, as small pure functions over one question's group.
+
+For rollout i of a group (the n rollouts of one prompt):
+
+    R_i = raw_i * f_tool_i * f_length_i + f_format_i
+    f_tool_i   = 2 / (1 + exp(sigma_tool * (T_i - mean T)))        T: tool calls in the text
+    f_length_i = 2 / (1 + exp(sigma_length * (z_i - mean z)))      z: z-scored lengths (population
+                                                                   std; all 0 when it is 0)
+    f_format_i = -1 when the format check fails, else 0
+
+Both factors are 1 at the group mean and above 1 below it (fewer calls, shorter), in (0, 2).
+The sigmas decay linearly within a curriculum stage (:func:`sigma_factor`). T counts the tool
+calls as the paper does (:func:`etagent.protocol.count_tool_calls`: paired tags anywhere).
+
+Two modes, named as such (paper_rl.md §4.3):
+
+- ``paper``: the released code exactly. Math: 0 without an ``<answer>...</answer>``, else the
+  last ``\\boxed{}`` of the *whole* response against the *first* gold answer by the MATH string
+  rules. QA: the last box inside the answer, F1 after ``strip_string(deepsearch=True)`` and then
+  SQuAD normalisation, max over the gold answers; that strip deletes every space, so each side is
+  one token and the "F1" is exact match without spaces ("river Kess" scores 0 against "Kess
+  river bank", and "Kess River" 0 against "the Kess river"). The lengths the paper used count
+  every response token, tool results included (the caller passes them).
+- ``default``, the corrected one: the answer is read from the answer block (its last box, or its
+  text), math is right when it equals *any* gold answer (MATH rules or math-verify), QA is the
+  token F1 with SQuAD normalisation, max over the gold answers; lengths count generated tokens
+  only (again, the caller passes them).
+
+:func:`validation_score` is the paper's validation score, which differs from the training reward.
+
+What this module does not do: group rollouts (the caller passes one group), put the reward on a
+token, or compute advantages.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import sys
+from collections.abc import Sequence
+from dataclasses import asdict, dataclass
+from typing import IO
+
+import numpy as np
+
+from etagent import protocol, scoring
+
+MODES = ("paper", "default")
+DATA_SOURCES = {"math_effi_rl": "math", "qa_effi_rl": "qa"}
+
+
+def kind_of(data_source: str) -> str:
+    """ "math" or "qa" for the RL parquet's data sources; anything else is an error, as in the paper."""
+    if data_source not in DATA_SOURCES:
+        raise ValueError(f"data_source must be one of {', '.join(DATA_SOURCES)}, got {data_source!r}")
+    return DATA_SOURCES[data_source]
+
+
+def answer_block(response: str) -> str | None:
+    """The text between the last ``<answer>`` and the ``</answer>`` after it (None without one)."""
+    end = response.rfind("</answer>")
+    start = response.rfind("<answer>", 0, end) if end >= 0 else -1
+    return None if start < 0 else response[start + len("<answer>") : end]
+
+
+def paper_qa_f1(prediction: str, gold: str) -> float:
+    """The paper's training QA score: F1 after the deepsearch strip (which deletes spaces)."""
+    return scoring.f1(scoring.strip_string(prediction, deepsearch=True), scoring.strip_string(gold, deepsearch=True))
+
+
+def raw_correctness(response: str, ground_truth: Sequence[str], data_source: str, mode: str = "default") -> float:
+    """raw_i: math 0 or 1, QA an F1 in [0, 1]; 0 without an answer block, in both modes."""
+    if mode not in MODES:
+        raise ValueError(f"mode must be one of {', '.join(MODES)}, got {mode!r}")
+    kind = kind_of(data_source)
+    block = answer_block(response)
+    if block is None or not ground_truth:
+        return 0.0
+    if mode == "paper":
+        if kind == "math":
+            boxed = protocol.last_boxed(response)
+            return float(boxed is not None and scoring.is_equiv(boxed, ground_truth[0]))
+        boxed = protocol.last_boxed(block)
+        if boxed is None:
+            return 0.0
+        return scoring.best_over_golds(paper_qa_f1, boxed, ground_truth)
+    boxed = protocol.last_boxed(block)
+    prediction = block.strip() if boxed is None else protocol.unwrap_text(boxed)
+    if kind == "math":
+        return float(scoring.math_equal(prediction, ground_truth))
+    return scoring.best_over_golds(scoring.f1, prediction, ground_truth)
+
+
+def relative_factor(values: Sequence[float], sigma: float) -> np.ndarray:
+    """2 / (1 + exp(sigma * (v - mean v))) per member of the group."""
+    values = np.asarray(values, dtype=float)
+    if len(values) == 0:
+        return values
+    return 2.0 / (1.0 + np.exp(sigma * (values - values.mean())))
+
+
+def length_zscores(lengths: Sequence[int]) -> np.ndarray:
+    """Lengths z-scored within the group with the population std; all 0 when the std is 0."""
+    lengths = np.asarray(lengths, dtype=float)
+    std = lengths.std() if len(lengths) else 0.0
+    return np.zeros_like(lengths) if std == 0 else (lengths - lengths.mean()) / std
+
+
+def format_penalty(response: str) -> float:
+    """-1 when :func:`etagent.protocol.validate_format` fails, else 0."""
+    return 0.0 if protocol.validate_format(response) else -1.0
+
+
+def sigma_factor(step: int, total_steps: int) -> float:
+    """The paper's linear decay of both sigmas within a stage: 1 at step 1, 0 at the last step
+    (steps count from 1); 0 for a stage of one step."""
+    if total_steps <= 1:
+        return 0.0
+    return max(0.0, (total_steps - step) / (total_steps - 1))
+
+
+@dataclass(frozen=True)
+class GroupReward:
+    """Per rollout of one group: the reward and every term of it."""
+
+    rewards: list[float]
+    raw: list[float]
+    tool_calls: list[int]
+    f_tool: list[float]
+    f_length: list[float]
+    f_format: list[float]
+
+    def to_json(self) -> dict:
+        return asdict(self)
+
+
+def efficiency_reward(
+    data_source: str,
+    ground_truth: Sequence[str],
+    responses: Sequence[str],
+    lengths: Sequence[int],
+    sigma_tool: float,
+    sigma_length: float,
+    mode: str = "default",
+) -> GroupReward:
+    """The training reward of every rollout of one question's group. ``lengths`` per response:
+    all response tokens for ``paper``, generated tokens for ``default``. The sigmas are the
+    effective ones (already multiplied by :func:`sigma_factor`)."""
+    if len(lengths) != len(responses):
+        raise ValueError(f"{len(responses)} responses but {len(lengths)} lengths")
+    raw = [raw_correctness(r, ground_truth, data_source, mode) for r in responses]
+    tool_calls = [protocol.count_tool_calls(r) for r in responses]
+    f_tool = relative_factor(tool_calls, sigma_tool)
+    z = length_zscores(lengths)
+    f_length = relative_factor(z, sigma_length)
+    f_format = [format_penalty(r) for r in responses]
+    rewards = [c * t * n + f for c, t, n, f in zip(raw, f_tool, f_length, f_format)]
+    return GroupReward(
+        rewards=[float(x) for x in rewards],
+        raw=[float(x) for x in raw],
+        tool_calls=tool_calls,
+        f_tool=[float(x) for x in f_tool],
+        f_length=[float(x) for x in f_length],
+        f_format=f_format,
+    )
+
+
+def validation_score(data_source: str, response: str, ground_truth: Sequence[str]) -> float:
+    """The paper's validation score (paper_rl.md §4.4). Math: -1 for a bad format or no answer,
+    else 1 or 0 (the paper-mode check). QA: -1 for a bad format, no answer or no box in it; else
+    the paper-mode F1, plus 0.1 when the response closed both a search and a python call and the
+    F1 is above 0."""
+    kind = kind_of(data_source)
+    block = answer_block(response)
+    if not protocol.validate_format(response) or block is None:
+        return -1.0
+    if kind == "math":
+        return raw_correctness(response, ground_truth, data_source, "paper")
+    if protocol.last_boxed(block) is None:
+        return -1.0
+    score = raw_correctness(response, ground_truth, data_source, "paper")
+    both_tools = "</search>" in response and "</python>" in response
+    return score + 0.1 if both_tools and score > 0 else score
+
+
+# ---------------------------------------------------------------------------------------------
+# `etagent reward`: check a reward by hand
+
+FIELDS = {
+    "data_source": str,
+    "ground_truth": list,
+    "responses": list,
+    "lengths": list,
+    "sigma_tool": (int, float),
+    "sigma_length": (int, float),
+}
+
+
+def reward_lines(source: IO[str], name: str, out: IO[str]) -> None:
+    """One group per JSON line in, one line of rewards and terms out, written as each is done."""
+    for number, raw in enumerate(source, start=1):
+        if not raw.strip():
+            continue
+        try:
+            group = json.loads(raw)
+        except ValueError as exc:
+            sys.exit(f"{name}:{number}: not valid JSON: {exc}")
+        if not isinstance(group, dict):
+            sys.exit(f"{name}:{number}: expected a JSON object")
+        for field, kind in FIELDS.items():
+            if field not in group:
+                sys.exit(f"{name}:{number}: field '{field}': missing")
+            if not isinstance(group[field], kind) or isinstance(group[field], bool):
+                sys.exit(f"{name}:{number}: field '{field}': expected {getattr(kind, '__name__', 'a number')}")
+        mode = group.get("mode", "default")
+        try:
+            result = efficiency_reward(
+                group["data_source"],
+                [str(g) for g in group["ground_truth"]],
+                [str(r) for r in group["responses"]],
+                [int(n) for n in group["lengths"]],
+                float(group["sigma_tool"]),
+                float(group["sigma_length"]),
+                mode,
+            )
+        except (ValueError, TypeError) as exc:
+            field = "lengths" if "lengths" in str(exc) else "mode" if "mode" in str(exc) else "data_source"
+            sys.exit(f"{name}:{number}: field '{field}': {exc}")
+        out.write(json.dumps(result.to_json()) + "\n")
+        out.flush()
+
+
+def main(argv: list[str] | None = None) -> None:
+    parser = argparse.ArgumentParser(
+        prog="etagent reward",
+        description="The RL efficiency reward of each group, by hand. Reads JSON lines {data_source: math_effi_rl|qa_effi_rl, "
+        "ground_truth: [str], responses: [str], lengths: [int], sigma_tool, sigma_length, mode: paper|default} and writes one "
+        "line per group: {rewards, raw, tool_calls, f_tool, f_length, f_format}. See rl/reward.py.",
+    )
+    parser.add_argument("file", nargs="?", help="JSONL input (default: stdin)")
+    args = parser.parse_args(argv)
+    if args.file:
+        with open(args.file) as f:
+            reward_lines(f, args.file, sys.stdout)
+    else:
+        reward_lines(sys.stdin, "<stdin>", sys.stdout)

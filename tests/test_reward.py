@@ -1,0 +1,117 @@
+"""The efficiency reward on hand-computed groups, in both modes, and `etagent reward`."""
+
+from __future__ import annotations
+
+import json
+import math
+import subprocess
+import sys
+
+import pytest
+
+from rl.reward import efficiency_reward, length_zscores, raw_correctness, relative_factor, sigma_factor, validation_score
+
+
+def response(answer: str, calls: int = 0, tool: str = "search") -> str:
+    steps = "".join(f"<{tool}>q{k}</{tool}><result>r{k}</result><think>then</think>" for k in range(calls))
+    return f"<think>start</think>{steps}<answer>The final answer is \\[ \\boxed{{{answer}}} \\]</answer>"
+
+
+def logistic(x: float) -> float:
+    return 2 / (1 + math.exp(x))
+
+
+def test_a_group_by_hand():
+    # tool calls 0, 1, 2 (mean 1); lengths 10, 20, 30 (mean 20, population std sqrt(200/3))
+    responses = [response("42", 0), response("42", 1, "python"), response("41", 2)]
+    r = efficiency_reward("math_effi_rl", ["42"], responses, [10, 20, 30], sigma_tool=0.2, sigma_length=0.5)
+    z = 10 / math.sqrt(200 / 3)
+    assert r.raw == [1.0, 1.0, 0.0] and r.tool_calls == [0, 1, 2] and r.f_format == [0.0, 0.0, 0.0]
+    assert r.f_tool == pytest.approx([logistic(-0.2), 1.0, logistic(0.2)])
+    assert r.f_length == pytest.approx([logistic(-0.5 * z), 1.0, logistic(0.5 * z)])
+    assert r.rewards == pytest.approx([logistic(-0.2) * logistic(-0.5 * z), 1.0, 0.0])
+
+
+def test_zero_sigmas_leave_correctness_plus_the_format_penalty():
+    bad = "<answer>\\boxed{42}</answer>"  # no <think>: the format check fails
+    r = efficiency_reward("math_effi_rl", ["42"], [response("42", 3), bad, response("7")], [5, 50, 500], 0.0, 0.0)
+    assert r.f_tool == r.f_length == [1.0, 1.0, 1.0]
+    assert r.rewards == [1.0, 1.0 - 1.0, -0.0 + 0.0] and r.f_format == [0.0, -1.0, 0.0]
+    wrong_and_bad = efficiency_reward("math_effi_rl", ["42"], ["<answer>\\boxed{1}</answer>"], [3], 0.2, 0.5)
+    assert wrong_and_bad.rewards == [-1.0]
+
+
+def test_equal_lengths_give_zero_z_scores():
+    assert length_zscores([7, 7, 7]).tolist() == [0.0, 0.0, 0.0]
+    assert relative_factor([2, 2], 0.7).tolist() == [1.0, 1.0]
+    assert length_zscores([1, 3]).tolist() == [-1.0, 1.0]  # population std: 1
+
+
+def test_sigma_decays_linearly_within_a_stage():
+    assert [sigma_factor(step, 5) for step in range(1, 6)] == [1.0, 0.75, 0.5, 0.25, 0.0]
+    assert sigma_factor(1, 1) == 0.0 and sigma_factor(9, 5) == 0.0
+
+
+def test_paper_mode_qa_is_exact_match_without_spaces():
+    gold = ["the Kess river"]
+    # default: token F1 after SQuAD normalisation
+    assert raw_correctness(response("Kess River"), gold, "qa_effi_rl", "default") == 1.0
+    assert raw_correctness(response("river Kess bank"), ["Kess river"], "qa_effi_rl", "default") == pytest.approx(0.8)
+    # paper: the deepsearch strip deletes spaces before the F1, and the article with them
+    assert raw_correctness(response("Kess River"), gold, "qa_effi_rl", "paper") == 0.0
+    assert raw_correctness(response("theKess river"), gold, "qa_effi_rl", "paper") == 1.0
+    assert raw_correctness(response("river Kess bank"), ["Kess river"], "qa_effi_rl", "paper") == 0.0
+    assert raw_correctness(response("\\text{Kess} river"), ["Kess river"], "qa_effi_rl", "paper") == 1.0
+    # an answer without a box scores nothing in the paper, its text in the default mode
+    unboxed = "<think>a</think><answer>Kess river</answer>"
+    assert raw_correctness(unboxed, ["Kess river"], "qa_effi_rl", "paper") == 0.0
+    assert raw_correctness(unboxed, ["Kess river"], "qa_effi_rl", "default") == 1.0
+
+
+def test_paper_mode_math_reads_the_first_gold_and_the_last_box_anywhere():
+    assert raw_correctness(response("42"), ["41", "42"], "math_effi_rl", "paper") == 0.0
+    assert raw_correctness(response("42"), ["41", "42"], "math_effi_rl", "default") == 1.0
+    after = response("41") + " so \\boxed{42}"
+    assert raw_correctness(after, ["42"], "math_effi_rl", "paper") == 1.0  # the whole response's last box
+    assert raw_correctness(after, ["42"], "math_effi_rl", "default") == 0.0  # the answer block's
+    assert raw_correctness(response("\\frac{1}{2}"), ["0.5"], "math_effi_rl", "paper") == 1.0
+    for mode in ("paper", "default"):  # no answer block: nothing
+        assert raw_correctness("<think>\\boxed{42}</think>", ["42"], "math_effi_rl", mode) == 0.0
+    with pytest.raises(ValueError, match="data_source"):
+        raw_correctness(response("1"), ["1"], "gsm8k", "paper")
+
+
+def test_validation_score_as_the_paper():
+    assert validation_score("math_effi_rl", response("42"), ["42"]) == 1.0
+    assert validation_score("math_effi_rl", response("1"), ["42"]) == 0.0
+    assert validation_score("math_effi_rl", "<answer>\\boxed{42}</answer>", ["42"]) == -1.0
+    both = "<think>a</think><search>q</search><result>r</result><think>b</think><python>1</python><result>1</result><think>c</think>"
+    assert validation_score("qa_effi_rl", both + "<answer>\\boxed{Pell}</answer>", ["Pell"]) == pytest.approx(1.1)
+    assert validation_score("qa_effi_rl", both + "<answer>\\boxed{Kess}</answer>", ["Pell"]) == 0.0
+    assert validation_score("qa_effi_rl", "<think>a</think><answer>Pell</answer>", ["Pell"]) == -1.0  # no box
+
+
+def test_etagent_reward_command(tmp_path):
+    groups = [
+        {
+            "data_source": "math_effi_rl",
+            "ground_truth": ["42"],
+            "responses": [response("42", 0), response("42", 1, "python"), response("41", 2)],
+            "lengths": [10, 20, 30],
+            "sigma_tool": 0.2,
+            "sigma_length": 0.5,
+            "mode": "default",
+        },
+        {"data_source": "qa_effi_rl", "ground_truth": ["the Kess river"], "responses": [response("Kess River")], "lengths": [4]}
+        | {"sigma_tool": 0, "sigma_length": 0, "mode": "paper"},
+    ]
+    path = tmp_path / "groups.jsonl"
+    path.write_text("".join(json.dumps(g) + "\n" for g in groups))
+    out = subprocess.run([sys.executable, "-m", "etagent.cli", "reward", str(path)], capture_output=True, text=True, check=True)
+    lines = [json.loads(line) for line in out.stdout.splitlines()]
+    assert set(lines[0]) == {"rewards", "raw", "tool_calls", "f_tool", "f_length", "f_format"}
+    assert lines[0] == efficiency_reward(**{k: v for k, v in groups[0].items()}).to_json()
+    assert lines[1]["raw"] == [0.0]  # paper mode: "kessriver" against "thekessriver"
+    bad = json.dumps({**groups[0], "lengths": [1, 2]})
+    failed = subprocess.run([sys.executable, "-m", "etagent.cli", "reward"], input=bad + "\n", capture_output=True, text=True)
+    assert failed.returncode != 0 and "<stdin>:1: field 'lengths'" in failed.stderr
