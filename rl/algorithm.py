@@ -1,0 +1,126 @@
+"""GRPO as small pure functions over tensors: advantages, the clipped policy loss with dual clip,
+KL estimators, entropy, and the rollout/trainer log-probability mismatch.
+
+Shapes: per-sequence tensors are (B,); per-token tensors are (B, T) with a 0/1 ``mask`` that is
+1 on the tokens the policy gradient covers (tokens sampled by the policy in this rollout; see
+:class:`etagent.records.TokenOrigin`).
+
+The loss is an exact token mean over a whole mini-batch: :func:`policy_loss` returns the *sum*
+of the masked token losses divided by ``tokens``, the number of policy tokens in the whole
+mini-batch (all micro-batches, all ranks), so that summing the micro-batch losses (and averaging
+gradients over ranks, times the world size) gives the mean over every token of the mini-batch.
+The reference approximates this under dynamic batching by weighting each micro-batch's own
+token mean by its share of sequences (paper_rl.md §5.3).
+
+What this module does not do: compute rewards (rl/reward.py), generate, or step an optimizer.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+import torch
+
+KL_ESTIMATORS = ("k1", "k2", "k3")
+
+
+def grpo_advantages(scores: torch.Tensor, group: torch.Tensor, eps: float = 1e-6) -> torch.Tensor:
+    """A_i = (s_i - mean of its group) / (unbiased std of its group + eps); a group of one gets
+    mean 0 and std 1, as in verl."""
+    scores = scores.to(torch.float64)
+    _, index, sizes = torch.unique(group, return_inverse=True, return_counts=True)
+    n_groups = len(sizes)
+    total = torch.zeros(n_groups, dtype=scores.dtype).index_add_(0, index, scores)
+    mean = total / sizes
+    squares = torch.zeros(n_groups, dtype=scores.dtype).index_add_(0, index, (scores - mean[index]) ** 2)
+    std = torch.sqrt(squares / (sizes - 1).clamp(min=1))
+    single = sizes == 1
+    mean = torch.where(single, torch.zeros_like(mean), mean)
+    std = torch.where(single, torch.ones_like(std), std)
+    return ((scores - mean[index]) / (std[index] + eps)).to(torch.float32)
+
+
+def masked_sum(values: torch.Tensor, mask: torch.Tensor) -> torch.Tensor:
+    return (values * mask).sum()
+
+
+def masked_mean(values: torch.Tensor, mask: torch.Tensor) -> torch.Tensor:
+    return (values * mask).sum() / mask.sum().clamp(min=1)
+
+
+@dataclass(frozen=True)
+class LossTerms:
+    """The loss to backpropagate (already divided by the mini-batch's token count) and its
+    metrics summed over this micro-batch's tokens (divide by the same count to report)."""
+
+    loss: torch.Tensor
+    clipped_tokens: torch.Tensor
+    dual_clipped_tokens: torch.Tensor
+    ratio_sum: torch.Tensor
+
+
+def policy_loss(
+    logprobs: torch.Tensor,
+    old_logprobs: torch.Tensor,
+    advantages: torch.Tensor,
+    mask: torch.Tensor,
+    tokens: int | torch.Tensor,
+    clip_low: float = 0.2,
+    clip_high: float = 0.2,
+    clip_c: float = 3.0,
+) -> LossTerms:
+    """The PPO clipped objective with dual clip, as a sum over masked tokens divided by
+    ``tokens``. ``advantages`` is (B,) or (B, T).
+
+    r = exp(logp - logp_old); L = max(-A r, -A clip(r, 1 - clip_low, 1 + clip_high)); for A < 0
+    also L = min(L, -A c): a very large ratio on a bad action cannot blow the loss up."""
+    if advantages.dim() == 1:
+        advantages = advantages[:, None].expand_as(logprobs)
+    mask = mask.to(logprobs.dtype)
+    ratio = torch.exp(logprobs - old_logprobs)
+    unclipped = -advantages * ratio
+    clipped = -advantages * torch.clamp(ratio, 1.0 - clip_low, 1.0 + clip_high)
+    loss = torch.maximum(unclipped, clipped)
+    dual = torch.where(advantages < 0, torch.minimum(loss, -advantages * clip_c), loss)
+    return LossTerms(
+        loss=masked_sum(dual, mask) / tokens,
+        clipped_tokens=masked_sum((clipped > unclipped).to(mask.dtype), mask).detach(),
+        dual_clipped_tokens=masked_sum(((advantages < 0) & (loss > -advantages * clip_c)).to(mask.dtype), mask).detach(),
+        ratio_sum=masked_sum(ratio, mask).detach(),
+    )
+
+
+def kl_estimate(logprobs: torch.Tensor, ref_logprobs: torch.Tensor, estimator: str = "k3") -> torch.Tensor:
+    """Per-token estimate of KL(policy || reference) from the sampled tokens' log-probabilities:
+    k1 = logp - ref; k2 = (logp - ref)^2 / 2; k3 = exp(ref - logp) - (ref - logp) - 1, clamped
+    to [-10, 10] (verl's low_var_kl, which the paper's config names)."""
+    log_ratio = logprobs - ref_logprobs
+    if estimator == "k1":
+        return log_ratio
+    if estimator == "k2":
+        return 0.5 * log_ratio**2
+    if estimator == "k3":
+        return torch.clamp(torch.exp(-log_ratio) + log_ratio - 1.0, -10.0, 10.0)
+    raise ValueError(f"KL estimator must be one of {', '.join(KL_ESTIMATORS)}, got {estimator!r}")
+
+
+def entropy_from_logits(logits: torch.Tensor) -> torch.Tensor:
+    """Entropy of softmax(logits) over the last dimension, in nats."""
+    logits = logits.float()
+    log_z = torch.logsumexp(logits, dim=-1)
+    return log_z - (torch.softmax(logits, dim=-1) * logits).sum(dim=-1)
+
+
+def logprob_mismatch(rollout_logprobs: torch.Tensor, trainer_logprobs: torch.Tensor, mask: torch.Tensor) -> dict[str, float]:
+    """How far the rollout engine's log-probabilities of the sampled tokens are from the
+    trainer's recomputation under the same weights (numerics, kernels, precision): mean and max
+    absolute difference, and the k3 KL estimate. A diagnostic to log, not a loss term."""
+    mask = mask.to(torch.bool)
+    if not mask.any():
+        return {"mean_abs": 0.0, "max_abs": 0.0, "k3": 0.0}
+    difference = (rollout_logprobs.float() - trainer_logprobs.float())[mask]
+    return {
+        "mean_abs": difference.abs().mean().item(),
+        "max_abs": difference.abs().max().item(),
+        "k3": kl_estimate(trainer_logprobs.float()[mask], rollout_logprobs.float()[mask], "k3").mean().item(),
+    }

@@ -1,0 +1,90 @@
+"""GRPO's pure functions on hand-computed values: advantages, the dual-clip loss, the exact token
+mean over micro-batches, KL estimators, entropy, the rollout/trainer mismatch."""
+
+from __future__ import annotations
+
+import math
+
+import pytest
+import torch
+
+from rl.algorithm import entropy_from_logits, grpo_advantages, kl_estimate, logprob_mismatch, masked_mean, policy_loss
+
+
+def test_grpo_advantages_by_hand():
+    scores = torch.tensor([1.0, 0.0, 2.0, 1.0, 0.0, 3.0, 3.0])
+    group = torch.tensor([7, 7, 9, 7, 7, 4, 4])
+    a = grpo_advantages(scores, group)
+    half = 0.5 / math.sqrt(1 / 3)  # group 7: mean 0.5, unbiased std sqrt(1/3)
+    assert a.tolist() == pytest.approx([half, -half, 2.0, half, -half, 0.0, 0.0], abs=1e-5)
+    # group 9 has one member: mean 0, std 1, so A = s / (1 + eps); group 4: std 0, so A = 0
+    for g in (7, 4):
+        members = scores[group == g]
+        assert a[group == g].tolist() == pytest.approx(((members - members.mean()) / (members.std() + 1e-6)).tolist(), abs=1e-6)
+
+
+def test_policy_loss_clip_and_dual_clip_by_hand():
+    ratios = torch.tensor([[1.5, 1.5, 5.0, 0.5, 0.5, 1.0]])
+    advantages = torch.tensor([[1.0, -1.0, -1.0, 1.0, -1.0, 2.0]])
+    old = torch.zeros_like(ratios)
+    mask = torch.ones_like(ratios)
+    terms = policy_loss(torch.log(ratios), old, advantages, mask, tokens=6)
+    # per token: -1.2 (clipped high), 1.5, min(5, 3) = 3 (dual clip), -0.5, 0.8 (clipped low), -2
+    assert terms.loss.item() == pytest.approx((-1.2 + 1.5 + 3.0 - 0.5 + 0.8 - 2.0) / 6)
+    assert terms.clipped_tokens.item() == 2 and terms.dual_clipped_tokens.item() == 1
+    assert terms.ratio_sum.item() == pytest.approx(10.0)
+    # masked tokens count for nothing; the divisor is what the caller says
+    mask = torch.tensor([[1.0, 0.0, 0.0, 1.0, 0.0, 0.0]])
+    assert policy_loss(torch.log(ratios), old, advantages, mask, tokens=2).loss.item() == pytest.approx((-1.2 - 0.5) / 2)
+    # (B,) advantages broadcast over the tokens
+    per_sequence = policy_loss(torch.log(ratios), old, torch.tensor([-1.0]), torch.ones_like(ratios), tokens=6)
+    assert per_sequence.loss.item() == pytest.approx((1.5 + 1.5 + 3.0 + 0.8 + 0.8 + 1.0) / 6)
+
+
+def test_summed_micro_batch_losses_are_the_exact_token_mean_of_the_mini_batch():
+    torch.manual_seed(0)
+    logits = torch.randn(5, 9, requires_grad=True)
+    old = torch.randn(5, 9)
+    advantages = torch.randn(5)
+    mask = (torch.rand(5, 9) > 0.3).float()
+    mask[4, :] = 0
+    mask[4, 0] = 1  # a sequence with one policy token: weighted by tokens, not by sequences
+    tokens = int(mask.sum())
+
+    whole = policy_loss(logits, old, advantages, mask, tokens).loss
+    (grad_whole,) = torch.autograd.grad(whole, logits)
+    token_losses = torch.maximum(
+        -advantages[:, None] * torch.exp(logits - old), -advantages[:, None] * torch.exp(logits - old).clamp(0.8, 1.2)
+    )
+    token_losses = torch.where(advantages[:, None] < 0, torch.minimum(token_losses, -advantages[:, None] * 3.0), token_losses)
+    assert whole.item() == pytest.approx(masked_mean(token_losses, mask).item(), rel=1e-6)
+
+    parts = [slice(0, 2), slice(2, 3), slice(3, 5)]
+    accumulated = sum(policy_loss(logits[p], old[p], advantages[p], mask[p], tokens).loss for p in parts)
+    (grad_parts,) = torch.autograd.grad(accumulated, logits)
+    assert accumulated.item() == pytest.approx(whole.item(), rel=1e-6)
+    assert torch.allclose(grad_parts, grad_whole, atol=1e-7)
+
+
+def test_kl_estimators():
+    logp = torch.tensor([-1.0, -2.0, -0.5])
+    ref = torch.tensor([-1.0, -1.0, -1.5])
+    assert kl_estimate(logp, ref, "k1").tolist() == pytest.approx([0.0, -1.0, 1.0])
+    assert kl_estimate(logp, ref, "k2").tolist() == pytest.approx([0.0, 0.5, 0.5])
+    assert kl_estimate(logp, ref, "k3").tolist() == pytest.approx([0.0, math.e - 2, math.exp(-1) + 1 - 1])
+    assert kl_estimate(torch.tensor([0.0]), torch.tensor([-50.0]), "k3").item() == 10.0  # 49, clamped
+    assert kl_estimate(torch.tensor([-50.0]), torch.tensor([0.0]), "k3").item() == 10.0  # e^50 - 51, clamped
+    with pytest.raises(ValueError, match="estimator"):
+        kl_estimate(logp, ref, "k4")
+
+
+def test_entropy_and_mismatch():
+    assert entropy_from_logits(torch.zeros(3, 8)).tolist() == pytest.approx([math.log(8)] * 3)
+    peaked = torch.tensor([[100.0, 0.0, 0.0]])
+    assert entropy_from_logits(peaked).item() == pytest.approx(0.0, abs=1e-6)
+    a = torch.tensor([[-1.0, -2.0, -3.0]])
+    b = torch.tensor([[-1.0, -2.5, -9.0]])
+    mask = torch.tensor([[1, 1, 0]])
+    m = logprob_mismatch(a, b, mask)
+    assert m["mean_abs"] == pytest.approx(0.25) and m["max_abs"] == pytest.approx(0.5)
+    assert logprob_mismatch(a, a, mask) == {"mean_abs": 0.0, "max_abs": 0.0, "k3": 0.0}
