@@ -402,11 +402,13 @@ class RewardModel(Record):
 
 
 class ExtraInfo(Record):
+    """``question_id`` is ours (the question's id in its questions file); the paper's files lack it."""
+
     index: int
     need_tools_kwargs: bool = True
     question: str
     split: str
-    question_id: str
+    question_id: str | None = None
 
 
 class RLRow(Record):

@@ -1,0 +1,107 @@
+"""Rollouts as training tensors, and the policy's log-probabilities of them.
+
+Prompts are left-padded to the longest prompt and responses right-padded to the longest
+response, so every response token sits in the same column range of every row and per-token
+tensors are (B, R). Token ids are the rollout's own (never re-tokenized). The loss mask is 1 on
+the tokens the policy sampled in this rollout (``TokenOrigin.SAMPLED``): tool results and given
+text have no log-probability under the policy that generated the rollout.
+
+What this module does not do: compute losses (rl/algorithm.py) or shard anything.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+import torch
+
+from etagent.agent import TrajectoryState
+from etagent.records import TokenOrigin
+from rl.algorithm import entropy_from_logits
+
+
+@dataclass
+class Batch:
+    """B sequences: ``input_ids``/``attention_mask``/``position_ids`` are (B, P + R); the rest are
+    per response token, (B, R)."""
+
+    input_ids: torch.Tensor
+    attention_mask: torch.Tensor
+    position_ids: torch.Tensor
+    loss_mask: torch.Tensor
+    rollout_logprobs: torch.Tensor
+    prompt_width: int
+
+    @property
+    def response_width(self) -> int:
+        return self.loss_mask.shape[1]
+
+    def select(self, rows: list[int]) -> Batch:
+        """These rows, with the columns that are padding in all of them cut off (a micro-batch
+        of short sequences costs what they cost, not what the longest of the step does)."""
+        index = torch.tensor(rows, dtype=torch.long)
+        attention = self.attention_mask[index]
+        used = attention.any(dim=0).nonzero().flatten()
+        left = min(int(used[0]), self.prompt_width - 1) if len(used) else 0
+        right = max(int(used[-1]) + 1, self.prompt_width + 1) if len(used) else self.prompt_width + 1
+        responses = right - self.prompt_width
+        return Batch(
+            self.input_ids[index, left:right],
+            attention[:, left:right],
+            self.position_ids[index, left:right],
+            self.loss_mask[index, :responses],
+            self.rollout_logprobs[index, :responses],
+            self.prompt_width - left,
+        )
+
+    def tokens(self) -> list[int]:
+        """Real (non-padding) tokens per row."""
+        return self.attention_mask.sum(dim=1).tolist()
+
+
+def pack(trajectories: list[TrajectoryState], pad_id: int) -> Batch:
+    prompt_width = max(len(t.prompt_ids) for t in trajectories)
+    response_width = max(1, max(len(t.response_ids) for t in trajectories))
+    rows = len(trajectories)
+    input_ids = torch.full((rows, prompt_width + response_width), pad_id, dtype=torch.long)
+    attention = torch.zeros_like(input_ids)
+    loss_mask = torch.zeros(rows, response_width)
+    logprobs = torch.zeros(rows, response_width)
+    for i, t in enumerate(trajectories):
+        p, r = len(t.prompt_ids), len(t.response_ids)
+        input_ids[i, prompt_width - p : prompt_width] = torch.tensor(t.prompt_ids)
+        attention[i, prompt_width - p : prompt_width + r] = 1
+        if r:
+            input_ids[i, prompt_width : prompt_width + r] = torch.tensor(t.response_ids)
+            loss_mask[i, :r] = torch.tensor([float(o == TokenOrigin.SAMPLED) for o in t.origin])
+            logprobs[i, :r] = torch.tensor(t.logprobs)
+    position_ids = (attention.cumsum(dim=1) - 1).clamp(min=0)
+    return Batch(input_ids, attention, position_ids, loss_mask, logprobs, prompt_width)
+
+
+def token_logprobs(model, batch: Batch, with_entropy: bool = False) -> tuple[torch.Tensor, torch.Tensor | None]:
+    """Log-probabilities of every response token under ``model`` (B, R), and the entropy of the
+    distribution each was drawn from when asked. Padding positions hold junk: mask them."""
+    logits = model(input_ids=batch.input_ids, attention_mask=batch.attention_mask, position_ids=batch.position_ids, use_cache=False).logits
+    start = batch.prompt_width - 1
+    logits = logits[:, start : start + batch.response_width].float()
+    targets = batch.input_ids[:, batch.prompt_width :]
+    logprobs = torch.log_softmax(logits, dim=-1).gather(-1, targets[..., None]).squeeze(-1)
+    return logprobs, (entropy_from_logits(logits.detach()) if with_entropy else None)
+
+
+def micro_batches(tokens: list[int], max_tokens: int) -> list[list[int]]:
+    """Consecutive rows grouped so that each group's padded size (rows x its longest row) stays
+    within ``max_tokens``; a row longer than the budget goes alone."""
+    groups: list[list[int]] = []
+    current: list[int] = []
+    longest = 0
+    for row, n in enumerate(tokens):
+        if current and max(longest, n) * (len(current) + 1) > max_tokens:
+            groups.append(current)
+            current, longest = [], 0
+        current.append(row)
+        longest = max(longest, n)
+    if current:
+        groups.append(current)
+    return groups
