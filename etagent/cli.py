@@ -5,6 +5,7 @@
     etagent direct-rollout [--preset P] [overrides] K chains per question for RL (direct_rollout/run.py)
     etagent pareto [--preset P] [overrides]        choose a stage's RL questions (pareto/run.py)
     etagent sft [--preset P] [overrides]           fine-tune on trajectories (sft/run.py)
+    etagent rl [--preset P] [overrides]            GRPO with the efficiency reward (rl/run.py)
     etagent evaluate [--preset P] [overrides]      benchmarks and the paper's table (evaluation/run.py)
     etagent radar [--preset P] [overrides]         radar metrics and chart (radar/run.py)
     etagent score [FILE] [--judge-url URL ...]     score predictions, one JSON line each
@@ -138,6 +139,7 @@ STAGES = {
     ),
     "pareto": (None, "pareto.run", "Pareto selection of a stage's RL questions into rl.parquet: etagent pareto [--preset P] [overrides]"),
     "sft": (None, "sft.run", "fine-tune on trajectories with tool results masked: etagent sft [--preset P] [overrides]"),
+    "rl": (None, "rl.run", "GRPO with the efficiency reward on a stage's rl.parquet: etagent rl [--preset P] [overrides]"),
     "evaluate": (None, "evaluation.run", "benchmarks, metrics and the paper's table: etagent evaluate [--preset P] [overrides]"),
     "reward": (None, "rl.reward", "the RL efficiency reward of groups given as JSON lines: etagent reward [FILE]"),
     "radar": (None, "radar.run", "radar metrics and chart over evaluation runs: etagent radar [--preset P] [overrides]"),

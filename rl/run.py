@@ -1,0 +1,481 @@
+"""RL: GRPO with the efficiency reward on a Pareto-selected parquet, one readable step.
+
+    python -m rl.run [--preset tiny|paper] [overrides]           # or: etagent rl ...
+    torchrun --nproc_per_node=2 -m rl.run ...                    # FSDP2 across processes
+
+Reads the RL parquet of a curriculum stage (``data.train``, as ``pareto/`` writes it) and a
+policy (``model``: a ``save_pretrained`` folder); writes into ``out_dir``: ``metrics.jsonl`` (one
+line per step), ``rollouts/step_{k}.jsonl`` (every rollout with its reward terms),
+``checkpoints/step_{k}/`` (``model/``, a plain ``save_pretrained`` folder the next stage and
+the evaluation load as it is, plus ``optimizer.pt`` and ``state.json``), ``model/`` (the final
+policy) and ``manifest.json``. A rerun resumes from the last checkpoint.
+
+One step, as named and timed phases (``timing_s/<phase>`` in the metrics):
+
+1. generate: n rollouts per prompt through the agent loop with the real tools, sampled by the
+   policy module itself (the hf engine shares its weights: nothing to copy after an update);
+2. reward: the efficiency reward per prompt's group (rl/reward.py), sigmas decayed linearly over
+   the run as in the paper;
+3. old_logprobs: the policy's log-probabilities of the sampled tokens before the update, and the
+   mismatch with the rollout engine's own (a diagnostic);
+4. advantage: GRPO, the group's mean and unbiased std;
+5. update: for each mini-batch of prompts, the dual-clip PPO loss as an exact token mean over the
+   mini-batch (micro-batches by token budget), one AdamW step with gradient clipping;
+6. save: every ``save_every`` steps and at the end.
+
+The policy is sharded with FSDP2 (``fully_shard`` per decoder layer, then the root; gloo on CPU,
+NCCL on GPUs), also in one process. Each rank rolls out its share of the step's prompts; during
+generation every layer stays gathered, so ranks that decode different lengths never wait on
+each other.
+
+What it does not do (yet): the ARPO tree rollout (rl/rollout.py's interface takes it), a
+reference model (the paper's KL coefficient is 0), vLLM as the colocated engine.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import json
+import logging
+import math
+import os
+import random
+import time
+from contextlib import contextmanager
+from pathlib import Path
+
+import numpy as np
+import torch
+import torch.distributed as dist
+from omegaconf import DictConfig, OmegaConf
+
+from etagent.agent import AgentConfig, AgentLoop, TrajectoryState
+from etagent.records import write_manifest
+from etagent.timing import phase
+from rl.algorithm import grpo_advantages, logprob_mismatch, masked_sum, policy_loss
+from rl.batch import Batch, micro_batches, pack, token_logprobs
+from rl.reward import efficiency_reward, raw_correctness, sigma_factor, validation_score
+from rl.rollout import GroupRollout, Prompt, read_prompts
+
+log = logging.getLogger("rl")
+
+
+# ---------------------------------------------------------------------------------------------
+# Setup
+
+
+def init_distributed(device: torch.device) -> tuple[int, int]:
+    """(rank, world size). Under torchrun, its process group; alone, a group of one (FSDP2 needs
+    one; an in-memory store, no port)."""
+    if not dist.is_initialized():
+        backend = "nccl" if device.type == "cuda" else "gloo"
+        if "RANK" in os.environ:
+            if device.type == "cuda":
+                torch.cuda.set_device(int(os.environ.get("LOCAL_RANK", 0)))
+            dist.init_process_group(backend)
+        else:
+            dist.init_process_group(backend, store=dist.HashStore(), rank=0, world_size=1)
+    return dist.get_rank(), dist.get_world_size()
+
+
+def load_policy(path: str | Path, cfg: DictConfig, device: torch.device, world: int):
+    """The policy from a save_pretrained folder, sharded with FSDP2 over all ranks."""
+    from torch.distributed.device_mesh import init_device_mesh
+    from torch.distributed.fsdp import MixedPrecisionPolicy, fully_shard
+    from transformers import AutoModelForCausalLM, AutoTokenizer
+
+    tokenizer = AutoTokenizer.from_pretrained(path)
+    # parameters stay float32 (the optimizer's copy); bf16 is the compute dtype on GPUs
+    model = AutoModelForCausalLM.from_pretrained(path, dtype=torch.float32).to(device)
+    if cfg.train.gradient_checkpointing:
+        model.gradient_checkpointing_enable(gradient_checkpointing_kwargs={"use_reentrant": False})
+    mesh = init_device_mesh(device.type, (world,))
+    compute = getattr(torch, cfg.train.compute_dtype)
+    policy = MixedPrecisionPolicy(param_dtype=compute, reduce_dtype=torch.float32)
+    for layer in model.model.layers:
+        fully_shard(layer, mesh=mesh, mp_policy=policy)
+    fully_shard(model, mesh=mesh, mp_policy=policy)
+    return model, tokenizer
+
+
+@contextmanager
+def gathered(model):
+    """Every FSDP2 group's parameters gathered for the whole block, so that forward passes issue
+    no collectives: generation on each rank runs as many forwards as its own rollouts need."""
+    from torch.distributed.fsdp import FSDPModule
+
+    modules = [m for m in model.modules() if isinstance(m, FSDPModule)]
+    for m in modules:
+        m.set_reshard_after_forward(False)
+        m.unshard()
+    try:
+        yield
+    finally:
+        for m in modules:
+            m.reshard()
+            m.set_reshard_after_forward(True)
+
+
+# ---------------------------------------------------------------------------------------------
+# Checkpoints
+
+
+def save_checkpoint(out: Path, step: int, model, tokenizer, optimizer, rank: int, final: bool = False) -> Path:
+    """``checkpoints/step_{k}/``: the policy as a plain save_pretrained folder, the optimizer and
+    the step; written to a temporary folder and renamed, so a kill never leaves half of one."""
+    from torch.distributed.checkpoint.state_dict import StateDictOptions, get_model_state_dict, get_optimizer_state_dict
+
+    options = StateDictOptions(full_state_dict=True, cpu_offload=True)
+    weights = get_model_state_dict(model, options=options)
+    optimizer_state = get_optimizer_state_dict(model, optimizer, options=options)
+    folder = out / "checkpoints" / f"step_{step}"
+    if rank == 0:
+        tmp = folder.with_name(folder.name + ".tmp")
+        if tmp.exists():
+            import shutil
+
+            shutil.rmtree(tmp)
+        # save_pretrained edits the dict it is given (tied weights): give it a copy each time
+        model.save_pretrained(tmp / "model", state_dict=dict(weights), safe_serialization=True)
+        tokenizer.save_pretrained(tmp / "model")
+        torch.save(optimizer_state, tmp / "optimizer.pt")
+        (tmp / "state.json").write_text(json.dumps({"step": step}) + "\n")
+        tmp.rename(folder)
+        if final:
+            model.save_pretrained(out / "model", state_dict=dict(weights), safe_serialization=True)
+            tokenizer.save_pretrained(out / "model")
+    dist.barrier()
+    return folder
+
+
+def latest_checkpoint(out: Path) -> Path | None:
+    steps = [(int(p.name.split("_")[1]), p) for p in (out / "checkpoints").glob("step_*") if p.name.split("_")[1].isdigit()]
+    return max(steps)[1] if steps else None
+
+
+def load_optimizer(model, optimizer, path: Path) -> None:
+    from torch.distributed.checkpoint.state_dict import StateDictOptions, set_optimizer_state_dict
+
+    state = torch.load(path, map_location="cpu", weights_only=False)
+    set_optimizer_state_dict(model, optimizer, optim_state_dict=state, options=StateDictOptions(full_state_dict=True))
+
+
+# ---------------------------------------------------------------------------------------------
+# The step's pieces
+
+
+def step_prompts(prompts: list[Prompt], step: int, per_step: int, seed: int) -> list[Prompt]:
+    """The prompts of a step (counted from 1): epochs in a seeded order of their own, so the data
+    position of a resumed run is the step number alone."""
+    steps_per_epoch = math.ceil(len(prompts) / per_step)
+    epoch, offset = divmod(step - 1, steps_per_epoch)
+    order = np.random.default_rng([seed, epoch]).permutation(len(prompts))
+    return [prompts[i] for i in order[offset * per_step : (offset + 1) * per_step]]
+
+
+def rewards_of(groups: list[list[TrajectoryState]], prompts: list[Prompt], cfg: DictConfig, factor: float, loop: AgentLoop):
+    """Per trajectory (flat, group by group): the reward terms, the length the reward used."""
+    rows = []
+    for prompt, group in zip(prompts, groups):
+        texts = [loop.text(t) for t in group]
+        # the paper counted every response token (tool results too); the default counts what the policy wrote
+        lengths = [len(t.response_ids) if cfg.reward.mode == "paper" else sum(1 for o in t.origin if o == 1) for t in group]
+        terms = efficiency_reward(
+            prompt.data_source,
+            prompt.question.answer,
+            texts,
+            lengths,
+            cfg.reward.sigma_tool * factor,
+            cfg.reward.sigma_length * factor,
+            cfg.reward.mode,
+        )
+        for k, t in enumerate(group):
+            rows.append(
+                {
+                    "id": t.id,
+                    "index": prompt.index,
+                    "reward": terms.rewards[k],
+                    "raw": terms.raw[k],
+                    "tool_calls": terms.tool_calls[k],
+                    "f_tool": terms.f_tool[k],
+                    "f_length": terms.f_length[k],
+                    "f_format": terms.f_format[k],
+                    "length": lengths[k],
+                    "finish_reason": t.finish_reason,
+                    "text": texts[k],
+                }
+            )
+    return rows
+
+
+def update(model, optimizer, batch: Batch, advantages: torch.Tensor, old: torch.Tensor, cfg: DictConfig, device) -> dict:
+    """One optimizer step per mini-batch of ``mini_batch_prompts`` prompts; the step's metrics.
+
+    Every rank takes the same number of optimizer steps and of micro-batches per step (each
+    backward is a collective under FSDP2): a rank with fewer micro-batches runs its first one
+    again with the loss multiplied by zero."""
+    from torch.distributed.tensor import DTensor
+
+    world = dist.get_world_size()
+    per_mini = cfg.train.mini_batch_prompts * cfg.rollout.n
+    rows = list(range(batch.input_ids.shape[0]))
+    minis = [rows[i : i + per_mini] for i in range(0, len(rows), per_mini)]
+    n_minis = int(max_all([len(minis)], device)[0])
+    minis += [[]] * (n_minis - len(minis))
+    sums = dict.fromkeys(("loss", "clipped_tokens", "dual_clipped_tokens", "policy_tokens", "grad_norm"), 0.0)
+    row_tokens = batch.tokens()
+    for mini in minis:
+        local_tokens = float(batch.loss_mask[mini].sum()) if mini else 0.0
+        tokens = max(sum_all([local_tokens], device)[0], 1.0)
+        parts = [[mini[i] for i in part] for part in micro_batches([row_tokens[i] for i in mini], cfg.train.micro_batch_tokens)]
+        n_parts = int(max_all([len(parts)], device)[0])
+        for k in range(n_parts):
+            rows_, weight = (parts[k], 1.0) if k < len(parts) else ([0], 0.0)
+            micro = batch.select(rows_)
+            logprobs, _ = token_logprobs(model, micro)
+            terms = policy_loss(
+                logprobs,
+                old[rows_, : micro.response_width],
+                advantages[rows_],
+                micro.loss_mask,
+                tokens / world,  # gradients are averaged over ranks: this makes it a sum over all tokens / tokens
+                cfg.algorithm.clip_low,
+                cfg.algorithm.clip_high,
+                cfg.algorithm.clip_c,
+            )
+            (terms.loss * weight).backward()
+            sums["loss"] += weight * terms.loss.item() / world
+            sums["clipped_tokens"] += weight * terms.clipped_tokens.item()
+            sums["dual_clipped_tokens"] += weight * terms.dual_clipped_tokens.item()
+        grad_norm = torch.nn.utils.clip_grad_norm_(model.parameters(), cfg.optim.grad_clip)
+        if isinstance(grad_norm, DTensor):
+            grad_norm = grad_norm.full_tensor()
+        optimizer.step()
+        optimizer.zero_grad(set_to_none=True)
+        sums["policy_tokens"] += tokens
+        sums["grad_norm"] += float(grad_norm) / n_minis
+    loss_sum, clipped, dual = sum_all([sums["loss"], sums["clipped_tokens"], sums["dual_clipped_tokens"]], device)
+    return {
+        "actor/loss": loss_sum / n_minis,
+        "actor/clip_fraction": clipped / max(sums["policy_tokens"], 1.0),
+        "actor/dual_clip_fraction": dual / max(sums["policy_tokens"], 1.0),
+        "actor/grad_norm": sums["grad_norm"],
+        "actor/optimizer_steps": n_minis,
+        "actor/policy_tokens": sums["policy_tokens"],
+    }
+
+
+def sum_all(values: list[float], device: torch.device) -> list[float]:
+    tensor = torch.tensor(values, dtype=torch.float64, device=device)
+    dist.all_reduce(tensor)
+    return tensor.tolist()
+
+
+def max_all(values: list[float], device: torch.device) -> list[float]:
+    tensor = torch.tensor(values, dtype=torch.float64, device=device)
+    dist.all_reduce(tensor, op=dist.ReduceOp.MAX)
+    return tensor.tolist()
+
+
+# ---------------------------------------------------------------------------------------------
+# The run
+
+
+def old_logprobs(model, batch: Batch, budget: int) -> tuple[torch.Tensor, torch.Tensor]:
+    """The policy's log-probabilities and entropies of every response token before the update."""
+    logprobs = torch.zeros_like(batch.rollout_logprobs)
+    entropies = torch.zeros_like(batch.rollout_logprobs)
+    for part in micro_batches(batch.tokens(), budget):
+        micro = batch.select(part)
+        lp, entropy = token_logprobs(model, micro, with_entropy=True)
+        logprobs[part, : micro.response_width] = lp.float()
+        entropies[part, : micro.response_width] = entropy
+    return logprobs, entropies
+
+
+def validate(model, loop: AgentLoop, prompts: list[Prompt], step: int, device) -> dict:
+    """Greedy rollouts of the validation prompts (this rank's share), the paper's validation score."""
+    states = [loop.new(p.question, f"val{step}/{p.index}", seed=0, stage="rl-validation") for p in prompts]
+    with gathered(model):
+        asyncio.run(loop.run(states))
+    texts = [loop.text(s) for s in states]
+    scores = [validation_score(p.data_source, t, p.question.answer) for p, t in zip(prompts, texts)]
+    raw = [raw_correctness(t, p.question.answer, p.data_source) for p, t in zip(prompts, texts)]
+    calls = [s.executed() for s in states]
+    n, total_score, total_raw, total_calls = sum_all([len(states), sum(scores), sum(raw), sum(calls)], device)
+    n = max(n, 1.0)
+    return {"val/score": total_score / n, "val/raw": total_raw / n, "val/tool_calls": total_calls / n, "val/prompts": n}
+
+
+def run(cfg: DictConfig) -> list[dict]:
+    """Train from the last checkpoint in cfg.out_dir (or cfg.model); return the metrics of the steps run."""
+    from dataclasses import replace
+
+    from tqdm import tqdm
+
+    from etagent.llm.hf import HFEngine
+    from etagent.tools.executor import build_executor
+
+    started = time.time()
+    device = torch.device(cfg.train.device)
+    rank, world = init_distributed(device)
+    out = Path(cfg.out_dir)
+    out.mkdir(parents=True, exist_ok=True)
+    checkpoint = latest_checkpoint(out)
+    start = json.loads((checkpoint / "state.json").read_text())["step"] if checkpoint else 0
+    seed = int(cfg.train.seed)
+    random.seed(seed)
+    torch.manual_seed(seed)
+
+    model, tokenizer = load_policy(checkpoint / "model" if checkpoint else cfg.model, cfg, device, world)
+    optimizer = torch.optim.AdamW(
+        model.parameters(), lr=cfg.optim.lr, betas=tuple(cfg.optim.betas), weight_decay=cfg.optim.weight_decay, eps=cfg.optim.eps
+    )
+    if checkpoint:
+        load_optimizer(model, optimizer, checkpoint / "optimizer.pt")
+        log.info("resuming after step %d from %s", start, checkpoint)
+    prompts = read_prompts(cfg.data.train)
+    validation = read_prompts(cfg.data.validation) if cfg.data.validation else []
+    per_step = int(cfg.data.prompts_per_step)
+    if per_step % world:
+        raise ValueError(f"data.prompts_per_step ({per_step}) must be a multiple of the number of processes ({world})")
+    total = int(cfg.train.max_steps or math.ceil(len(prompts) / per_step) * cfg.data.epochs)
+
+    metrics_path = out / "metrics.jsonl"
+    if rank == 0 and metrics_path.exists():  # steps logged after the checkpoint are run again
+        kept = [line for line in metrics_path.read_text().splitlines() if line.strip() and json.loads(line)["step"] <= start]
+        metrics_path.write_text("".join(line + "\n" for line in kept))
+    wandb_run = None
+    if rank == 0 and cfg.wandb.enabled:
+        import wandb
+
+        wandb_run = wandb.init(
+            project=cfg.wandb.project,
+            name=cfg.wandb.run_name,
+            mode=cfg.wandb.mode,
+            dir=str(out),
+            config=OmegaConf.to_container(cfg, resolve=True),
+        )
+
+    engine = HFEngine.from_model(model, tokenizer, max_batch_size=cfg.rollout.max_batch_size)
+    config = AgentConfig(**OmegaConf.to_container(cfg.agent, resolve=True))
+    history = []
+    with build_executor(cfg.tools) as executor:
+        loop = AgentLoop(engine, executor, config)
+        greedy = AgentLoop(engine, executor, replace(config, temperature=0.0))
+        rollout = GroupRollout(cfg.rollout.n)
+        progress = tqdm(total=total, initial=start, desc="rl", unit="step", disable=None if rank == 0 else True, dynamic_ncols=True)
+        for step in range(start + 1, total + 1):
+            metrics: dict = {"step": step}
+            chosen = step_prompts(prompts, step, per_step, seed)[rank::world]
+            loop.policy_version = f"step{step - 1}"
+
+            with phase("generate", metrics), gathered(model):
+                groups = rollout.generate(loop, chosen, step, seed)
+            with phase("reward", metrics):
+                factor = sigma_factor(step, total) if cfg.reward.decay else 1.0
+                rows = rewards_of(groups, chosen, cfg, factor, loop)
+            trajectories = [t for group in groups for t in group]
+            batch = pack(trajectories, engine.pad_id)
+            with phase("old_logprobs", metrics), gathered(model), torch.no_grad():
+                old, entropies = old_logprobs(model, batch, cfg.train.micro_batch_tokens)
+            with phase("advantage", metrics):
+                scores = torch.tensor([r["reward"] for r in rows])
+                advantages = grpo_advantages(scores, torch.tensor([r["index"] for r in rows]), cfg.algorithm.eps)
+            with phase("update", metrics):
+                model.train()
+                metrics.update(update(model, optimizer, batch, advantages, old, cfg, device))
+            with phase("save", metrics):
+                if step % cfg.train.save_every == 0 or step == total:
+                    save_checkpoint(out, step, model, tokenizer, optimizer, rank, final=step == total)
+
+            # step metrics, summed over ranks
+            mask = batch.loss_mask
+            mismatch = logprob_mismatch(batch.rollout_logprobs, old, mask)
+            local = [
+                len(rows),
+                sum(r["reward"] for r in rows),
+                sum(r["raw"] for r in rows),
+                sum(r["tool_calls"] for r in rows),
+                sum(r["length"] for r in rows),
+                sum(r["f_format"] < 0 for r in rows),
+                float(masked_sum(entropies, mask)),
+                float(mask.sum()),
+                mismatch["mean_abs"] * float(mask.sum()),
+            ]
+            n, reward, raw, calls, length, bad_format, entropy, policy_tokens, mismatch_sum = sum_all(local, device)
+            metrics.update(
+                {
+                    "reward/mean": reward / n,
+                    "reward/raw": raw / n,
+                    "reward/sigma_factor": factor,
+                    "rollout/tool_calls": calls / n,
+                    "rollout/length": length / n,
+                    "rollout/bad_format": bad_format / n,
+                    "rollout/entropy": entropy / max(policy_tokens, 1.0),
+                    "rollout/logprob_mismatch": mismatch_sum / max(policy_tokens, 1.0),
+                    "rollout/tokens_per_s": policy_tokens / max(metrics["timing_s/generate"], 1e-9),
+                }
+            )
+            if validation and (step % cfg.train.validate_every == 0 or step == total):
+                with phase("validate", metrics):
+                    metrics.update(validate(model, greedy, validation[rank::world], step, device))
+
+            gathered_rows = [None] * world
+            dist.all_gather_object(gathered_rows, rows)
+            if rank == 0:
+                (out / "rollouts").mkdir(exist_ok=True)
+                with open(out / "rollouts" / f"step_{step}.jsonl", "w") as f:
+                    for part in gathered_rows:
+                        for row in part:
+                            f.write(json.dumps(row, ensure_ascii=False) + "\n")
+                with open(metrics_path, "a") as f:
+                    f.write(json.dumps(metrics) + "\n")
+                if wandb_run is not None:
+                    wandb_run.log(metrics, step=step)
+                log.info(
+                    "step %d/%d: reward %.3f, raw %.3f, tool calls %.2f, length %.0f, grad norm %.3f, %.1f s",
+                    step,
+                    total,
+                    metrics["reward/mean"],
+                    metrics["reward/raw"],
+                    metrics["rollout/tool_calls"],
+                    metrics["rollout/length"],
+                    metrics["actor/grad_norm"],
+                    sum(v for k, v in metrics.items() if k.startswith("timing_s/")),
+                )
+            progress.update(1)
+            progress.set_postfix(reward=f"{metrics['reward/mean']:.3f}", raw=f"{metrics['reward/raw']:.3f}")
+            history.append(metrics)
+        progress.close()
+    if rank == 0:
+        write_manifest(
+            out,
+            stage=f"rl/stage{cfg.rl_stage}",
+            config=OmegaConf.to_container(cfg, resolve=True),
+            inputs=[cfg.data.train],
+            counts={"prompts": len(prompts), "steps": total},
+            seed=seed,
+            started_at=started,
+            metrics=history[-1] if history else {},
+        )
+        if wandb_run is not None:
+            wandb_run.finish()
+    return history
+
+
+def main(argv: list[str] | None = None) -> None:
+    from etagent.config import parse_stage_args
+
+    logging.basicConfig(level=logging.INFO, format="%(asctime)s %(name)s %(message)s")
+    logging.getLogger("httpx").setLevel(logging.WARNING)
+    cfg = parse_stage_args("rl", argv, prog="python -m rl.run", doc=__doc__)
+    try:
+        run(cfg)
+    finally:
+        if dist.is_initialized():
+            dist.destroy_process_group()
+
+
+if __name__ == "__main__":
+    main()

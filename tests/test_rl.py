@@ -1,0 +1,104 @@
+"""The RL trainer on the toy world with the SFT'd policy, the real tools and the retriever:
+steps that write metrics, rollouts and plain save_pretrained checkpoints, and a resume from a
+checkpoint that reproduces the uninterrupted run's numbers."""
+
+from __future__ import annotations
+
+import json
+import os
+from pathlib import Path
+
+import pytest
+import torch
+
+from etagent.records import RLRow, read_questions, write_rl_parquet
+from tests.conftest import TOKEN
+
+
+def rl_overrides(sft_model: Path, parquet: Path, server: str, out: Path, *extra: str) -> list[str]:
+    return [
+        f"model={sft_model / 'model'}",
+        f"data.train={parquet}",
+        f"out_dir={out}",
+        f"tools.search.local.url={server}",
+        "tools.search.local.token_env=RETRIEVER_TOKEN",
+        "tools.python.timeout_s=10",
+        "data.prompts_per_step=4",
+        "rollout.n=4",
+        "train.mini_batch_prompts=2",
+        *extra,
+    ]
+
+
+def run_in_subprocess(overrides: list[str]) -> None:
+    """Each run in its own process, as a user runs it (the trainer owns its process group)."""
+    import subprocess
+    import sys
+
+    result = subprocess.run([sys.executable, "-m", "rl.run", *overrides], capture_output=True, text=True, timeout=900, env=dict(os.environ))
+    assert result.returncode == 0, result.stderr[-3000:]
+
+
+def metrics_of(out: Path) -> list[dict]:
+    return [json.loads(line) for line in (out / "metrics.jsonl").read_text().splitlines()]
+
+
+def numbers(m: dict) -> dict:
+    return {k: v for k, v in m.items() if not k.startswith("timing_s/") and k != "rollout/tokens_per_s"}
+
+
+@pytest.fixture
+def parquet(toy, tmp_path) -> Path:
+    questions = [q for q in read_questions(toy / "questions" / "test.jsonl") if q.source in ("toy_python", "toy_both", "toy_search")]
+    return write_rl_parquet([RLRow.for_question(q, i, "train") for i, q in enumerate(questions[::10][:12])], tmp_path / "rl.parquet")
+
+
+def test_steps_checkpoints_and_an_exact_resume(sft_model, parquet, server, tmp_path, monkeypatch):
+    from transformers import AutoModelForCausalLM
+
+    monkeypatch.setenv("RETRIEVER_TOKEN", TOKEN)
+    straight = tmp_path / "straight"
+    run_in_subprocess(rl_overrides(sft_model, parquet, server, straight, "train.max_steps=3", "train.save_every=1"))
+    history = metrics_of(straight)
+    assert [m["step"] for m in history] == [1, 2, 3]
+    for m in history:
+        assert {
+            "timing_s/generate",
+            "timing_s/reward",
+            "timing_s/old_logprobs",
+            "timing_s/advantage",
+            "timing_s/update",
+            "timing_s/save",
+        } <= set(m)
+        assert 0 <= m["reward/raw"] <= 1 and m["actor/optimizer_steps"] == 2 and m["actor/grad_norm"] > 0
+        assert m["rollout/logprob_mismatch"] < 1e-3  # the engine samples from the trainer's own module
+    rollouts = [json.loads(line) for line in (straight / "rollouts" / "step_1.jsonl").read_text().splitlines()]
+    assert len(rollouts) == 16 and {"reward", "raw", "tool_calls", "f_tool", "f_length", "f_format", "text"} <= set(rollouts[0])
+
+    # every checkpoint is a plain save_pretrained folder; the final one is out_dir/model
+    final = AutoModelForCausalLM.from_pretrained(straight / "model")
+    again = AutoModelForCausalLM.from_pretrained(straight / "checkpoints" / "step_3" / "model")
+    start = AutoModelForCausalLM.from_pretrained(sft_model / "model")
+    assert all(torch.equal(a, b) for a, b in zip(final.state_dict().values(), again.state_dict().values()))
+    assert not all(torch.equal(a, b) for a, b in zip(final.state_dict().values(), start.state_dict().values()))
+
+    # kill -9 during step 2 (step 1 checkpointed), rerun: steps 2 and 3 give the same numbers
+    import signal
+    import subprocess
+    import sys
+    import time
+
+    resumed = tmp_path / "resumed"
+    overrides = rl_overrides(sft_model, parquet, server, resumed, "train.max_steps=3", "train.save_every=1")
+    proc = subprocess.Popen([sys.executable, "-m", "rl.run", *overrides], stdout=subprocess.DEVNULL, stderr=subprocess.PIPE)
+    deadline = time.monotonic() + 600
+    while not (resumed / "checkpoints" / "step_1" / "state.json").exists():
+        assert proc.poll() is None, proc.stderr.read().decode()[-3000:]
+        assert time.monotonic() < deadline
+        time.sleep(0.05)
+    time.sleep(1.0)  # into step 2
+    proc.send_signal(signal.SIGKILL)
+    proc.wait(timeout=30)
+    assert not (resumed / "checkpoints" / "step_3").exists()
+    run_in_subprocess(overrides)
+    assert [numbers(m) for m in metrics_of(resumed)] == [numbers(m) for m in history]
