@@ -217,7 +217,9 @@ def update(model, optimizer, batch: Batch, advantages: torch.Tensor, old: torch.
     from torch.distributed.tensor import DTensor
 
     world = dist.get_world_size()
-    per_mini = cfg.train.mini_batch_prompts * cfg.rollout.n
+    # rank r holds prompts r, r + world, ... of the step, so a global mini-batch of M prompts is
+    # M / world consecutive prompts on every rank
+    per_mini = cfg.train.mini_batch_prompts // world * cfg.rollout.n
     rows = list(range(batch.input_ids.shape[0]))
     minis = [rows[i : i + per_mini] for i in range(0, len(rows), per_mini)]
     n_minis = int(max_all([len(minis)], device)[0])
@@ -337,8 +339,9 @@ def run(cfg: DictConfig) -> list[dict]:
     prompts = read_prompts(cfg.data.train)
     validation = read_prompts(cfg.data.validation) if cfg.data.validation else []
     per_step = int(cfg.data.prompts_per_step)
-    if per_step % world:
-        raise ValueError(f"data.prompts_per_step ({per_step}) must be a multiple of the number of processes ({world})")
+    for name, value in (("data.prompts_per_step", per_step), ("train.mini_batch_prompts", int(cfg.train.mini_batch_prompts))):
+        if value % world:
+            raise ValueError(f"{name} ({value}) must be a multiple of the number of processes ({world})")
     total = int(cfg.train.max_steps or math.ceil(len(prompts) / per_step) * cfg.data.epochs)
 
     metrics_path = out / "metrics.jsonl"

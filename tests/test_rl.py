@@ -102,3 +102,25 @@ def test_steps_checkpoints_and_an_exact_resume(sft_model, parquet, server, tmp_p
     assert not (resumed / "checkpoints" / "step_3").exists()
     run_in_subprocess(overrides)
     assert [numbers(m) for m in metrics_of(resumed)] == [numbers(m) for m in history]
+
+
+def test_fsdp2_over_two_processes_matches_one(sft_model, parquet, server, tmp_path, monkeypatch):
+    """The same global batch on one process and on two (torchrun, gloo): the same rollouts, and
+    losses and gradient norms within 1e-4, for two steps."""
+    import subprocess
+    import sys
+
+    monkeypatch.setenv("RETRIEVER_TOKEN", TOKEN)
+    one, two = tmp_path / "one", tmp_path / "two"
+    overrides = ["train.max_steps=2", "train.save_every=100"]
+    run_in_subprocess(rl_overrides(sft_model, parquet, server, one, *overrides))
+    command = [sys.executable, "-m", "torch.distributed.run", "--standalone", "--nproc_per_node=2", "-m", "rl.run"]
+    env = dict(os.environ, OMP_NUM_THREADS="1")
+    result = subprocess.run(
+        command + rl_overrides(sft_model, parquet, server, two, *overrides), capture_output=True, text=True, timeout=900, env=env
+    )
+    assert result.returncode == 0, result.stderr[-3000:]
+    for a, b in zip(metrics_of(one), metrics_of(two), strict=True):
+        assert a["reward/mean"] == b["reward/mean"] and a["rollout/tool_calls"] == b["rollout/tool_calls"]
+        assert abs(a["actor/loss"] - b["actor/loss"]) < 1e-4 and abs(a["actor/grad_norm"] - b["actor/grad_norm"]) < 1e-4
+        assert a["actor/optimizer_steps"] == b["actor/optimizer_steps"] == 2
