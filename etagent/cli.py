@@ -28,33 +28,30 @@ from etagent import scoring
 
 def _score_lines(source: IO[str], name: str, out: IO[str], judge: scoring.LLMJudge | None) -> int:
     """Score every JSON line of source, writing one line per input as soon as it is scored."""
+    from etagent.records import RecordError, iter_json_objects
+
     rows = []
-    for number, raw in enumerate(source, start=1):
-        if not raw.strip():
-            continue
-        try:
-            item = json.loads(raw)
-        except ValueError as exc:
-            sys.exit(f"{name}:{number}: not valid JSON: {exc}")
-        if not isinstance(item, dict):
-            sys.exit(f"{name}:{number}: expected a JSON object")
-        golds = item.get("answers", item.get("answer"))
-        for field, value in (("prediction", item.get("prediction")), ("answers", golds)):
-            if value is None:
-                sys.exit(f"{name}:{number}: field '{field}': missing")
-        golds = golds if isinstance(golds, list) else [golds]
-        kind = item.get("kind", "qa")
-        if kind not in ("math", "qa"):
-            sys.exit(f"{name}:{number}: field 'kind': must be 'math' or 'qa', got {kind!r}")
-        if judge is not None and "question" not in item:
-            sys.exit(f"{name}:{number}: field 'question': missing (the LLM judge needs it)")
-        metrics = scoring.score_prediction(str(item["prediction"]), golds)
-        metrics["correctness"] = scoring.rule_correctness(str(item["prediction"]), golds, kind)
-        if judge is None:
-            out.write(json.dumps({**item, **metrics}, ensure_ascii=False) + "\n")
-            out.flush()
-        else:
-            rows.append((item, golds, metrics))
+    try:
+        for number, item in iter_json_objects(source, name):
+            golds = item.get("answers", item.get("answer"))
+            for field, value in (("prediction", item.get("prediction")), ("answers", golds)):
+                if value is None:
+                    sys.exit(f"{name}:{number}: field '{field}': missing")
+            golds = golds if isinstance(golds, list) else [golds]
+            kind = item.get("kind", "qa")
+            if kind not in ("math", "qa"):
+                sys.exit(f"{name}:{number}: field 'kind': must be 'math' or 'qa', got {kind!r}")
+            if judge is not None and "question" not in item:
+                sys.exit(f"{name}:{number}: field 'question': missing (the LLM judge needs it)")
+            metrics = scoring.score_prediction(str(item["prediction"]), golds)
+            metrics["correctness"] = scoring.rule_correctness(str(item["prediction"]), golds, kind)
+            if judge is None:
+                out.write(json.dumps({**item, **metrics}, ensure_ascii=False) + "\n")
+                out.flush()
+            else:
+                rows.append((item, golds, metrics))
+    except RecordError as exc:
+        sys.exit(str(exc))
     if judge is not None:  # judged together, concurrently
         judge.judge_into([(metrics, item["question"], golds, str(item["prediction"])) for item, golds, metrics in rows])
         for item, _, metrics in rows:

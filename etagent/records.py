@@ -34,7 +34,7 @@ import time
 from collections.abc import Iterable, Iterator, Sequence
 from enum import IntEnum
 from pathlib import Path
-from typing import Any, Literal, TypeVar
+from typing import IO, Any, Literal, TypeVar
 
 from pydantic import BaseModel, ConfigDict, Field, ValidationError, field_validator, model_validator
 
@@ -520,6 +520,22 @@ def iter_jsonl(path: str | os.PathLike) -> Iterator[tuple[int, Any]]:
                     log.warning("%s:%d: skipping an incomplete last line (%d bytes)", path, number, len(raw))
                     return
                 raise RecordError(path, number, "(line)", f"not valid JSON: {exc}") from None
+
+
+def iter_json_objects(source: IO[str], name: str) -> Iterator[tuple[int, dict]]:
+    """Yield (line number, object) for every non-blank line of an open text stream (stdin or a
+    file) of JSON objects, for the commands that read one request per line; a line that is not
+    a JSON object raises :class:`RecordError` naming ``name`` and the line."""
+    for number, raw in enumerate(source, start=1):
+        if not raw.strip():
+            continue
+        try:
+            item = json.loads(raw)
+        except ValueError as exc:
+            raise RecordError(name, number, "(line)", f"not valid JSON: {exc}") from None
+        if not isinstance(item, dict):
+            raise RecordError(name, number, "(line)", "expected a JSON object")
+        yield number, item
 
 
 def read_jsonl(path: str | os.PathLike, model: type[R]) -> list[R]:

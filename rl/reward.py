@@ -186,34 +186,38 @@ def validation_score(data_source: str, response: str, ground_truth: Sequence[str
 # ---------------------------------------------------------------------------------------------
 # `etagent reward`: check a reward by hand
 
+# Each field of a group and the JSON types it may have.
 FIELDS = {
-    "data_source": str,
-    "ground_truth": list,
-    "responses": list,
-    "lengths": list,
-    "sigma_tool": (int, float),
-    "sigma_length": (int, float),
+    "data_source": ((str,), "a string"),
+    "ground_truth": ((list,), "a list of strings"),
+    "responses": ((list,), "a list of strings"),
+    "lengths": ((list,), "a list of integers"),
+    "sigma_tool": ((int, float), "a number"),
+    "sigma_length": ((int, float), "a number"),
 }
 
 
 def reward_lines(source: IO[str], name: str, out: IO[str]) -> None:
     """One group per JSON line in, one line of rewards and terms out, written as each is done."""
-    for number, raw in enumerate(source, start=1):
-        if not raw.strip():
-            continue
-        try:
-            group = json.loads(raw)
-        except ValueError as exc:
-            sys.exit(f"{name}:{number}: not valid JSON: {exc}")
-        if not isinstance(group, dict):
-            sys.exit(f"{name}:{number}: expected a JSON object")
-        for field, kind in FIELDS.items():
-            if field not in group:
-                sys.exit(f"{name}:{number}: field '{field}': missing")
-            if not isinstance(group[field], kind) or isinstance(group[field], bool):
-                sys.exit(f"{name}:{number}: field '{field}': expected {getattr(kind, '__name__', 'a number')}")
-        mode = group.get("mode", "default")
-        try:
+    from etagent.records import RecordError, iter_json_objects
+
+    try:
+        for number, group in iter_json_objects(source, name):
+            for field, (types, expected) in FIELDS.items():
+                if field not in group:
+                    sys.exit(f"{name}:{number}: field '{field}': missing")
+                if not isinstance(group[field], types) or isinstance(group[field], bool):
+                    sys.exit(f"{name}:{number}: field '{field}': expected {expected}")
+            mode = group.get("mode", "default")
+            problems = {
+                "data_source": group["data_source"] not in DATA_SOURCES and f"must be one of {', '.join(DATA_SOURCES)}",
+                "mode": mode not in MODES and f"must be one of {', '.join(MODES)}",
+                "lengths": len(group["lengths"]) != len(group["responses"])
+                and f"{len(group['lengths'])} lengths for {len(group['responses'])} responses",
+            }
+            for field, problem in problems.items():
+                if problem:
+                    sys.exit(f"{name}:{number}: field '{field}': {problem}")
             result = efficiency_reward(
                 group["data_source"],
                 [str(g) for g in group["ground_truth"]],
@@ -223,11 +227,10 @@ def reward_lines(source: IO[str], name: str, out: IO[str]) -> None:
                 float(group["sigma_length"]),
                 mode,
             )
-        except (ValueError, TypeError) as exc:
-            field = "lengths" if "lengths" in str(exc) else "mode" if "mode" in str(exc) else "data_source"
-            sys.exit(f"{name}:{number}: field '{field}': {exc}")
-        out.write(json.dumps(result.to_json()) + "\n")
-        out.flush()
+            out.write(json.dumps(result.to_json()) + "\n")
+            out.flush()
+    except RecordError as exc:
+        sys.exit(str(exc))
 
 
 def main(argv: list[str] | None = None) -> None:
