@@ -160,6 +160,11 @@ class TrajectoryState:
         """1 where SFT trains (policy text, sampled or given), 0 at tool output."""
         return [0 if o == TokenOrigin.TOOL else 1 for o in self.origin]
 
+    @property
+    def n_generated(self) -> int:
+        """Tokens the policy sampled in this rollout (what RL's default length counts)."""
+        return sum(1 for o in self.origin if o == TokenOrigin.SAMPLED)
+
     def executed(self, tool: str | None = None) -> int:
         """Calls that ran (budget messages excluded, calls of a prefix included), of one tool or all."""
         return sum(1 for c in self.tool_calls if not c.budget_exhausted and (tool is None or c.tool == tool))
@@ -442,7 +447,7 @@ class AgentLoop:
             tool_calls=state.tool_calls,
             prediction=protocol.extract_answer(text),
             n_tokens=len(state.response_ids),
-            n_generated=sum(1 for o in state.origin if o == TokenOrigin.SAMPLED),
+            n_generated=state.n_generated,
             tool_calls_executed=state.executed(),
             tool_calls_written=protocol.count_tool_calls(text),
             finish_reason=state.finish_reason or "",

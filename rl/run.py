@@ -40,6 +40,7 @@ import logging
 import math
 import os
 import random
+import shutil
 import time
 from contextlib import contextmanager
 from pathlib import Path
@@ -132,8 +133,6 @@ def save_checkpoint(out: Path, step: int, model, tokenizer, optimizer, rank: int
     if rank == 0:
         tmp = folder.with_name(folder.name + ".tmp")
         if tmp.exists():
-            import shutil
-
             shutil.rmtree(tmp)
         # save_pretrained edits the dict it is given (tied weights): give it a copy each time
         model.save_pretrained(tmp / "model", state_dict=dict(weights), safe_serialization=True)
@@ -179,7 +178,7 @@ def rewards_of(groups: list[list[TrajectoryState]], prompts: list[Prompt], cfg: 
     for prompt, group in zip(prompts, groups):
         texts = [loop.text(t) for t in group]
         # the paper counted every response token (tool results too); the default counts what the policy wrote
-        lengths = [len(t.response_ids) if cfg.reward.mode == "paper" else sum(1 for o in t.origin if o == 1) for t in group]
+        lengths = [len(t.response_ids) if cfg.reward.mode == "paper" else t.n_generated for t in group]
         terms = efficiency_reward(
             prompt.data_source,
             prompt.question.answer,
