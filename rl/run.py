@@ -13,7 +13,9 @@ policy) and ``manifest.json``. A rerun resumes from the last checkpoint.
 One step, as named and timed phases (``timing_s/<phase>`` in the metrics):
 
 1. generate: n rollouts per prompt through the agent loop with the real tools, sampled by the
-   policy module itself (the hf engine shares its weights: nothing to copy after an update);
+   colocated engine (``engine.kind``): ``hf``, the policy module itself (it shares the weights:
+   nothing to copy), or ``vllm``, one vLLM engine per rank in the trainer's process (torchrun),
+   asleep outside this phase;
 2. reward: the efficiency reward per prompt's group (rl/reward.py), sigmas decayed linearly over
    the run as in the paper;
 3. old_logprobs: the policy's log-probabilities of the sampled tokens before the update, and the
@@ -21,7 +23,8 @@ One step, as named and timed phases (``timing_s/<phase>`` in the metrics):
 4. advantage: GRPO, the group's mean and unbiased std;
 5. update: for each mini-batch of prompts, the dual-clip PPO loss as an exact token mean over the
    mini-batch (micro-batches by token budget), one AdamW step with gradient clipping;
-6. save: every ``save_every`` steps and at the end.
+6. sync (vllm only): the updated weights gathered from their shards into the woken engine;
+7. save: every ``save_every`` steps and at the end.
 
 The policy is sharded with FSDP2 (``fully_shard`` per decoder layer, then the root; gloo on CPU,
 NCCL on GPUs), also in one process. Each rank rolls out its share of the step's prompts; during
@@ -29,7 +32,7 @@ generation every layer stays gathered, so ranks that decode different lengths ne
 each other.
 
 What it does not do (yet): the ARPO tree rollout (rl/rollout.py's interface takes it), a
-reference model (the paper's KL coefficient is 0), vLLM as the colocated engine.
+reference model (the paper's KL coefficient is 0).
 """
 
 from __future__ import annotations
@@ -42,7 +45,7 @@ import os
 import random
 import shutil
 import time
-from contextlib import contextmanager
+from contextlib import contextmanager, nullcontext
 from pathlib import Path
 
 import numpy as np
@@ -115,6 +118,56 @@ def gathered(model):
         for m in modules:
             m.reshard()
             m.set_reshard_after_forward(True)
+
+
+def build_rollout_engine(cfg: DictConfig, model, tokenizer, path: Path):
+    """The colocated rollout engine. ``hf`` samples with the policy module itself; ``vllm`` is one
+    engine per rank in this process (vLLM's external launcher under torchrun: every rank
+    generates on its own), loaded from the policy's folder and then kept in step by
+    :func:`sync_engine` after every update."""
+    from etagent.llm import make_engine
+    from etagent.llm.hf import HFEngine
+
+    if cfg.engine.kind == "hf":
+        return HFEngine.from_model(model, tokenizer, max_batch_size=cfg.engine.max_batch_size)
+    return make_engine(OmegaConf.merge(cfg.engine, {"model": str(path), "vllm": {"colocated": True}}))
+
+
+def check_engine_choice(cfg: DictConfig) -> None:
+    """Before anything starts: RL's engine is hf or a colocated vllm, which needs torchrun."""
+    if cfg.engine.kind not in ("hf", "vllm"):
+        raise ValueError(f"engine.kind must be hf or vllm for RL, got {cfg.engine.kind!r}")
+    if cfg.engine.kind == "vllm" and "RANK" not in os.environ:
+        raise ValueError("engine.kind=vllm runs one engine per rank under torchrun: launch with scripts/rl.sh or torchrun -m rl.run")
+
+
+def engine_reads_policy(cfg: DictConfig, model):
+    """What generation needs around it: the hf engine runs the sharded policy, so every layer
+    stays gathered; vLLM holds its own copy."""
+    return gathered(model) if cfg.engine.kind == "hf" else nullcontext()
+
+
+def full_weights(model, dtype: torch.dtype | None) -> dict[str, torch.Tensor]:
+    """The policy's whole state dict on every rank, each parameter gathered from its shards and
+    cast to the engine's dtype (a 7B model in bf16: 15 GB while the engine's weights are awake)."""
+    from torch.distributed.tensor import DTensor
+
+    weights = {}
+    for name, tensor in model.state_dict().items():
+        full = tensor.full_tensor() if isinstance(tensor, DTensor) else tensor
+        weights[name] = full.detach().to(dtype) if dtype is not None else full.detach()
+    return weights
+
+
+def sync_engine(engine, model, cfg: DictConfig) -> None:
+    """The updated weights into the sleeping vLLM engine: its weights woken first, then the
+    update, then its KV cache, which keeps the peak memory low."""
+    dtype = None if cfg.engine.dtype == "auto" else getattr(torch, cfg.engine.dtype)
+    weights = full_weights(model, dtype)
+    engine.wake_up(["weights"])
+    engine.update_weights(weights)
+    del weights
+    engine.wake_up(["kv_cache"])
 
 
 # ---------------------------------------------------------------------------------------------
@@ -294,10 +347,10 @@ def old_logprobs(model, batch: Batch, budget: int) -> tuple[torch.Tensor, torch.
     return logprobs, entropies
 
 
-def validate(model, loop: AgentLoop, prompts: list[Prompt], step: int, device) -> dict:
+def validate(model, loop: AgentLoop, prompts: list[Prompt], step: int, cfg: DictConfig, device) -> dict:
     """Greedy rollouts of the validation prompts (this rank's share), the paper's validation score."""
     states = [loop.new(p.question, f"val{step}/{p.index}", seed=0, stage="rl-validation") for p in prompts]
-    with gathered(model):
+    with engine_reads_policy(cfg, model):
         asyncio.run(loop.run(states))
     texts = [loop.text(s) for s in states]
     scores = [validation_score(p.data_source, t, p.question.answer) for p, t in zip(prompts, texts)]
@@ -314,10 +367,10 @@ def run(cfg: DictConfig) -> list[dict]:
 
     from tqdm import tqdm
 
-    from etagent.llm.hf import HFEngine
     from etagent.tools.executor import build_executor
 
     started = time.time()
+    check_engine_choice(cfg)
     device = torch.device(cfg.train.device)
     rank, world = init_distributed(device)
     out = Path(cfg.out_dir)
@@ -328,7 +381,8 @@ def run(cfg: DictConfig) -> list[dict]:
     random.seed(seed)
     torch.manual_seed(seed)
 
-    model, tokenizer = load_policy(checkpoint / "model" if checkpoint else cfg.model, cfg, device, world)
+    policy_path = Path(checkpoint / "model" if checkpoint else cfg.model)
+    model, tokenizer = load_policy(policy_path, cfg, device, world)
     optimizer = torch.optim.AdamW(
         model.parameters(), lr=cfg.optim.lr, betas=tuple(cfg.optim.betas), weight_decay=cfg.optim.weight_decay, eps=cfg.optim.eps
     )
@@ -359,7 +413,8 @@ def run(cfg: DictConfig) -> list[dict]:
             config=OmegaConf.to_container(cfg, resolve=True),
         )
 
-    engine = HFEngine.from_model(model, tokenizer, max_batch_size=cfg.rollout.max_batch_size)
+    engine = build_rollout_engine(cfg, model, tokenizer, policy_path)
+    pad_id = tokenizer.pad_token_id if tokenizer.pad_token_id is not None else tokenizer.eos_token_id
     config = AgentConfig(**OmegaConf.to_container(cfg.agent, resolve=True))
     history = []
     with build_executor(cfg.tools) as executor:
@@ -372,13 +427,14 @@ def run(cfg: DictConfig) -> list[dict]:
             chosen = step_prompts(prompts, step, per_step, seed)[rank::world]
             loop.policy_version = f"step{step - 1}"
 
-            with phase("generate", metrics), gathered(model):
+            with phase("generate", metrics), engine_reads_policy(cfg, model):
                 groups = rollout.generate(loop, chosen, step, seed)
+                engine.sleep(level=1)  # vLLM frees its GPU memory for the trainer (a no-op elsewhere)
             with phase("reward", metrics):
                 factor = sigma_factor(step, total) if cfg.reward.decay else 1.0
                 rows = rewards_of(groups, chosen, cfg, factor, loop)
             trajectories = [t for group in groups for t in group]
-            batch = pack(trajectories, engine.pad_id)
+            batch = pack(trajectories, pad_id)
             with phase("old_logprobs", metrics), gathered(model), torch.no_grad():
                 old, entropies = old_logprobs(model, batch, cfg.train.micro_batch_tokens)
             with phase("advantage", metrics):
@@ -387,6 +443,9 @@ def run(cfg: DictConfig) -> list[dict]:
             with phase("update", metrics):
                 model.train()
                 metrics.update(update(model, optimizer, batch, advantages, old, cfg, device))
+            if cfg.engine.kind == "vllm":
+                with phase("sync", metrics):
+                    sync_engine(engine, model, cfg)
             with phase("save", metrics):
                 if step % cfg.train.save_every == 0 or step == total:
                     save_checkpoint(out, step, model, tokenizer, optimizer, rank, final=step == total)
@@ -421,7 +480,7 @@ def run(cfg: DictConfig) -> list[dict]:
             )
             if validation and (step % cfg.train.validate_every == 0 or step == total):
                 with phase("validate", metrics):
-                    metrics.update(validate(model, greedy, validation[rank::world], step, device))
+                    metrics.update(validate(model, greedy, validation[rank::world], step, cfg, device))
 
             gathered_rows = [None] * world
             dist.all_gather_object(gathered_rows, rows)
@@ -450,6 +509,8 @@ def run(cfg: DictConfig) -> list[dict]:
             progress.set_postfix(reward=f"{metrics['reward/mean']:.3f}", raw=f"{metrics['reward/raw']:.3f}")
             history.append(metrics)
         progress.close()
+    if cfg.engine.kind == "vllm":
+        engine.shutdown()
     if rank == 0:
         write_manifest(
             out,

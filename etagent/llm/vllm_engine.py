@@ -222,6 +222,12 @@ class VLLMEngine:
                 self.llm.reset_prefix_cache()
                 self.llm.sleep(level=level)
 
+    def shutdown(self) -> None:
+        """Stop the engine now. A colocated engine's parallel groups are subgroups of the
+        trainer's process group: they must go before it does (left to exit, their cleanup fails)."""
+        with self._lock:
+            self.llm.llm_engine.engine_core.shutdown()
+
     def wake_up(self, tags: list[str] | None = None) -> None:
         """Restore ``"weights"`` and/or ``"kv_cache"`` (all when None): weights first, then the
         update, then the cache, keeps the peak memory low."""
