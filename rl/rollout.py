@@ -30,9 +30,11 @@ class Prompt:
     data_source: str
 
 
-def read_prompts(path: str | Path) -> list[Prompt]:
+def read_prompts(path: str | Path, tokenizer=None, max_prompt_tokens: int | None = None) -> list[Prompt]:
     """The rows of an RL parquet as prompts. The system turn must be the protocol's prompt: the
-    agent loop renders that one, so a different one would train on prompts the data never had."""
+    agent loop renders that one, so a different one would train on prompts the data never had.
+    With ``max_prompt_tokens``, a longer prompt is an error naming its row, as verl's
+    ``truncation=error`` (a cut question would be scored against its full answer)."""
     prompts, seen = [], set()
     for row_number, row in enumerate(read_records(path, RLRow), start=1):
         roles = [m.role for m in row.prompt]
@@ -53,6 +55,10 @@ def read_prompts(path: str | Path) -> list[Prompt]:
             source=row.data_source,
             kind=row.ability,
         )
+        if max_prompt_tokens is not None:
+            length = len(protocol.encode_prompt(tokenizer, question.question))
+            if length > max_prompt_tokens:
+                raise RecordError(path, row_number, "prompt", f"{length} tokens, over data.max_prompt_tokens ({max_prompt_tokens})")
         prompts.append(Prompt(question=question, index=index, data_source=row.data_source))
     return prompts
 

@@ -389,8 +389,8 @@ def run(cfg: DictConfig) -> list[dict]:
     if checkpoint:
         load_optimizer(model, optimizer, checkpoint / "optimizer.pt")
         log.info("resuming after step %d from %s", start, checkpoint)
-    prompts = read_prompts(cfg.data.train)
-    validation = read_prompts(cfg.data.validation) if cfg.data.validation else []
+    prompts = read_prompts(cfg.data.train, tokenizer, cfg.data.max_prompt_tokens)
+    validation = read_prompts(cfg.data.validation, tokenizer, cfg.data.max_prompt_tokens) if cfg.data.validation else []
     per_step = int(cfg.data.prompts_per_step)
     for name, value in (("data.prompts_per_step", per_step), ("train.mini_batch_prompts", int(cfg.train.mini_batch_prompts))):
         if value % world:
@@ -424,6 +424,7 @@ def run(cfg: DictConfig) -> list[dict]:
         progress = tqdm(total=total, initial=start, desc="rl", unit="step", disable=None if rank == 0 else True, dynamic_ncols=True)
         for step in range(start + 1, total + 1):
             metrics: dict = {"step": step}
+            step_started = time.perf_counter()
             chosen = step_prompts(prompts, step, per_step, seed)[rank::world]
             loop.policy_version = f"step{step - 1}"
 
@@ -482,6 +483,7 @@ def run(cfg: DictConfig) -> list[dict]:
                 with phase("validate", metrics):
                     metrics.update(validate(model, greedy, validation[rank::world], step, cfg, device))
 
+            metrics["timing_s/step"] = time.perf_counter() - step_started
             gathered_rows = [None] * world
             dist.all_gather_object(gathered_rows, rows)
             if rank == 0:
@@ -503,7 +505,7 @@ def run(cfg: DictConfig) -> list[dict]:
                     metrics["rollout/tool_calls"],
                     metrics["rollout/length"],
                     metrics["actor/grad_norm"],
-                    sum(v for k, v in metrics.items() if k.startswith("timing_s/")),
+                    metrics["timing_s/step"],
                 )
             progress.update(1)
             progress.set_postfix(reward=f"{metrics['reward/mean']:.3f}", raw=f"{metrics['reward/raw']:.3f}")

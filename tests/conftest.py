@@ -43,6 +43,20 @@ def index_dir(toy, tmp_path_factory) -> Path:
 
 @pytest.fixture(scope="session")
 def server(index_dir):
+    """The retriever serving the toy world's corpus (the test questions' world)."""
+    yield from serve_index(index_dir)
+
+
+@pytest.fixture(scope="session")
+def rl_server(toy, tmp_path_factory):
+    """The retriever serving the RL pool's world (toy/rl_world/corpus.jsonl, questions/rl.jsonl)."""
+    out = tmp_path_factory.mktemp("rl_index")
+    build_index(toy / "rl_world" / "corpus.jsonl", out)
+    yield from serve_index(out)
+
+
+def serve_index(index_dir: Path):
+    """Start retriever.server on a free port (token TOKEN), yield its URL until the session ends."""
     port = free_port()
     env = dict(os.environ, RETRIEVER_TOKEN=TOKEN)
     proc = subprocess.Popen(

