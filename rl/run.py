@@ -18,8 +18,9 @@ One step, as named and timed phases (``timing_s/<phase>`` in the metrics):
    asleep outside this phase;
 2. reward: the efficiency reward per prompt's group (rl/reward.py), sigmas decayed linearly over
    the run as in the paper;
-3. old_logprobs: the policy's log-probabilities of the sampled tokens before the update, and the
-   mismatch with the rollout engine's own (a diagnostic);
+3. old_logprobs (vllm only): the policy's log-probabilities of the sampled tokens before the
+   update, and their mismatch with vLLM's own (a diagnostic). The hf engine samples with the
+   policy module and its current weights, so its log-probabilities are the old ones already;
 4. advantage: GRPO, the group's mean and unbiased std;
 5. update: for each mini-batch of prompts, the dual-clip PPO loss as an exact token mean over the
    mini-batch (micro-batches by token budget), one AdamW step with gradient clipping;
@@ -276,7 +277,7 @@ def update(model, optimizer, batch: Batch, advantages: torch.Tensor, old: torch.
     minis = [rows[i : i + per_mini] for i in range(0, len(rows), per_mini)]
     n_minis = int(max_all([len(minis)], device)[0])
     minis += [[]] * (n_minis - len(minis))
-    sums = dict.fromkeys(("loss", "clipped_tokens", "dual_clipped_tokens", "policy_tokens", "grad_norm"), 0.0)
+    sums = dict.fromkeys(("loss", "clipped_tokens", "dual_clipped_tokens", "entropy", "policy_tokens", "grad_norm"), 0.0)
     row_tokens = batch.tokens()
     for mini in minis:
         local_tokens = float(batch.loss_mask[mini].sum()) if mini else 0.0
@@ -286,7 +287,7 @@ def update(model, optimizer, batch: Batch, advantages: torch.Tensor, old: torch.
         for k in range(n_parts):
             rows_, weight = (parts[k], 1.0) if k < len(parts) else ([0], 0.0)
             micro = batch.select(rows_)
-            logprobs, _ = token_logprobs(model, micro)
+            logprobs, entropy = token_logprobs(model, micro, with_entropy=True)
             terms = policy_loss(
                 logprobs,
                 old[rows_, : micro.response_width],
@@ -301,6 +302,7 @@ def update(model, optimizer, batch: Batch, advantages: torch.Tensor, old: torch.
             sums["loss"] += weight * terms.loss.item() / world
             sums["clipped_tokens"] += weight * terms.clipped_tokens.item()
             sums["dual_clipped_tokens"] += weight * terms.dual_clipped_tokens.item()
+            sums["entropy"] += weight * float(masked_sum(entropy, micro.loss_mask))
         grad_norm = torch.nn.utils.clip_grad_norm_(model.parameters(), cfg.optim.grad_clip)
         if isinstance(grad_norm, DTensor):
             grad_norm = grad_norm.full_tensor()
@@ -308,11 +310,13 @@ def update(model, optimizer, batch: Batch, advantages: torch.Tensor, old: torch.
         optimizer.zero_grad(set_to_none=True)
         sums["policy_tokens"] += tokens
         sums["grad_norm"] += float(grad_norm) / n_minis
-    loss_sum, clipped, dual = sum_all([sums["loss"], sums["clipped_tokens"], sums["dual_clipped_tokens"]], device)
+    loss_sum, clipped, dual, entropy = sum_all([sums["loss"], sums["clipped_tokens"], sums["dual_clipped_tokens"], sums["entropy"]], device)
     return {
         "actor/loss": loss_sum / n_minis,
         "actor/clip_fraction": clipped / max(sums["policy_tokens"], 1.0),
         "actor/dual_clip_fraction": dual / max(sums["policy_tokens"], 1.0),
+        # of the distributions the tokens were drawn from, as each mini-batch's forward sees them
+        "actor/entropy": entropy / max(sums["policy_tokens"], 1.0),
         "actor/grad_norm": sums["grad_norm"],
         "actor/optimizer_steps": n_minis,
         "actor/policy_tokens": sums["policy_tokens"],
@@ -335,16 +339,14 @@ def max_all(values: list[float], device: torch.device) -> list[float]:
 # The run
 
 
-def old_logprobs(model, batch: Batch, budget: int) -> tuple[torch.Tensor, torch.Tensor]:
-    """The policy's log-probabilities and entropies of every response token before the update."""
+def old_logprobs(model, batch: Batch, budget: int) -> torch.Tensor:
+    """The policy's log-probabilities of every response token before the update."""
     logprobs = torch.zeros_like(batch.rollout_logprobs)
-    entropies = torch.zeros_like(batch.rollout_logprobs)
     for part in micro_batches(batch.tokens(), budget):
         micro = batch.select(part)
-        lp, entropy = token_logprobs(model, micro, with_entropy=True)
+        lp, _ = token_logprobs(model, micro)
         logprobs[part, : micro.response_width] = lp.float()
-        entropies[part, : micro.response_width] = entropy
-    return logprobs, entropies
+    return logprobs
 
 
 def validate(model, loop: AgentLoop, prompts: list[Prompt], step: int, cfg: DictConfig, device) -> dict:
@@ -436,8 +438,12 @@ def run(cfg: DictConfig) -> list[dict]:
                 rows = rewards_of(groups, chosen, cfg, factor, loop)
             trajectories = [t for group in groups for t in group]
             batch = pack(trajectories, pad_id)
-            with phase("old_logprobs", metrics), gathered(model), torch.no_grad():
-                old, entropies = old_logprobs(model, batch, cfg.train.micro_batch_tokens)
+            if cfg.engine.kind == "hf":
+                # sampled by this module with these weights: recomputing would repeat the rollout's forwards
+                old = batch.rollout_logprobs
+            else:
+                with phase("old_logprobs", metrics), gathered(model), torch.no_grad():
+                    old = old_logprobs(model, batch, cfg.train.micro_batch_tokens)
             with phase("advantage", metrics):
                 scores = torch.tensor([r["reward"] for r in rows])
                 advantages = grpo_advantages(scores, torch.tensor([r["index"] for r in rows]), cfg.algorithm.eps)
@@ -453,7 +459,6 @@ def run(cfg: DictConfig) -> list[dict]:
 
             # step metrics, summed over ranks
             mask = batch.loss_mask
-            mismatch = logprob_mismatch(batch.rollout_logprobs, old, mask)
             local = [
                 len(rows),
                 sum(r["reward"] for r in rows),
@@ -461,11 +466,9 @@ def run(cfg: DictConfig) -> list[dict]:
                 sum(r["tool_calls"] for r in rows),
                 sum(r["length"] for r in rows),
                 sum(r["f_format"] < 0 for r in rows),
-                float(masked_sum(entropies, mask)),
                 float(mask.sum()),
-                mismatch["mean_abs"] * float(mask.sum()),
             ]
-            n, reward, raw, calls, length, bad_format, entropy, policy_tokens, mismatch_sum = sum_all(local, device)
+            n, reward, raw, calls, length, bad_format, policy_tokens = sum_all(local, device)
             metrics.update(
                 {
                     "reward/mean": reward / n,
@@ -474,11 +477,12 @@ def run(cfg: DictConfig) -> list[dict]:
                     "rollout/tool_calls": calls / n,
                     "rollout/length": length / n,
                     "rollout/bad_format": bad_format / n,
-                    "rollout/entropy": entropy / max(policy_tokens, 1.0),
-                    "rollout/logprob_mismatch": mismatch_sum / max(policy_tokens, 1.0),
                     "rollout/tokens_per_s": policy_tokens / max(metrics["timing_s/generate"], 1e-9),
                 }
             )
+            if cfg.engine.kind == "vllm":
+                mismatch = logprob_mismatch(batch.rollout_logprobs, old, mask)["mean_abs"] * float(mask.sum())
+                metrics["rollout/logprob_mismatch"] = sum_all([mismatch], device)[0] / max(policy_tokens, 1.0)
             if validation and (step % cfg.train.validate_every == 0 or step == total):
                 with phase("validate", metrics):
                     metrics.update(validate(model, greedy, validation[rank::world], step, cfg, device))

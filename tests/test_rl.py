@@ -69,13 +69,14 @@ def test_steps_checkpoints_and_an_exact_resume(sft_model, parquet, server, tmp_p
         assert {
             "timing_s/generate",
             "timing_s/reward",
-            "timing_s/old_logprobs",
             "timing_s/advantage",
             "timing_s/update",
             "timing_s/save",
         } <= set(m)
         assert 0 <= m["reward/raw"] <= 1 and m["actor/optimizer_steps"] == 2 and m["actor/grad_norm"] > 0
-        assert m["rollout/logprob_mismatch"] < 1e-3  # the engine samples from the trainer's own module
+        assert 0 < m["actor/entropy"] < 8  # nats; the toy vocabulary's maximum is ln 2871 = 7.96
+        # the hf engine samples with the trainer's module: its log-probs are the old ones, not recomputed
+        assert "timing_s/old_logprobs" not in m and "rollout/logprob_mismatch" not in m
     rollouts = [json.loads(line) for line in (straight / "rollouts" / "step_1.jsonl").read_text().splitlines()]
     assert len(rollouts) == 16 and {"reward", "raw", "tool_calls", "f_tool", "f_length", "f_format", "text"} <= set(rollouts[0])
 
@@ -171,7 +172,7 @@ def test_colocated_vllm_engine_follows_the_updates(sft_model, parquet, server, t
     history = metrics_of(out)
     assert [m["step"] for m in history] == [1, 2, 3]
     for m in history:
-        assert m["timing_s/sync"] > 0 and m["actor/grad_norm"] > 0
+        assert m["timing_s/sync"] > 0 and m["timing_s/old_logprobs"] > 0 and m["actor/grad_norm"] > 0
         assert m["rollout/logprob_mismatch"] < 1e-4
     assert (out / "model" / "model.safetensors").exists()
 
@@ -217,8 +218,7 @@ def test_grpo_raises_the_raw_reward(sft_model, toy, rl_server, tmp_path, monkeyp
 
 def test_bf16_compute_and_gradient_checkpointing(sft_model, parquet, server, tmp_path, monkeypatch):
     """The GPU settings on CPU: FSDP2 computes in bfloat16 (parameters, optimizer and checkpoints
-    stay float32) with gradient checkpointing; the engine samples with the same bf16 module, so
-    its log-probs stay close to the recomputed ones."""
+    stay float32) with gradient checkpointing, and the engine samples with the same bf16 module."""
     from transformers import AutoModelForCausalLM
 
     monkeypatch.setenv("RETRIEVER_TOKEN", TOKEN)
@@ -227,7 +227,9 @@ def test_bf16_compute_and_gradient_checkpointing(sft_model, parquet, server, tmp
     run_in_subprocess(rl_overrides(sft_model, parquet, server, out, *extra))
     for m in metrics_of(out):
         assert m["actor/grad_norm"] > 0 and abs(m["actor/loss"]) < 10
-        assert m["rollout/logprob_mismatch"] < 1e-2  # bf16 decoding vs a bf16 full forward (measured 2e-5)
+        # the first mini-batch is on-policy: bf16 decoding against a bf16 full forward differ by
+        # rounding only (the PPO ratio stays inside the clip range almost everywhere)
+        assert m["actor/clip_fraction"] < 0.05
     assert {p.dtype for p in AutoModelForCausalLM.from_pretrained(out / "model").parameters()} == {torch.float32}
 
 
