@@ -526,7 +526,8 @@ def run(cfg: DictConfig) -> list[dict]:
             counts={"prompts": len(prompts), "steps": total},
             seed=seed,
             started_at=started,
-            metrics=history[-1] if history else {},
+            # a rerun of a finished run steps nothing: its last logged step is still the result
+            metrics=history[-1] if history else json.loads(metrics_path.read_text().splitlines()[-1]) if start else {},
         )
         if wandb_run is not None:
             wandb_run.finish()

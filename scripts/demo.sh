@@ -7,19 +7,19 @@ VENV=$(realpath "${ETAGENT_VENV:-.venv}")
 RUN=${1:-runs/demo}
 export PATH="$VENV/bin:$PATH" HF_HUB_OFFLINE=1 TRANSFORMERS_OFFLINE=1 WANDB_MODE=offline TOKENIZERS_PARALLELISM=false
 
-echo "== 1/6 toy world and tiny model -> $RUN/toy"
+echo "== 1/8 toy world and tiny model -> $RUN/toy"
 etagent toy build --out "$RUN/toy"
 
 echo
-echo "== 2/6 retriever index over the toy corpus -> $RUN/index"
+echo "== 2/8 retriever index over the toy corpus -> $RUN/index"
 python -m retriever.build corpus="$RUN/toy/corpus.jsonl" index_dir="$RUN/index"
 
 echo
-echo "== 3/6 SFT of the tiny model on the seed trajectories, tool results masked -> $RUN/sft (about 5 minutes)"
+echo "== 3/8 SFT of the tiny model on the seed trajectories, tool results masked -> $RUN/sft (about 5 minutes)"
 python -m sft.run model="$RUN/toy/model" data.path="$RUN/toy/sft.jsonl" out_dir="$RUN/sft" train.progress_bar=false
 
 echo
-echo "== 4/6 evaluation of the SFT policy on the held-out questions, with the real tools -> $RUN/eval"
+echo "== 4/8 evaluation of the SFT policy on the held-out questions, with the real tools -> $RUN/eval"
 source scripts/serve_retriever.sh "$RUN/index" "$RUN/retriever.log"
 python -m evaluation.run engine.model="$RUN/sft/model" files.toy="$RUN/toy/questions/test.jsonl" out_dir="$RUN/eval" \
   run_name=toy-sft n=2 tools.search.local.url="$RETRIEVER_URL"
@@ -39,12 +39,29 @@ print("    " + group["trajectories"][i]["text"].replace("\n", "\n    "))
 PY
 
 echo
-echo "== 5/6 the data of RL stage 1: 8 chains per RL-pool question with the SFT policy, Pareto selection -> $RUN/rl_data/stage1"
+echo "== 5/8 the data of RL stage 1: 8 chains per RL-pool question with the SFT policy, Pareto selection -> $RUN/rl_data/stage1"
 bash scripts/prepare_rl_stage.sh "$RUN/sft/model" 1 "$RUN"
 
 echo
-echo "== 6/6 radar metrics and chart -> $RUN/radar"
-python -m radar.run runs="[$RUN/eval]" tokenizer="$RUN/sft/model" out_dir="$RUN/radar"
+echo "== 6/8 RL stage 1: GRPO with the efficiency reward from the SFT policy on the stage-1 data -> $RUN/rl/stage1 (about 4 minutes)"
+source scripts/serve_retriever.sh "$RUN/rl_index" "$RUN/rl_retriever.log"
+bash scripts/rl.sh model="$RUN/sft/model" data.train="$RUN/rl_data/stage1/rl.parquet" out_dir="$RUN/rl/stage1" \
+  tools.search.local.url="$RETRIEVER_URL"
+stop_retriever
+
+echo
+echo "== 7/8 evaluation of the RL policy on the same held-out questions -> $RUN/eval-rl"
+source scripts/serve_retriever.sh "$RUN/index" "$RUN/retriever.log"
+python -m evaluation.run engine.model="$RUN/rl/stage1/model" files.toy="$RUN/toy/questions/test.jsonl" out_dir="$RUN/eval-rl" \
+  run_name=toy-rl n=2 tools.search.local.url="$RETRIEVER_URL"
+stop_retriever
+echo
+echo "SFT against RL on the held-out questions (correctness / efficiency, x100):"
+python -m evaluation.table "$RUN/eval" "$RUN/eval-rl" --out "$RUN/table"
+
+echo
+echo "== 8/8 radar metrics and chart, SFT against RL -> $RUN/radar"
+python -m radar.run runs="[$RUN/eval,$RUN/eval-rl]" labels="[SFT,RL]" tokenizer="$RUN/sft/model" out_dir="$RUN/radar"
 
 echo
 echo "demo finished: outputs in $RUN"
