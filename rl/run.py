@@ -21,19 +21,21 @@ One step, as named and timed phases (``timing_s/<phase>`` in the metrics):
 3. old_logprobs (vllm only): the policy's log-probabilities of the sampled tokens before the
    update, and their mismatch with vLLM's own (a diagnostic). The hf engine samples with the
    policy module and its current weights, so its log-probabilities are the old ones already;
-4. advantage: GRPO, the group's mean and unbiased std;
-5. update: for each mini-batch of prompts, the dual-clip PPO loss as an exact token mean over the
-   mini-batch (micro-batches by token budget), one AdamW step with gradient clipping;
-6. sync (vllm only): the updated weights gathered from their shards into the woken engine;
-7. save: every ``save_every`` steps and at the end.
+4. ref_logprobs (only with ``algorithm.kl_coef`` > 0): the same under a frozen copy of the
+   run's starting policy;
+5. advantage: GRPO, the group's mean and unbiased std;
+6. update: for each mini-batch of prompts, the dual-clip PPO loss (plus the KL term, when on) as
+   an exact token mean over the mini-batch (micro-batches by token budget), one AdamW step with
+   gradient clipping;
+7. sync (vllm only): the updated weights gathered from their shards into the woken engine;
+8. save: every ``save_every`` steps and at the end; 9. validate: every ``validate_every`` steps.
 
 The policy is sharded with FSDP2 (``fully_shard`` per decoder layer, then the root; gloo on CPU,
 NCCL on GPUs), also in one process. Each rank rolls out its share of the step's prompts; during
 generation every layer stays gathered, so ranks that decode different lengths never wait on
 each other.
 
-What it does not do (yet): the ARPO tree rollout (rl/rollout.py's interface takes it), a
-reference model (the paper's KL coefficient is 0).
+What it does not do (yet): the ARPO tree rollout (rl/rollout.py's interface takes it).
 """
 
 from __future__ import annotations
@@ -57,7 +59,7 @@ from omegaconf import DictConfig, OmegaConf
 from etagent.agent import AgentConfig, AgentLoop, TrajectoryState
 from etagent.records import write_manifest
 from etagent.timing import phase
-from rl.algorithm import grpo_advantages, logprob_mismatch, masked_sum, policy_loss
+from rl.algorithm import grpo_advantages, kl_estimate, logprob_mismatch, masked_sum, policy_loss
 from rl.batch import Batch, micro_batches, pack, token_logprobs
 from rl.reward import efficiency_reward, raw_correctness, sigma_factor, validation_score
 from rl.rollout import GroupRollout, Prompt, read_prompts
@@ -83,8 +85,9 @@ def init_distributed(device: torch.device) -> tuple[int, int]:
     return dist.get_rank(), dist.get_world_size()
 
 
-def load_policy(path: str | Path, cfg: DictConfig, device: torch.device, world: int):
-    """The policy from a save_pretrained folder, sharded with FSDP2 over all ranks."""
+def load_policy(path: str | Path, cfg: DictConfig, device: torch.device, world: int, trainable: bool = True):
+    """The policy from a save_pretrained folder, sharded with FSDP2 over all ranks (the
+    reference model too, frozen: ``trainable=False``)."""
     from torch.distributed.device_mesh import init_device_mesh
     from torch.distributed.fsdp import MixedPrecisionPolicy, fully_shard
     from transformers import AutoModelForCausalLM, AutoTokenizer
@@ -92,7 +95,9 @@ def load_policy(path: str | Path, cfg: DictConfig, device: torch.device, world: 
     tokenizer = AutoTokenizer.from_pretrained(path)
     # parameters stay float32 (the optimizer's copy); bf16 is the compute dtype on GPUs
     model = AutoModelForCausalLM.from_pretrained(path, dtype=torch.float32).to(device)
-    if cfg.train.gradient_checkpointing:
+    if not trainable:
+        model.requires_grad_(False).eval()
+    elif cfg.train.gradient_checkpointing:
         model.gradient_checkpointing_enable(gradient_checkpointing_kwargs={"use_reentrant": False})
     mesh = init_device_mesh(device.type, (world,))
     compute = getattr(torch, cfg.train.compute_dtype)
@@ -261,7 +266,9 @@ def rewards_of(groups: list[list[TrajectoryState]], prompts: list[Prompt], cfg: 
     return rows
 
 
-def update(model, optimizer, batch: Batch, advantages: torch.Tensor, old: torch.Tensor, cfg: DictConfig, device) -> dict:
+def update(
+    model, optimizer, batch: Batch, advantages: torch.Tensor, old: torch.Tensor, ref: torch.Tensor | None, cfg: DictConfig, device
+) -> dict:
     """One optimizer step per mini-batch of ``mini_batch_prompts`` prompts; the step's metrics.
 
     Every rank takes the same number of optimizer steps and of micro-batches per step (each
@@ -277,7 +284,7 @@ def update(model, optimizer, batch: Batch, advantages: torch.Tensor, old: torch.
     minis = [rows[i : i + per_mini] for i in range(0, len(rows), per_mini)]
     n_minis = int(max_all([len(minis)], device)[0])
     minis += [[]] * (n_minis - len(minis))
-    sums = dict.fromkeys(("loss", "clipped_tokens", "dual_clipped_tokens", "entropy", "policy_tokens", "grad_norm"), 0.0)
+    sums = dict.fromkeys(("loss", "clipped_tokens", "dual_clipped_tokens", "entropy", "kl", "policy_tokens", "grad_norm"), 0.0)
     row_tokens = batch.tokens()
     for mini in minis:
         local_tokens = float(batch.loss_mask[mini].sum()) if mini else 0.0
@@ -298,8 +305,14 @@ def update(model, optimizer, batch: Batch, advantages: torch.Tensor, old: torch.
                 cfg.algorithm.clip_high,
                 cfg.algorithm.clip_c,
             )
-            (terms.loss * weight).backward()
-            sums["loss"] += weight * terms.loss.item() / world
+            loss = terms.loss
+            if ref is not None:
+                # verl's use_kl_loss: the estimator's token mean over the mini-batch, like the policy loss
+                kl = masked_sum(kl_estimate(logprobs, ref[rows_, : micro.response_width], cfg.algorithm.kl_estimator), micro.loss_mask)
+                loss = loss + cfg.algorithm.kl_coef * kl / (tokens / world)
+                sums["kl"] += weight * kl.item()
+            (loss * weight).backward()
+            sums["loss"] += weight * loss.item() / world
             sums["clipped_tokens"] += weight * terms.clipped_tokens.item()
             sums["dual_clipped_tokens"] += weight * terms.dual_clipped_tokens.item()
             sums["entropy"] += weight * float(masked_sum(entropy, micro.loss_mask))
@@ -310,8 +323,11 @@ def update(model, optimizer, batch: Batch, advantages: torch.Tensor, old: torch.
         optimizer.zero_grad(set_to_none=True)
         sums["policy_tokens"] += tokens
         sums["grad_norm"] += float(grad_norm) / n_minis
-    loss_sum, clipped, dual, entropy = sum_all([sums["loss"], sums["clipped_tokens"], sums["dual_clipped_tokens"], sums["entropy"]], device)
-    return {
+    loss_sum, clipped, dual, entropy, kl = sum_all(
+        [sums["loss"], sums["clipped_tokens"], sums["dual_clipped_tokens"], sums["entropy"], sums["kl"]], device
+    )
+    kl_metrics = {"actor/kl": kl / max(sums["policy_tokens"], 1.0)} if ref is not None else {}
+    return kl_metrics | {
         "actor/loss": loss_sum / n_minis,
         "actor/clip_fraction": clipped / max(sums["policy_tokens"], 1.0),
         "actor/dual_clip_fraction": dual / max(sums["policy_tokens"], 1.0),
@@ -339,8 +355,9 @@ def max_all(values: list[float], device: torch.device) -> list[float]:
 # The run
 
 
-def old_logprobs(model, batch: Batch, budget: int) -> torch.Tensor:
-    """The policy's log-probabilities of every response token before the update."""
+def response_logprobs(model, batch: Batch, budget: int) -> torch.Tensor:
+    """Every response token's log-probability under ``model``, micro-batch by micro-batch (the
+    caller gathers the model: ranks may run different numbers of micro-batches)."""
     logprobs = torch.zeros_like(batch.rollout_logprobs)
     for part in micro_batches(batch.tokens(), budget):
         micro = batch.select(part)
@@ -388,6 +405,8 @@ def run(cfg: DictConfig) -> list[dict]:
     optimizer = torch.optim.AdamW(
         model.parameters(), lr=cfg.optim.lr, betas=tuple(cfg.optim.betas), weight_decay=cfg.optim.weight_decay, eps=cfg.optim.eps
     )
+    # the KL term's reference is the stage's starting policy, also after a resume
+    reference = load_policy(cfg.model, cfg, device, world, trainable=False)[0] if cfg.algorithm.kl_coef > 0 else None
     if checkpoint:
         load_optimizer(model, optimizer, checkpoint / "optimizer.pt")
         log.info("resuming after step %d from %s", start, checkpoint)
@@ -443,13 +462,17 @@ def run(cfg: DictConfig) -> list[dict]:
                 old = batch.rollout_logprobs
             else:
                 with phase("old_logprobs", metrics), gathered(model), torch.no_grad():
-                    old = old_logprobs(model, batch, cfg.train.micro_batch_tokens)
+                    old = response_logprobs(model, batch, cfg.train.micro_batch_tokens)
+            ref = None
+            if reference is not None:
+                with phase("ref_logprobs", metrics), gathered(reference), torch.no_grad():
+                    ref = response_logprobs(reference, batch, cfg.train.micro_batch_tokens)
             with phase("advantage", metrics):
                 scores = torch.tensor([r["reward"] for r in rows])
                 advantages = grpo_advantages(scores, torch.tensor([r["index"] for r in rows]), cfg.algorithm.eps)
             with phase("update", metrics):
                 model.train()
-                metrics.update(update(model, optimizer, batch, advantages, old, cfg, device))
+                metrics.update(update(model, optimizer, batch, advantages, old, ref, cfg, device))
             if cfg.engine.kind == "vllm":
                 with phase("sync", metrics):
                     sync_engine(engine, model, cfg)

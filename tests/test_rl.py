@@ -77,6 +77,7 @@ def test_steps_checkpoints_and_an_exact_resume(sft_model, parquet, server, tmp_p
         assert 0 < m["actor/entropy"] < 8  # nats; the toy vocabulary's maximum is ln 2871 = 7.96
         # the hf engine samples with the trainer's module: its log-probs are the old ones, not recomputed
         assert "timing_s/old_logprobs" not in m and "rollout/logprob_mismatch" not in m
+        assert "timing_s/ref_logprobs" not in m and "actor/kl" not in m  # kl_coef 0: no reference
     rollouts = [json.loads(line) for line in (straight / "rollouts" / "step_1.jsonl").read_text().splitlines()]
     assert len(rollouts) == 16 and {"reward", "raw", "tool_calls", "f_tool", "f_length", "f_format", "text"} <= set(rollouts[0])
 
@@ -259,3 +260,16 @@ def test_a_prompt_over_the_limit_names_its_row(toy, tmp_path):
     assert len(read_prompts(path, tokenizer, 2000)) == 3
     with pytest.raises(RecordError, match=r"rl.parquet:3.*prompt.*over data.max_prompt_tokens \(200\)"):
         read_prompts(path, tokenizer, 200)
+
+
+def test_kl_term_against_the_starting_policy(sft_model, parquet, server, tmp_path, monkeypatch):
+    """algorithm.kl_coef > 0 loads a frozen reference (the stage's starting policy) and adds a
+    ref_logprobs phase; the k3 KL is 0 before the first optimizer step and grows after it."""
+    monkeypatch.setenv("RETRIEVER_TOKEN", TOKEN)
+    out = tmp_path / "kl"
+    run_in_subprocess(rl_overrides(sft_model, parquet, server, out, "algorithm.kl_coef=0.1", "train.max_steps=2", "train.save_every=100"))
+    first, second = metrics_of(out)
+    for m in (first, second):
+        assert m["timing_s/ref_logprobs"] > 0 and m["actor/kl"] >= 0
+    # step 1: the first mini-batch is at the reference's weights, the second one step away
+    assert 0 < first["actor/kl"] < second["actor/kl"]
