@@ -104,11 +104,11 @@ def kl_estimate(logprobs: torch.Tensor, ref_logprobs: torch.Tensor, estimator: s
     raise ValueError(f"KL estimator must be one of {', '.join(KL_ESTIMATORS)}, got {estimator!r}")
 
 
-def entropy_from_logits(logits: torch.Tensor) -> torch.Tensor:
-    """Entropy of softmax(logits) over the last dimension, in nats."""
-    logits = logits.float()
-    log_z = torch.logsumexp(logits, dim=-1)
-    return log_z - (torch.softmax(logits, dim=-1) * logits).sum(dim=-1)
+def entropy_from_logprobs(log_probs: torch.Tensor) -> torch.Tensor:
+    """Entropy of the distribution over the last dimension, in nats, from its log-probabilities
+    (the trainer has them already: no second softmax over the vocabulary)."""
+    probs = log_probs.exp()
+    return -torch.where(probs > 0, probs * log_probs, torch.zeros_like(log_probs)).sum(dim=-1)
 
 
 def logprob_mismatch(rollout_logprobs: torch.Tensor, trainer_logprobs: torch.Tensor, mask: torch.Tensor) -> dict[str, float]:

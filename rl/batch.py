@@ -17,7 +17,7 @@ import torch
 
 from etagent.agent import TrajectoryState
 from etagent.records import TokenOrigin
-from rl.algorithm import entropy_from_logits
+from rl.algorithm import entropy_from_logprobs
 
 
 @dataclass
@@ -86,8 +86,12 @@ def token_logprobs(model, batch: Batch, with_entropy: bool = False) -> tuple[tor
     start = batch.prompt_width - 1
     logits = logits[:, start : start + batch.response_width].float()
     targets = batch.input_ids[:, batch.prompt_width :]
-    logprobs = torch.log_softmax(logits, dim=-1).gather(-1, targets[..., None]).squeeze(-1)
-    return logprobs, (entropy_from_logits(logits.detach()) if with_entropy else None)
+    log_probs = torch.log_softmax(logits, dim=-1)
+    logprobs = log_probs.gather(-1, targets[..., None]).squeeze(-1)
+    if not with_entropy:
+        return logprobs, None
+    with torch.no_grad():
+        return logprobs, entropy_from_logprobs(log_probs.detach())
 
 
 def micro_batches(tokens: list[int], max_tokens: int) -> list[list[int]]:

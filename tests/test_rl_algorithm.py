@@ -8,7 +8,7 @@ import math
 import pytest
 import torch
 
-from rl.algorithm import entropy_from_logits, grpo_advantages, kl_estimate, logprob_mismatch, masked_mean, policy_loss
+from rl.algorithm import entropy_from_logprobs, grpo_advantages, kl_estimate, logprob_mismatch, masked_mean, policy_loss
 
 
 def test_grpo_advantages_by_hand():
@@ -79,9 +79,9 @@ def test_kl_estimators():
 
 
 def test_entropy_and_mismatch():
-    assert entropy_from_logits(torch.zeros(3, 8)).tolist() == pytest.approx([math.log(8)] * 3)
+    assert entropy_from_logprobs(torch.log_softmax(torch.zeros(3, 8), -1)).tolist() == pytest.approx([math.log(8)] * 3)
     peaked = torch.tensor([[100.0, 0.0, 0.0]])
-    assert entropy_from_logits(peaked).item() == pytest.approx(0.0, abs=1e-6)
+    assert entropy_from_logprobs(torch.log_softmax(peaked, -1)).item() == pytest.approx(0.0, abs=1e-6)
     a = torch.tensor([[-1.0, -2.0, -3.0]])
     b = torch.tensor([[-1.0, -2.5, -9.0]])
     mask = torch.tensor([[1, 1, 0]])
