@@ -7,6 +7,15 @@ VENV=$(realpath "${ETAGENT_VENV:-.venv}")
 RUN=${1:-runs/demo}
 export PATH="$VENV/bin:$PATH" HF_HUB_OFFLINE=1 TRANSFORMERS_OFFLINE=1 WANDB_MODE=offline TOKENIZERS_PARALLELISM=false
 
+# A policy on the toy world's held-out questions, 2 samples each, with the real tools.
+evaluate_on_held_out() {
+  local model=$1 out=$2 name=$3
+  source scripts/serve_retriever.sh "$RUN/index" "$RUN/retriever.log"
+  python -m evaluation.run engine.model="$model" files.toy="$RUN/toy/questions/test.jsonl" out_dir="$out" \
+    run_name="$name" n=2 tools.search.local.url="$RETRIEVER_URL"
+  stop_retriever
+}
+
 echo "== 1/8 toy world and tiny model -> $RUN/toy"
 etagent toy build --out "$RUN/toy"
 
@@ -20,10 +29,7 @@ python -m sft.run model="$RUN/toy/model" data.path="$RUN/toy/sft.jsonl" out_dir=
 
 echo
 echo "== 4/8 evaluation of the SFT policy on the held-out questions, with the real tools -> $RUN/eval"
-source scripts/serve_retriever.sh "$RUN/index" "$RUN/retriever.log"
-python -m evaluation.run engine.model="$RUN/sft/model" files.toy="$RUN/toy/questions/test.jsonl" out_dir="$RUN/eval" \
-  run_name=toy-sft n=2 tools.search.local.url="$RETRIEVER_URL"
-stop_retriever
+evaluate_on_held_out "$RUN/sft/model" "$RUN/eval" toy-sft
 python - "$RUN/eval/toy" <<'PY'
 import json, sys
 from pathlib import Path
@@ -43,7 +49,7 @@ echo "== 5/8 the data of RL stage 1: 8 chains per RL-pool question with the SFT 
 bash scripts/prepare_rl_stage.sh "$RUN/sft/model" 1 "$RUN"
 
 echo
-echo "== 6/8 RL stage 1: GRPO with the efficiency reward from the SFT policy on the stage-1 data -> $RUN/rl/stage1 (about 4 minutes)"
+echo "== 6/8 RL stage 1: GRPO with the efficiency reward from the SFT policy on the stage-1 data -> $RUN/rl/stage1 (about 3 minutes)"
 source scripts/serve_retriever.sh "$RUN/rl_index" "$RUN/rl_retriever.log"
 bash scripts/rl.sh model="$RUN/sft/model" data.train="$RUN/rl_data/stage1/rl.parquet" out_dir="$RUN/rl/stage1" \
   tools.search.local.url="$RETRIEVER_URL"
@@ -51,10 +57,7 @@ stop_retriever
 
 echo
 echo "== 7/8 evaluation of the RL policy on the same held-out questions -> $RUN/eval-rl"
-source scripts/serve_retriever.sh "$RUN/index" "$RUN/retriever.log"
-python -m evaluation.run engine.model="$RUN/rl/stage1/model" files.toy="$RUN/toy/questions/test.jsonl" out_dir="$RUN/eval-rl" \
-  run_name=toy-rl n=2 tools.search.local.url="$RETRIEVER_URL"
-stop_retriever
+evaluate_on_held_out "$RUN/rl/stage1/model" "$RUN/eval-rl" toy-rl
 echo
 echo "SFT against RL on the held-out questions (correctness / efficiency, x100):"
 python -m evaluation.table "$RUN/eval" "$RUN/eval-rl" --out "$RUN/table"
