@@ -104,11 +104,13 @@ def kl_estimate(logprobs: torch.Tensor, ref_logprobs: torch.Tensor, estimator: s
     raise ValueError(f"KL estimator must be one of {', '.join(KL_ESTIMATORS)}, got {estimator!r}")
 
 
-def entropy_from_logprobs(log_probs: torch.Tensor) -> torch.Tensor:
+def entropy_from_logprobs(log_probs: torch.Tensor, chunk: int = 1024) -> torch.Tensor:
     """Entropy of the distribution over the last dimension, in nats, from its log-probabilities
-    (the trainer has them already: no second softmax over the vocabulary)."""
-    probs = log_probs.exp()
-    return -torch.where(probs > 0, probs * log_probs, torch.zeros_like(log_probs)).sum(dim=-1)
+    (the trainer has them already: no second log-softmax), ``chunk`` positions at a time so the
+    temporaries stay small at a 152k vocabulary."""
+    flat = log_probs.reshape(-1, log_probs.shape[-1])
+    parts = [torch.special.entr(flat[i : i + chunk].exp()).sum(dim=-1) for i in range(0, flat.shape[0], chunk)]
+    return torch.cat(parts).reshape(log_probs.shape[:-1]) if parts else flat.new_zeros(log_probs.shape[:-1])
 
 
 def logprob_mismatch(rollout_logprobs: torch.Tensor, trainer_logprobs: torch.Tensor, mask: torch.Tensor) -> dict[str, float]:

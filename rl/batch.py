@@ -54,6 +54,16 @@ class Batch:
             self.prompt_width - left,
         )
 
+    def to(self, device: torch.device) -> Batch:
+        return Batch(
+            self.input_ids.to(device),
+            self.attention_mask.to(device),
+            self.position_ids.to(device),
+            self.loss_mask.to(device),
+            self.rollout_logprobs.to(device),
+            self.prompt_width,
+        )
+
     def tokens(self) -> list[int]:
         """Real (non-padding) tokens per row."""
         return self.attention_mask.sum(dim=1).tolist()

@@ -43,7 +43,6 @@ from __future__ import annotations
 import asyncio
 import json
 import logging
-import math
 import os
 import random
 import shutil
@@ -180,9 +179,10 @@ def sync_engine(engine, model, cfg: DictConfig) -> None:
 # Checkpoints
 
 
-def save_checkpoint(out: Path, step: int, model, tokenizer, optimizer, rank: int, final: bool = False) -> Path:
-    """``checkpoints/step_{k}/``: the policy as a plain save_pretrained folder, the optimizer and
-    the step; written to a temporary folder and renamed, so a kill never leaves half of one."""
+def save_checkpoint(out: Path, step: int, model, tokenizer, optimizer, rank: int, metrics: dict, final: bool = False) -> Path:
+    """``checkpoints/step_{k}/``: the policy as a plain save_pretrained folder, the optimizer, and
+    the step with its metrics (``state.json``: a kill before the metrics line is written loses
+    nothing); written to a temporary folder and renamed, so a kill never leaves half of one."""
     from torch.distributed.checkpoint.state_dict import StateDictOptions, get_model_state_dict, get_optimizer_state_dict
 
     options = StateDictOptions(full_state_dict=True, cpu_offload=True)
@@ -197,13 +197,23 @@ def save_checkpoint(out: Path, step: int, model, tokenizer, optimizer, rank: int
         model.save_pretrained(tmp / "model", state_dict=dict(weights), safe_serialization=True)
         tokenizer.save_pretrained(tmp / "model")
         torch.save(optimizer_state, tmp / "optimizer.pt")
-        (tmp / "state.json").write_text(json.dumps({"step": step}) + "\n")
+        (tmp / "state.json").write_text(json.dumps({"step": step, "metrics": metrics}) + "\n")
         tmp.rename(folder)
         if final:
-            model.save_pretrained(out / "model", state_dict=dict(weights), safe_serialization=True)
-            tokenizer.save_pretrained(out / "model")
+            export_final(out, folder)
     dist.barrier()
     return folder
+
+
+def export_final(out: Path, checkpoint: Path) -> None:
+    """``out_dir/model``: the final checkpoint's policy, copied whole or not at all."""
+    tmp = out / "model.tmp"
+    if tmp.exists():
+        shutil.rmtree(tmp)
+    shutil.copytree(checkpoint / "model", tmp)
+    if (out / "model").exists():
+        shutil.rmtree(out / "model")
+    tmp.rename(out / "model")
 
 
 def latest_checkpoint(out: Path) -> Path | None:
@@ -225,7 +235,7 @@ def load_optimizer(model, optimizer, path: Path) -> None:
 def step_prompts(prompts: list[Prompt], step: int, per_step: int, seed: int) -> list[Prompt]:
     """The prompts of a step (counted from 1): epochs in a seeded order of their own, so the data
     position of a resumed run is the step number alone."""
-    steps_per_epoch = math.ceil(len(prompts) / per_step)
+    steps_per_epoch = len(prompts) // per_step  # the last partial step is dropped, as verl's loader does
     epoch, offset = divmod(step - 1, steps_per_epoch)
     order = np.random.default_rng([seed, epoch]).permutation(len(prompts))
     return [prompts[i] for i in order[offset * per_step : (offset + 1) * per_step]]
@@ -395,7 +405,8 @@ def run(cfg: DictConfig) -> list[dict]:
     out = Path(cfg.out_dir)
     out.mkdir(parents=True, exist_ok=True)
     checkpoint = latest_checkpoint(out)
-    start = json.loads((checkpoint / "state.json").read_text())["step"] if checkpoint else 0
+    state = json.loads((checkpoint / "state.json").read_text()) if checkpoint else {"step": 0}
+    start = state["step"]
     seed = int(cfg.train.seed)
     random.seed(seed)
     torch.manual_seed(seed)
@@ -416,12 +427,20 @@ def run(cfg: DictConfig) -> list[dict]:
     for name, value in (("data.prompts_per_step", per_step), ("train.mini_batch_prompts", int(cfg.train.mini_batch_prompts))):
         if value % world:
             raise ValueError(f"{name} ({value}) must be a multiple of the number of processes ({world})")
-    total = int(cfg.train.max_steps or math.ceil(len(prompts) / per_step) * cfg.data.epochs)
+    if len(prompts) < per_step:
+        raise ValueError(f"{cfg.data.train} has {len(prompts)} prompts, fewer than data.prompts_per_step ({per_step})")
+    total = int(cfg.train.max_steps or len(prompts) // per_step * cfg.data.epochs)
 
     metrics_path = out / "metrics.jsonl"
-    if rank == 0 and metrics_path.exists():  # steps logged after the checkpoint are run again
-        kept = [line for line in metrics_path.read_text().splitlines() if line.strip() and json.loads(line)["step"] <= start]
+    if rank == 0 and (metrics_path.exists() or start):
+        # steps logged after the checkpoint run again; a checkpoint whose line a kill lost brings it back
+        lines = metrics_path.read_text().splitlines() if metrics_path.exists() else []
+        kept = [line for line in lines if line.strip() and json.loads(line)["step"] <= start]
+        if start and (not kept or json.loads(kept[-1])["step"] < start):
+            kept.append(json.dumps(state["metrics"]))
         metrics_path.write_text("".join(line + "\n" for line in kept))
+        if start >= total and not (out / "model").exists():
+            export_final(out, checkpoint)
     wandb_run = None
     if rank == 0 and cfg.wandb.enabled:
         import wandb
@@ -451,12 +470,14 @@ def run(cfg: DictConfig) -> list[dict]:
 
             with phase("generate", metrics), engine_reads_policy(cfg, model):
                 groups = rollout.generate(loop, chosen, step, seed)
-                engine.sleep(level=1)  # vLLM frees its GPU memory for the trainer (a no-op elsewhere)
+                # vLLM frees its GPU memory for the trainer: level 2 drops the weights too (the sync
+                # brings new ones; vLLM keeps its buffers), a no-op elsewhere
+                engine.sleep(level=2)
             with phase("reward", metrics):
                 factor = sigma_factor(step, total) if cfg.reward.decay else 1.0
                 rows = rewards_of(groups, chosen, cfg, factor, loop)
             trajectories = [t for group in groups for t in group]
-            batch = pack(trajectories, pad_id)
+            batch = pack(trajectories, pad_id).to(device)
             if cfg.engine.kind == "hf":
                 # sampled by this module with these weights: recomputing would repeat the rollout's forwards
                 old = batch.rollout_logprobs
@@ -469,17 +490,13 @@ def run(cfg: DictConfig) -> list[dict]:
                     ref = response_logprobs(reference, batch, cfg.train.micro_batch_tokens)
             with phase("advantage", metrics):
                 scores = torch.tensor([r["reward"] for r in rows])
-                advantages = grpo_advantages(scores, torch.tensor([r["index"] for r in rows]), cfg.algorithm.eps)
+                advantages = grpo_advantages(scores, torch.tensor([r["index"] for r in rows]), cfg.algorithm.eps).to(device)
             with phase("update", metrics):
                 model.train()
                 metrics.update(update(model, optimizer, batch, advantages, old, ref, cfg, device))
             if cfg.engine.kind == "vllm":
                 with phase("sync", metrics):
                     sync_engine(engine, model, cfg)
-            with phase("save", metrics):
-                if step % cfg.train.save_every == 0 or step == total:
-                    save_checkpoint(out, step, model, tokenizer, optimizer, rank, final=step == total)
-
             # step metrics, summed over ranks
             mask = batch.loss_mask
             local = [
@@ -510,7 +527,7 @@ def run(cfg: DictConfig) -> list[dict]:
                 with phase("validate", metrics):
                     metrics.update(validate(model, greedy, validation[rank::world], step, cfg, device))
 
-            metrics["timing_s/step"] = time.perf_counter() - step_started
+            # the rollouts, then the checkpoint that commits the step, then its metrics line
             gathered_rows = [None] * world
             dist.all_gather_object(gathered_rows, rows)
             if rank == 0:
@@ -519,6 +536,11 @@ def run(cfg: DictConfig) -> list[dict]:
                     for part in gathered_rows:
                         for row in part:
                             f.write(json.dumps(row, ensure_ascii=False) + "\n")
+            with phase("save", metrics):
+                if step % cfg.train.save_every == 0 or step == total:
+                    save_checkpoint(out, step, model, tokenizer, optimizer, rank, metrics, final=step == total)
+            metrics["timing_s/step"] = time.perf_counter() - step_started
+            if rank == 0:
                 with open(metrics_path, "a") as f:
                     f.write(json.dumps(metrics) + "\n")
                 if wandb_run is not None:
@@ -550,7 +572,7 @@ def run(cfg: DictConfig) -> list[dict]:
             seed=seed,
             started_at=started,
             # a rerun of a finished run steps nothing: its last logged step is still the result
-            metrics=history[-1] if history else json.loads(metrics_path.read_text().splitlines()[-1]) if start else {},
+            metrics=history[-1] if history else state.get("metrics", {}),
         )
         if wandb_run is not None:
             wandb_run.finish()

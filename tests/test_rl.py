@@ -264,12 +264,21 @@ def test_a_prompt_over_the_limit_names_its_row(toy, tmp_path):
 
 def test_kl_term_against_the_starting_policy(sft_model, parquet, server, tmp_path, monkeypatch):
     """algorithm.kl_coef > 0 loads a frozen reference (the stage's starting policy) and adds a
-    ref_logprobs phase; the k3 KL is 0 before the first optimizer step and grows after it."""
+    ref_logprobs phase. Step 1's first mini-batch runs at the reference's weights, where k3 and
+    its gradient are 0, so both runs reach its second mini-batch with the same weights: the KL
+    run's loss is then the other's plus the KL term, which grows in step 2."""
     monkeypatch.setenv("RETRIEVER_TOKEN", TOKEN)
-    out = tmp_path / "kl"
-    run_in_subprocess(rl_overrides(sft_model, parquet, server, out, "algorithm.kl_coef=0.1", "train.max_steps=2", "train.save_every=100"))
-    first, second = metrics_of(out)
+    runs = {}
+    for coef in ("0.1", "0.0"):
+        out = tmp_path / f"kl{coef}"
+        run_in_subprocess(
+            rl_overrides(sft_model, parquet, server, out, f"algorithm.kl_coef={coef}", "train.max_steps=2", "train.save_every=100")
+        )
+        runs[coef] = metrics_of(out)
+    (first, second), (plain, _) = runs["0.1"], runs["0.0"]
     for m in (first, second):
-        assert m["timing_s/ref_logprobs"] > 0 and m["actor/kl"] >= 0
-    # step 1: the first mini-batch is at the reference's weights, the second one step away
+        assert m["timing_s/ref_logprobs"] > 0
+    assert "actor/kl" not in plain and "timing_s/ref_logprobs" not in plain
     assert 0 < first["actor/kl"] < second["actor/kl"]
+    assert first["reward/mean"] == plain["reward/mean"]  # the same rollouts
+    assert first["actor/loss"] > plain["actor/loss"]  # the term reaches the loss
