@@ -418,8 +418,8 @@ class AgentLoop:
         s.segment_starts.append(SegmentStart(len(s.response_ids), len(s.tool_calls), s.budget_messages))
         s.policy_version = self.policy_version  # the weights its latest segment came from
         s.append(list(sample.token_ids), TokenOrigin.SAMPLED, list(sample.logprobs), sample.tempered_logprobs)
-        if sample.top_logprobs:
-            s.entropies.append(topk_segment_entropy(sample.top_logprobs, self.vocab_size, c.entropy_window))
+        if c.logprobs > 0:  # one entropy per segment, 0 for an empty one (ARPO reads them by segment)
+            s.entropies.append(topk_segment_entropy(sample.top_logprobs or [], self.vocab_size, c.entropy_window))
         exact = exact_segment_entropy(sample.entropy, self.vocab_size, c.entropy_window)
         if exact is not None:
             s.entropies_exact.append(exact)

@@ -6,6 +6,11 @@ Rows are runs, columns datasets (the paper's six first, in its order), each cell
 ``correctness / efficiency`` (x100: LLM judge or math equivalence for math, F1 for QA), then the
 plain averages "Avg P" and "Avg Effi" over the datasets the runs share, as the paper computes them.
 Writes ``{out}.md`` and ``{out}.csv`` (one column per number).
+
+Where the runs know which tool calls each question needs (the toy world's ``behaviour`` in their
+summaries), a second table compares how they use tools, per kind of question: correctness,
+tool calls per answer, and the rates of redundant calls (more than the question needs) and
+insufficient ones (fewer); it goes to ``{out}_behaviour.md`` and ``{out}_behaviour.csv``.
 """
 
 from __future__ import annotations
@@ -23,9 +28,46 @@ def summary_rows(run_dirs: list[Path]) -> list[dict]:
     for run_dir in run_dirs:
         summary = json.loads((Path(run_dir) / "summary.json").read_text())
         rows.append(
-            {"run": summary["run"], "datasets": {name: (d["correctness"], d["efficiency"]) for name, d in summary["datasets"].items()}}
+            {
+                "run": summary["run"],
+                "datasets": {name: (d["correctness"], d["efficiency"]) for name, d in summary["datasets"].items()},
+                "behaviour": {name: d["behaviour"] for name, d in summary["datasets"].items() if d.get("behaviour")},
+            }
         )
     return rows
+
+
+def write_behaviour_table(rows: list[dict], out: Path) -> Path | None:
+    """The tool-use table, one row per dataset, kind and run (runs side by side under each kind);
+    None when no run has behaviour figures."""
+    if not any(row["behaviour"] for row in rows):
+        return None
+    md = ["| dataset | kind | run | correctness | tool calls | redundant % | insufficient % |", "|---" * 7 + "|"]
+    table = []
+    datasets = sorted({name for row in rows for name in row["behaviour"]})
+    for dataset in datasets:
+        kinds = sorted({kind for row in rows for kind in row["behaviour"].get(dataset, {})}, key=lambda k: (k == "all", k))
+        for kind in kinds:
+            for row in rows:
+                b = row["behaviour"].get(dataset, {}).get(kind)
+                if b is None:
+                    continue
+                md.append(
+                    f"| {dataset} | {kind} | {row['run']} | {b['correctness']:.1f} | {b['tool_calls']:.2f} | "
+                    f"{b['redundant_rate']:.1f} | {b['insufficient_rate']:.1f} |"
+                )
+                table.append({"dataset": dataset, "kind": kind, "run": row["run"]} | {k: b[k] for k in BEHAVIOUR_FIELDS})
+    out = Path(out)
+    md_path = out.with_name(out.name + "_behaviour.md")
+    md_path.write_text("\n".join(md) + "\n")
+    with out.with_name(out.name + "_behaviour.csv").open("w", newline="") as f:
+        writer = csv.DictWriter(f, fieldnames=list(table[0]))
+        writer.writeheader()
+        writer.writerows(table)
+    return md_path
+
+
+BEHAVIOUR_FIELDS = ("questions", "samples", "correctness", "tool_calls", "redundant_rate", "insufficient_rate")
 
 
 def columns(rows: list[dict]) -> list[str]:
@@ -67,8 +109,13 @@ def main(argv: list[str] | None = None) -> None:
     parser.add_argument("runs", nargs="+", help="evaluation output directories (each with summary.json)")
     parser.add_argument("--out", default="runs/table", help="output path without extension")
     args = parser.parse_args(argv)
-    md_path, _ = write_table(summary_rows([Path(r) for r in args.runs]), Path(args.out))
+    rows = summary_rows([Path(r) for r in args.runs])
+    md_path, _ = write_table(rows, Path(args.out))
     print(md_path.read_text())
+    behaviour = write_behaviour_table(rows, Path(args.out))
+    if behaviour is not None:
+        print("Tool use per kind of question (redundant: more calls than the question needs; insufficient: fewer):")
+        print(behaviour.read_text())
 
 
 if __name__ == "__main__":

@@ -1,5 +1,6 @@
 """GRPO as small pure functions over tensors: advantages, the clipped policy loss with dual clip,
-KL estimators, entropy, and the rollout/trainer log-probability mismatch.
+KL estimators, entropy, the rollout/trainer log-probability mismatch, and AEPO's two loss-side
+switches (entropy-balanced clipping, the entropy-aware advantage).
 
 Shapes: per-sequence tensors are (B,); per-token tensors are (B, T) with a 0/1 ``mask`` that is
 1 on the tokens the policy gradient covers (tokens sampled by the policy in this rollout; see
@@ -59,6 +60,23 @@ class LossTerms:
     ratio_sum: torch.Tensor
 
 
+def entropy_aware_advantages(advantages: torch.Tensor, entropy: torch.Tensor, mask: torch.Tensor, scale: float = 0.2) -> torch.Tensor:
+    """AEPO's entropy-aware advantage: A_t (1 + scale z_t), z_t the token entropy standardised
+    over the masked tokens given (mean, unbiased std; a std of 0 counts as 1), no gradient through
+    it. ``advantages`` is (B,) or (B, T); the result is (B, T). The reference standardises over
+    each micro-batch and needs an entropy it never computes, so it does nothing there."""
+    if advantages.dim() == 1:
+        advantages = advantages[:, None].expand_as(entropy)
+    valid = mask.to(torch.bool)
+    values = entropy.detach()[valid].float()
+    if values.numel() == 0:
+        return advantages
+    mean = values.mean()
+    std = values.std() if values.numel() > 1 else values.new_tensor(0.0)
+    std = torch.where(std > 0, std, torch.ones_like(std))
+    return advantages * (1.0 + scale * (entropy.detach() - mean) / std)
+
+
 def policy_loss(
     logprobs: torch.Tensor,
     old_logprobs: torch.Tensor,
@@ -68,18 +86,29 @@ def policy_loss(
     clip_low: float = 0.2,
     clip_high: float = 0.2,
     clip_c: float = 3.0,
+    entropy_balanced_clipping: bool = False,
 ) -> LossTerms:
     """The PPO clipped objective with dual clip, as a sum over masked tokens divided by
     ``tokens``. ``advantages`` is (B,) or (B, T).
 
     r = exp(logp - logp_old); L = max(-A r, -A clip(r, 1 - clip_low, 1 + clip_high)); for A < 0
-    also L = min(L, -A c): a very large ratio on a bad action cannot blow the loss up."""
+    also L = min(L, -A c): a very large ratio on a bad action cannot blow the loss up.
+
+    ``entropy_balanced_clipping`` (AEPO): the upper bound becomes (1 + clip_high) r / sg(r), the
+    same value with the gradient (1 + clip_high) grad log pi, so a token clipped above still
+    moves the policy, scaled by (1 + clip_high) / r; the lower bound is unchanged. Applied to
+    every token, as the reference does."""
     if advantages.dim() == 1:
         advantages = advantages[:, None].expand_as(logprobs)
     mask = mask.to(logprobs.dtype)
     ratio = torch.exp(logprobs - old_logprobs)
     unclipped = -advantages * ratio
-    clipped = -advantages * torch.clamp(ratio, 1.0 - clip_low, 1.0 + clip_high)
+    if entropy_balanced_clipping:
+        upper = (1.0 + clip_high) * ratio / ratio.detach()
+        bounded = torch.minimum(torch.clamp(ratio, min=1.0 - clip_low), upper)
+    else:
+        bounded = torch.clamp(ratio, 1.0 - clip_low, 1.0 + clip_high)
+    clipped = -advantages * bounded
     loss = torch.maximum(unclipped, clipped)
     dual = torch.where(advantages < 0, torch.minimum(loss, -advantages * clip_c), loss)
     return LossTerms(

@@ -1,18 +1,30 @@
 """The prompts of an RL run and the rollouts of one step.
 
 :func:`read_prompts` turns the RL parquet (verl's schema, as ``pareto/`` writes it or as the
-paper's files are) into questions for the agent loop; :class:`GroupRollout` is plain GRPO
-sampling: n rollouts per prompt through the agent loop, each step with its own seed. The ARPO
-tree rollout (entropy branching) implements the same ``generate`` and replaces it by config.
+paper's files are) into questions for the agent loop. Two rollouts, one interface
+(``generate(loop, prompts, step, seed) -> StepRollouts``: exactly ``n`` finished trajectories per
+prompt, and the step's rollout metrics), chosen by ``rollout.kind``:
 
-What this module does not do: score the rollouts (rl/reward.py) or turn them into tensors
+- :class:`GroupRollout`: plain GRPO sampling, ``n`` independent rollouts per prompt;
+- :class:`TreeRollout`: ARPO's entropy branching (paper_rl.md §1.3), with AEPO's dynamic root
+  budget and consecutive-branch penalty as switches (§2.1, §2.2). Where the reference is wrong,
+  this follows what it intends: the entropy baseline belongs to each trajectory of this step
+  (the reference keys it by a slot number reused across steps, so from step 2 on a path is
+  compared with an unrelated one), a prompt whose paths have all ended gets all of its missing
+  rollouts at once (the reference adds one per round), the branch draws are seeded, and each
+  trajectory generates within its own token budget.
+
+Each step's seed is the run's plus the step, so a resumed step draws what the uninterrupted one
+did. What this module does not do: score the rollouts (rl/reward.py) or turn them into tensors
 (rl/batch.py).
 """
 
 from __future__ import annotations
 
 import asyncio
-from dataclasses import dataclass
+import math
+import random
+from dataclasses import dataclass, field
 from pathlib import Path
 
 from etagent import protocol
@@ -63,22 +75,219 @@ def read_prompts(path: str | Path, tokenizer=None, max_prompt_tokens: int | None
     return prompts
 
 
+@dataclass
+class StepRollouts:
+    """One step's rollouts: ``groups[i]`` holds the ``n`` finished trajectories of prompt i;
+    ``counts`` are the rollout's own tallies, all sums, so that ranks' counts add up
+    (:func:`rollout_metrics` turns them into the logged metrics)."""
+
+    groups: list[list[TrajectoryState]]
+    counts: dict[str, float] = field(default_factory=dict)
+
+
+def rollout_metrics(parts: list[dict[str, float]]) -> dict[str, float]:
+    """The step's tree-rollout metrics from every rank's counts: roots, branches and fill-ins per
+    prompt group summed, the most rounds any rank ran, the mean dH over branch decisions, the
+    branch rate of each round, and AEPO's mean dynamic root count. Nothing for plain GRPO."""
+    total: dict[str, float] = {}
+    for part in parts:
+        for key, value in part.items():
+            total[key] = max(total.get(key, 0.0), value) if key == "rounds" else total.get(key, 0.0) + value
+    if not total:
+        return {}
+    decisions = sum(v for k, v in total.items() if k.startswith("decisions_round"))
+    metrics = {f"rollout/{k}": total[k] for k in ("roots", "branches", "fill_ins", "rounds")}
+    metrics["rollout/mean_delta_h"] = total["delta_h_sum"] / decisions if decisions else 0.0
+    for key in sorted((k for k in total if k.startswith("decisions_round")), key=lambda k: int(k.removeprefix("decisions_round"))):
+        r = key.removeprefix("decisions_round")
+        metrics[f"rollout/branch_rate_round{r}"] = total[f"branched_round{r}"] / total[key]
+    if "dynamic_prompts" in total:
+        metrics["rollout/dynamic_roots_mean"] = total["dynamic_roots"] / total["dynamic_prompts"]
+    return metrics
+
+
+def make_rollout(cfg) -> GroupRollout | TreeRollout:
+    """The rollout of the ``rollout`` config: kind ``group`` or ``tree``."""
+    if cfg.kind == "group":
+        return GroupRollout(cfg.n)
+    if cfg.kind == "tree":
+        return TreeRollout(
+            TreeSettings(
+                n=cfg.n,
+                initial_rollouts=cfg.initial_rollouts,
+                beam_size=cfg.beam_size,
+                branch_probability=cfg.branch_probability,
+                entropy_weight=cfg.entropy_weight,
+                entropy=cfg.entropy,
+                dynamic_roots=cfg.dynamic_roots,
+                branch_penalty=cfg.branch_penalty,
+            )
+        )
+    raise ValueError(f"rollout.kind must be group or tree, got {cfg.kind!r}")
+
+
 class GroupRollout:
     """Plain GRPO rollouts: ``n`` independent samples per prompt."""
 
     def __init__(self, n: int):
         if n < 1:
-            raise ValueError(f"n must be >= 1, got {n}")
+            raise ValueError(f"rollout.n must be >= 1, got {n}")
         self.n = n
 
-    def generate(self, loop: AgentLoop, prompts: list[Prompt], step: int, seed: int) -> list[list[TrajectoryState]]:
-        """One group of ``n`` finished trajectories per prompt, in prompt order. Trajectory ids
-        name the step, the prompt and the sample; the seed is the run's plus the step, so a
-        resumed step draws what the uninterrupted one did."""
+    def generate(self, loop: AgentLoop, prompts: list[Prompt], step: int, seed: int) -> StepRollouts:
+        """Trajectory ids name the step, the prompt and the sample; every segment's draw comes
+        from the step's seed and the trajectory id (:meth:`AgentLoop.new`)."""
         states = [
             loop.new(p.question, f"step{step}/{p.index}/{k}", seed=seed + step, stage="rl", round=step)
             for p in prompts
             for k in range(self.n)
         ]
         asyncio.run(loop.run(states))
-        return [states[i * self.n : (i + 1) * self.n] for i in range(len(prompts))]
+        return StepRollouts([states[i * self.n : (i + 1) * self.n] for i in range(len(prompts))])
+
+
+@dataclass(frozen=True)
+class TreeSettings:
+    """ARPO's numbers (the paper's stages: n 16, 8 roots, beam 2, p 0.5, w 0.2) and AEPO's switches."""
+
+    n: int
+    initial_rollouts: int
+    beam_size: int = 2
+    branch_probability: float = 0.5
+    entropy_weight: float = 0.2
+    # topk: ARPO's pooled top-k entropy (what vLLM can report); exact: the full distributions'
+    entropy: str = "topk"
+    # AEPO: each prompt's number of roots from an entropy pre-check (§2.1)
+    dynamic_roots: bool = False
+    # AEPO: its branch rule, which damps prompts that branched in consecutive rounds (§2.2)
+    branch_penalty: bool = False
+
+    def __post_init__(self):
+        if self.n < 1 or not 1 <= self.initial_rollouts <= self.n:
+            raise ValueError(f"the tree rollout needs 1 <= initial_rollouts <= n, got {self.initial_rollouts} and {self.n}")
+        if self.beam_size < 1:
+            raise ValueError(f"rollout.beam_size must be >= 1, got {self.beam_size}")
+        if self.entropy not in ("topk", "exact"):
+            raise ValueError(f"rollout.entropy must be topk or exact, got {self.entropy!r}")
+
+
+def arpo_branch_probability(p: float, w: float, delta_h: float) -> float:
+    """ARPO: a path forks with probability clamp(p + w dH, 0, 1). The reference draws u and
+    branches when clamp(u - w dH, 0, 1) <= p, which is the same event; a larger p branches more."""
+    return min(1.0, max(0.0, p + w * delta_h))
+
+
+def aepo_branches(u: float, p: float, w: float, delta_h: float, consecutive: int) -> bool:
+    """AEPO's rule, kept with its own direction: branch when clamp((u + w dH) (1 - 0.05 c), 0, 1)
+    >= p, with c the rounds in a row this prompt gained trajectories. Here a larger p branches
+    less (ARPO's opposite); at c = 0 both give the probability p' + w dH with p' = 1 - p."""
+    damping = max(0.0, 1.0 - 0.05 * consecutive)
+    return min(1.0, max(0.0, (u + w * delta_h) * damping)) >= p
+
+
+def dynamic_root_count(n: int, h_root: float, h_tool: float) -> int:
+    """AEPO's entropy-balanced root budget: clamp(floor(n sigmoid(0.5 (H_root - H_tool))) + 1, 1, n):
+    a prompt whose first step is more uncertain than its steps after tool results gets more
+    roots, the others keep more of the budget for branching."""
+    return min(n, max(1, math.floor(n / (1.0 + math.exp(-0.5 * (h_root - h_tool)))) + 1))
+
+
+class TreeRollout:
+    """ARPO's tree rollout: ``initial_rollouts`` roots per prompt out of a budget of ``n``; after
+    every tool round each active path may fork (a full copy, which then samples on
+    independently: the agent loop seeds each segment by trajectory id). A path's entropy change
+    dH is its newest segment's entropy minus its own first segment's (for a fork, the first one
+    it generated after the fork). Sources are visited in creation order, each forking at most
+    ``beam_size - 1`` times per round while the prompt's budget lasts; a prompt whose paths have
+    all ended is filled up with fresh rollouts from the prompt. Each group is the prompt's
+    trajectories in creation order: roots, then branches and fill-ins as they were made."""
+
+    def __init__(self, settings: TreeSettings):
+        self.s = settings
+
+    def _entropy(self, state: TrajectoryState, segment: int) -> float:
+        if self.s.entropy == "topk":
+            if len(state.entropies) <= segment:
+                raise ValueError("the tree rollout reads each segment's top-k entropy: set agent.logprobs > 0")
+            return state.entropies[segment]
+        if len(state.entropies_exact) <= segment:
+            raise ValueError(
+                "rollout.entropy=exact needs exact entropies (the hf engine, agent.logprobs > 0); use rollout.entropy=topk with vllm"
+            )
+        return state.entropies_exact[segment]
+
+    def _delta_h(self, state: TrajectoryState) -> float:
+        own_first = state.provenance.branch_segment if state.provenance.operation == "fork" else 0
+        return self._entropy(state, state.segments - 1) - self._entropy(state, own_first)
+
+    def root_counts(self, loop: AgentLoop, prompts: list[Prompt], step: int, seed: int) -> tuple[list[int], dict[str, float]]:
+        """Roots per prompt: ``initial_rollouts``, or AEPO's dynamic count from one probe
+        trajectory per prompt (run to its end with tools, then discarded, as in AEPO): H_root is
+        its first segment's entropy, H_tool the mean over its segments after tool results
+        (H_root when it made no call)."""
+        if not self.s.dynamic_roots:
+            return [self.s.initial_rollouts] * len(prompts), {}
+        probes = [loop.new(p.question, f"step{step}/{p.index}/probe", seed=seed + step, stage="rl", round=step) for p in prompts]
+        asyncio.run(loop.run(probes))
+        counts = []
+        for probe in probes:
+            if not probe.segments:  # the engine failed it: no entropy to go by
+                counts.append(self.s.initial_rollouts)
+                continue
+            h_root = self._entropy(probe, 0)
+            after_tools = [self._entropy(probe, k) for k in range(1, probe.segments)]
+            counts.append(dynamic_root_count(self.s.n, h_root, sum(after_tools) / len(after_tools) if after_tools else h_root))
+        return counts, {"dynamic_prompts": float(len(counts)), "dynamic_roots": float(sum(counts))}
+
+    def generate(self, loop: AgentLoop, prompts: list[Prompt], step: int, seed: int) -> StepRollouts:
+        s = self.s
+        rng = random.Random(f"arpo/{seed}/{step}")  # the branch draws: the same on a resumed step
+        roots, counts = self.root_counts(loop, prompts, step, seed)
+
+        def fresh(i: int) -> TrajectoryState:
+            p = prompts[i]
+            return loop.new(p.question, f"step{step}/{p.index}/{len(groups[i])}", seed=seed + step, stage="rl", round=step)
+
+        groups: list[list[TrajectoryState]] = [[] for _ in prompts]
+        for i, count in enumerate(roots):
+            for _ in range(count):
+                groups[i].append(fresh(i))
+        consecutive = [0] * len(prompts)
+        branches = fill_ins = 0
+        decisions: list[tuple[int, int, float]] = []  # (round, branched, dH)
+        round_ = 0
+        while any(not t.done for group in groups for t in group):
+            round_ += 1
+            asyncio.run(loop.step([t for group in groups for t in group if not t.done]))
+            gained = [0] * len(prompts)
+            for i, group in enumerate(groups):
+                active = [t for t in group if not t.done]
+                for source in active:
+                    for _ in range(s.beam_size - 1):
+                        if len(group) >= s.n:
+                            break
+                        delta_h = self._delta_h(source)
+                        u = rng.random()
+                        if s.branch_penalty:
+                            branched = aepo_branches(u, s.branch_probability, s.entropy_weight, delta_h, consecutive[i])
+                        else:
+                            branched = u < arpo_branch_probability(s.branch_probability, s.entropy_weight, delta_h)
+                        decisions.append((round_, int(branched), delta_h))
+                        if branched:
+                            group.append(source.fork(f"step{step}/{prompts[i].index}/{len(group)}"))
+                            branches += 1
+                            gained[i] += 1
+                if not active and len(group) < s.n:
+                    while len(group) < s.n:
+                        group.append(fresh(i))
+                        fill_ins += 1
+                        gained[i] += 1
+            if any(gained):  # AEPO's counter moves only in rounds that added trajectories
+                consecutive = [c + 1 if g else 0 for c, g in zip(consecutive, gained)]
+        counts["roots"] = float(sum(roots))
+        counts["branches"], counts["fill_ins"], counts["rounds"] = float(branches), float(fill_ins), float(round_)
+        counts["delta_h_sum"] = sum(d for _, _, d in decisions)
+        for r, branched, _ in decisions:
+            counts[f"decisions_round{r}"] = counts.get(f"decisions_round{r}", 0.0) + 1
+            counts[f"branched_round{r}"] = counts.get(f"branched_round{r}", 0.0) + branched
+        return StepRollouts(groups, counts)

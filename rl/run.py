@@ -58,10 +58,10 @@ from omegaconf import DictConfig, OmegaConf
 from etagent.agent import AgentConfig, AgentLoop, TrajectoryState
 from etagent.records import write_manifest
 from etagent.timing import phase
-from rl.algorithm import grpo_advantages, kl_estimate, logprob_mismatch, masked_sum, policy_loss
+from rl.algorithm import entropy_aware_advantages, grpo_advantages, kl_estimate, logprob_mismatch, masked_sum, policy_loss
 from rl.batch import Batch, micro_batches, pack, token_logprobs
 from rl.reward import efficiency_reward, raw_correctness, sigma_factor, validation_score
-from rl.rollout import GroupRollout, Prompt, read_prompts
+from rl.rollout import Prompt, make_rollout, read_prompts, rollout_metrics
 
 log = logging.getLogger("rl")
 
@@ -305,15 +305,19 @@ def update(
             rows_, weight = (parts[k], 1.0) if k < len(parts) else ([0], 0.0)
             micro = batch.select(rows_)
             logprobs, entropy = token_logprobs(model, micro, with_entropy=True)
+            micro_advantages = advantages[rows_]
+            if cfg.algorithm.entropy_aware_advantage:  # AEPO: standardised over this micro-batch's tokens, as the reference
+                micro_advantages = entropy_aware_advantages(micro_advantages, entropy, micro.loss_mask)
             terms = policy_loss(
                 logprobs,
                 old[rows_, : micro.response_width],
-                advantages[rows_],
+                micro_advantages,
                 micro.loss_mask,
                 tokens / world,  # gradients are averaged over ranks: this makes it a sum over all tokens / tokens
                 cfg.algorithm.clip_low,
                 cfg.algorithm.clip_high,
                 cfg.algorithm.clip_c,
+                cfg.algorithm.entropy_balanced_clipping,
             )
             loss = terms.loss
             if ref is not None:
@@ -460,7 +464,7 @@ def run(cfg: DictConfig) -> list[dict]:
     with build_executor(cfg.tools) as executor:
         loop = AgentLoop(engine, executor, config)
         greedy = AgentLoop(engine, executor, replace(config, temperature=0.0))
-        rollout = GroupRollout(cfg.rollout.n)
+        rollout = make_rollout(cfg.rollout)
         progress = tqdm(total=total, initial=start, desc="rl", unit="step", disable=None if rank == 0 else True, dynamic_ncols=True)
         for step in range(start + 1, total + 1):
             metrics: dict = {"step": step}
@@ -469,7 +473,8 @@ def run(cfg: DictConfig) -> list[dict]:
             loop.policy_version = f"step{step - 1}"
 
             with phase("generate", metrics), engine_reads_policy(cfg, model):
-                groups = rollout.generate(loop, chosen, step, seed)
+                rollouts = rollout.generate(loop, chosen, step, seed)
+                groups = rollouts.groups
                 # vLLM frees its GPU memory for the trainer: level 2 drops the weights too (the sync
                 # brings new ones; vLLM keeps its buffers), a no-op elsewhere
                 engine.sleep(level=2)
@@ -520,6 +525,9 @@ def run(cfg: DictConfig) -> list[dict]:
                     "rollout/tokens_per_s": policy_tokens / max(metrics["timing_s/generate"], 1e-9),
                 }
             )
+            counts = [None] * world  # the tree rollout's tallies differ in keys between ranks (rounds)
+            dist.all_gather_object(counts, rollouts.counts)
+            metrics.update(rollout_metrics(counts))
             if cfg.engine.kind == "vllm":
                 mismatch = logprob_mismatch(batch.rollout_logprobs, old, mask)["mean_abs"] * float(mask.sum())
                 metrics["rollout/logprob_mismatch"] = sum_all([mismatch], device)[0] / max(policy_tokens, 1.0)

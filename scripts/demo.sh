@@ -16,19 +16,19 @@ evaluate_on_held_out() {
   stop_retriever
 }
 
-echo "== 1/8 toy world and tiny model -> $RUN/toy"
+echo "== 1/7 toy world and tiny model -> $RUN/toy"
 etagent toy build --out "$RUN/toy"
 
 echo
-echo "== 2/8 retriever index over the toy corpus -> $RUN/index"
+echo "== 2/7 retriever index over the toy corpus -> $RUN/index"
 python -m retriever.build corpus="$RUN/toy/corpus.jsonl" index_dir="$RUN/index"
 
 echo
-echo "== 3/8 SFT of the tiny model on the seed trajectories, tool results masked -> $RUN/sft (about 5 minutes)"
+echo "== 3/7 SFT of the tiny model on the seed trajectories, tool results masked -> $RUN/sft (about 5 minutes)"
 python -m sft.run model="$RUN/toy/model" data.path="$RUN/toy/sft.jsonl" out_dir="$RUN/sft" train.progress_bar=false
 
 echo
-echo "== 4/8 evaluation of the SFT policy on the held-out questions, with the real tools -> $RUN/eval"
+echo "== 4/7 evaluation of the SFT policy on the held-out questions, with the real tools -> $RUN/eval"
 evaluate_on_held_out "$RUN/sft/model" "$RUN/eval" toy-sft
 python - "$RUN/eval/toy" <<'PY'
 import json, sys
@@ -45,26 +45,20 @@ print("    " + group["trajectories"][i]["text"].replace("\n", "\n    "))
 PY
 
 echo
-echo "== 5/8 the data of RL stage 1: 8 chains per RL-pool question with the SFT policy, Pareto selection -> $RUN/rl_data/stage1"
-bash scripts/prepare_rl_stage.sh "$RUN/sft/model" 1 "$RUN"
+echo "== 5/7 the RL curriculum, two stages from the SFT policy: each stage's data (8 chains per RL-pool"
+echo "   question with the stage's starting policy, Pareto selection), RL with ARPO's tree rollout and the"
+echo "   efficiency reward, evaluation on the held-out questions -> $RUN/rl_data, $RUN/rl, $RUN/eval-rl-stage*"
+echo "   (about 4 minutes per stage)"
+bash scripts/rl_curriculum.sh "$RUN/sft/model" 2 "$RUN"
 
 echo
-echo "== 6/8 RL stage 1: GRPO with the efficiency reward from the SFT policy on the stage-1 data -> $RUN/rl/stage1 (about 3 minutes)"
-source scripts/serve_retriever.sh "$RUN/rl_index" "$RUN/rl_retriever.log"
-bash scripts/rl.sh model="$RUN/sft/model" data.train="$RUN/rl_data/stage1/rl.parquet" out_dir="$RUN/rl/stage1" \
-  tools.search.local.url="$RETRIEVER_URL"
-stop_retriever
+echo "== 6/7 SFT against the RL stages on the held-out questions -> $RUN/table"
+python -m evaluation.table "$RUN/eval" "$RUN/eval-rl-stage1" "$RUN/eval-rl-stage2" --out "$RUN/table"
 
 echo
-echo "== 7/8 evaluation of the RL policy on the same held-out questions -> $RUN/eval-rl"
-evaluate_on_held_out "$RUN/rl/stage1/model" "$RUN/eval-rl" toy-rl
-echo
-echo "SFT against RL on the held-out questions (correctness / efficiency, x100):"
-python -m evaluation.table "$RUN/eval" "$RUN/eval-rl" --out "$RUN/table"
-
-echo
-echo "== 8/8 radar metrics and chart, SFT against RL -> $RUN/radar"
-python -m radar.run runs="[$RUN/eval,$RUN/eval-rl]" labels="[SFT,RL]" tokenizer="$RUN/sft/model" out_dir="$RUN/radar"
+echo "== 7/7 radar metrics and chart, SFT against the RL stages -> $RUN/radar"
+python -m radar.run runs="[$RUN/eval,$RUN/eval-rl-stage1,$RUN/eval-rl-stage2]" labels="[SFT,RL-1,RL-2]" \
+  tokenizer="$RUN/sft/model" out_dir="$RUN/radar"
 
 echo
 echo "demo finished: outputs in $RUN"

@@ -329,6 +329,19 @@ def test_toy_evaluation_end_to_end_resumes_after_a_kill_and_draws_the_radar(sft_
         assert a[key] == b[key], key
     table = (whole / "summary.md").read_text()
     assert "toy P/Effi" in table and f"{a['correctness']:.1f} / {a['efficiency']:.1f}" in table
+    # the runs side by side, and how they use tools per kind of toy question
+    printed = subprocess.run(
+        [sys.executable, "-m", "evaluation.table", str(whole), str(killed), "--out", str(tmp_path / "table")],
+        check=True,
+        capture_output=True,
+        text=True,
+    ).stdout
+    behaviour = a["behaviour"]["all"]
+    row = f"{behaviour['correctness']:.1f} | {behaviour['tool_calls']:.2f} | {behaviour['redundant_rate']:.1f} | {behaviour['insufficient_rate']:.1f} |"
+    lines = (tmp_path / "table_behaviour.md").read_text().splitlines()
+    assert [line for line in lines if "| all |" in line] == [f"| toy | all | {run} | {row}" for run in ("whole", "killed")]
+    assert {"toy_both", "toy_none", "toy_python", "toy_search"} <= {line.split(" | ")[1] for line in lines[2:]}
+    assert "Tool use per kind" in printed and lines[-1] in printed
 
     radar_out = tmp_path / "radar"
     result = subprocess.run(

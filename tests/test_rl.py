@@ -209,6 +209,7 @@ def test_grpo_raises_the_raw_reward(sft_model, toy, rl_server, tmp_path, monkeyp
             "tools.search.local.token_env=RETRIEVER_TOKEN",
             "train.max_steps=40",
             "train.save_every=100",
+            "rollout.kind=group",  # plain GRPO, as measured
         ]
     )
     raw = [m["reward/raw"] for m in metrics_of(out)]
@@ -239,6 +240,8 @@ def test_paper_preset_has_the_papers_numbers():
 
     cfg = load_config("rl", "paper")
     assert (cfg.data.prompts_per_step, cfg.rollout.n, cfg.train.mini_batch_prompts, cfg.data.epochs) == (64, 16, 4, 3)
+    assert (cfg.rollout.kind, cfg.rollout.initial_rollouts, cfg.rollout.beam_size) == ("tree", 8, 2)
+    assert (cfg.rollout.branch_probability, cfg.rollout.entropy_weight) == (0.5, 0.2)
     assert (cfg.optim.lr, cfg.optim.weight_decay, cfg.optim.grad_clip) == (1e-6, 0.01, 1.0)
     assert (cfg.algorithm.clip_low, cfg.algorithm.clip_high, cfg.algorithm.clip_c) == (0.2, 0.2, 3.0)
     assert (cfg.data.max_prompt_tokens, cfg.agent.max_response_tokens, cfg.engine.vllm.max_model_len) == (2000, 4096, 6096)

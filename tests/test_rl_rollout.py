@@ -1,0 +1,291 @@
+"""The ARPO tree rollout and AEPO's switches (rl/rollout.py, rl/algorithm.py).
+
+The rollout tests drive the real agent loop with a scripted engine and a scripted search tool,
+test doubles for control flow only: the engine replays a fixed segment per tool round of each
+question and reports a scripted exact entropy for it, so every branch decision's dH is known.
+"""
+
+from __future__ import annotations
+
+import math
+
+import pytest
+import torch
+from transformers import AutoTokenizer
+
+from etagent.agent import AgentConfig, AgentLoop
+from etagent.llm import Sample
+from etagent.records import Question
+from etagent.tools import ToolOutput
+from etagent.tools.executor import ToolExecutor
+from rl.algorithm import entropy_aware_advantages, policy_loss
+from rl.rollout import (
+    GroupRollout,
+    Prompt,
+    TreeRollout,
+    TreeSettings,
+    aepo_branches,
+    arpo_branch_probability,
+    dynamic_root_count,
+    rollout_metrics,
+)
+
+ANSWER = "<think>done</think><answer>The final answer is \\[ \\boxed{1} \\]</answer>"
+
+
+class ScriptedEngine:
+    """Segment k of a question (k = tool results so far) is ``"<search>q{k}</search>"`` while
+    k < the question's number of calls, then the answer. Its exact entropy is
+    ``entropy(question, k)`` (``self.entropy``, replaceable between steps), reported as the
+    first position's so that the segment's entropy (the sum / ln |V|) is exactly that value."""
+
+    max_model_len = 4096
+
+    def __init__(self, tokenizer, calls: dict[str, int]):
+        self.tokenizer, self.calls = tokenizer, calls
+        self.entropy = lambda question, k: 0.0
+        self.log_v = math.log(len(tokenizer))
+
+    async def agenerate(self, requests):
+        out = []
+        for r in requests:
+            text = self.tokenizer.decode(list(r.prompt_ids), skip_special_tokens=False)
+            question = text.split("<|im_start|>user\n", 1)[1].split("<|im_end|>", 1)[0]
+            k = text.split("<|im_start|>assistant\n", 1)[1].count("<result>")
+            segment = f"<search>q{k}</search>" if k < self.calls[question] else ANSWER
+            ids = self.tokenizer.encode(segment, add_special_tokens=False)
+            stop = next(s for s in r.stop if segment.endswith(s))
+            entropy = [self.entropy(question, k) * self.log_v] + [0.0] * (len(ids) - 1)
+            out.append([Sample(ids, [-0.1] * len(ids), "stop", stop, [{i: -0.1} for i in ids], entropy)])
+        return out
+
+
+class Search:
+    name = "search"
+
+    async def __call__(self, query):
+        return ToolOutput(f"about {query}", ok=True)
+
+
+@pytest.fixture(scope="module")
+def tokenizer(toy):
+    return AutoTokenizer.from_pretrained(toy / "model")
+
+
+def setup(tokenizer, calls: dict[str, int]):
+    engine = ScriptedEngine(tokenizer, calls)
+    config = AgentConfig(max_search_calls=50, max_response_tokens=4000, max_segment_tokens=64, timeout_s=None, logprobs=1, seed=0)
+    loop = AgentLoop(engine, ToolExecutor([Search()]), config)
+    prompts = [Prompt(Question(id=q, question=q, answer=["1"], source="toy", kind="qa"), i, "qa_effi_rl") for i, q in enumerate(calls)]
+    return engine, loop, prompts
+
+
+def tree(n=8, roots=4, p=0.5, w=0.2, beam=2, **switches) -> TreeRollout:
+    return TreeRollout(
+        TreeSettings(n=n, initial_rollouts=roots, beam_size=beam, branch_probability=p, entropy_weight=w, entropy="exact", **switches)
+    )
+
+
+def ids(group) -> list[int]:
+    return [int(t.id.rsplit("/", 1)[1]) for t in group]
+
+
+def test_no_branching_gives_roots_then_fill_ins_at_once(tokenizer):
+    """p = 0 and dH = 0: no path forks; once a prompt's roots have all ended it gets every missing
+    rollout at once (the reference adds one per round), after the roots, in creation order."""
+    _, loop, prompts = setup(tokenizer, {"three": 3, "direct": 0})
+    out = tree(p=0.0).generate(loop, prompts, step=1, seed=0)
+    for group in out.groups:
+        assert len(group) == 8 and all(t.done for t in group)
+        assert ids(group) == list(range(8))
+        assert {t.provenance.operation for t in group} == {"rollout"}
+    # "direct" answers in round 1, so its fill-ins start in round 2; "three" ends in round 4, then 4 more
+    assert out.counts["fill_ins"] == 8 and out.counts["branches"] == 0
+    assert out.counts["rounds"] == 8
+    assert [t.segments for t in out.groups[0]] == [4] * 8
+
+
+def test_all_branching_spends_the_budget_on_branches(tokenizer):
+    """p = 1: every active path forks once per round until the prompt has n; no fill-ins, and
+    every rollout ends with the answer."""
+    _, loop, prompts = setup(tokenizer, {"five": 5})
+    out = tree(n=16, roots=2, p=1.0).generate(loop, prompts, step=1, seed=0)
+    [group] = out.groups
+    assert len(group) == 16 and ids(group) == list(range(16))
+    assert out.counts["branches"] == 14 and out.counts["fill_ins"] == 0
+    # 2 roots -> 4 -> 8 -> 16 paths after rounds 1, 2, 3
+    assert [out.counts[f"branched_round{r}"] for r in (1, 2, 3)] == [2, 4, 8]
+    forks = group[2:]
+    assert all(t.provenance.operation == "fork" for t in forks)
+    assert forks[0].provenance.parent == group[0].id and forks[1].provenance.parent == group[1].id
+    assert all(t.finish_reason == "answer" and t.executed() == 5 for t in group)
+    # a fork keeps its source's prefix, token for token
+    source = next(t for t in group if t.id == forks[0].provenance.parent)
+    cut = forks[0].provenance.branch_token
+    assert forks[0].response_ids[:cut] == source.response_ids[:cut]
+
+
+def test_early_finishes_and_beam(tokenizer):
+    """Roots that answer at once leave the whole budget to fill-ins; a beam of 3 lets a path fork
+    twice in one round; the group is exactly n in every case."""
+    _, loop, prompts = setup(tokenizer, {"direct": 0, "one": 1, "two": 2})
+    out = tree(n=6, roots=1, p=1.0, beam=3).generate(loop, prompts, step=1, seed=0)
+    assert [len(g) for g in out.groups] == [6, 6, 6]
+    direct, one, two = out.groups
+    assert [t.provenance.operation for t in direct] == ["rollout"] * 6
+    # "one": round 1 its root forks twice (3 paths), round 2 they all answer, then 3 fill-ins
+    assert [t.provenance.operation for t in one] == ["rollout", "fork", "fork", "rollout", "rollout", "rollout"]
+    # "two": 1 -> 3 paths in round 1, then 3 more branches in round 2 fill the budget of 6
+    assert [t.provenance.operation for t in two] == ["rollout"] + ["fork"] * 5
+
+
+def test_branch_probability_is_p_plus_w_dh(tokenizer):
+    """ARPO's rule: P(fork) = clamp(p + w dH, 0, 1), dH the newest segment's entropy minus the
+    path's first segment's. Checked on the function and on 600 scripted decisions."""
+    assert arpo_branch_probability(0.5, 0.2, 1.0) == pytest.approx(0.7)
+    assert arpo_branch_probability(0.5, 0.2, -3.0) == 0.0
+    assert arpo_branch_probability(0.5, 0.2, 4.0) == 1.0
+    calls = {f"q{i}": 1 for i in range(300)}
+    engine, loop, prompts = setup(tokenizer, calls)
+    engine.entropy = lambda question, k: 0.4 + 1.5 * k  # first segment 0.4, the one after a result 1.9: dH = 1.5
+    out = tree(n=3, roots=1, p=0.2, w=0.2, beam=3).generate(loop, prompts, step=1, seed=0)
+    assert out.counts["delta_h_sum"] / out.counts["decisions_round1"] == pytest.approx(0.0)  # round 1: the first segment itself
+    rate = out.counts["branched_round1"] / out.counts["decisions_round1"]
+    assert rate == pytest.approx(0.2, abs=0.05)
+    # a path's first decision (round 1) compares its first segment with itself; 2 calls per question give a round 2
+    engine.calls = {q: 2 for q in calls}
+    out = tree(n=3, roots=1, p=0.2, w=0.2, beam=3).generate(loop, prompts, step=2, seed=0)
+    metrics = rollout_metrics([out.counts])
+    assert metrics["rollout/branch_rate_round1"] == pytest.approx(0.2, abs=0.05)
+    # round 2: roots that did not fork in round 1 see dH = 1.5, so P = 0.5
+    assert metrics["rollout/branch_rate_round2"] == pytest.approx(0.5, abs=0.08)
+
+
+def test_baseline_entropy_belongs_to_this_step(tokenizer):
+    """The reference keeps each slot's first-segment entropy across steps, so step 2 compares
+    with step 1's paths. Here step 1's first segments are at 10 and step 2's at 0 with 1 after a
+    result: with p = 0, w = 1, step 2 forks every time (dH = +1), where a stale baseline
+    (dH = 1 - 10) would never fork."""
+    engine, loop, prompts = setup(tokenizer, {"two": 2})
+    rollout = tree(n=4, roots=1, p=0.0, w=1.0)
+    engine.entropy = lambda question, k: 10.0 if k == 0 else 0.0
+    first = rollout.generate(loop, prompts, step=1, seed=0)
+    assert first.counts["branches"] == 0
+    engine.entropy = lambda question, k: float(k > 0)
+    second = rollout.generate(loop, prompts, step=2, seed=0)
+    assert second.counts["branched_round2"] == second.counts["decisions_round2"] > 0
+    assert second.counts["delta_h_sum"] == pytest.approx(second.counts["decisions_round2"])
+
+
+def test_a_resumed_step_draws_the_same_tree(tokenizer):
+    """The branch draws come from the run's seed and the step: the same step gives the same tree."""
+    engine, loop, prompts = setup(tokenizer, {"a": 3, "b": 2, "c": 4})
+    engine.entropy = lambda question, k: 0.3 * k
+    one = tree().generate(loop, prompts, step=7, seed=3)
+    two = tree().generate(loop, prompts, step=7, seed=3)
+    assert [[(t.id, t.provenance.parent, t.response_ids) for t in g] for g in one.groups] == [
+        [(t.id, t.provenance.parent, t.response_ids) for t in g] for g in two.groups
+    ]
+    other = tree().generate(loop, prompts, step=8, seed=3)
+    assert [[t.provenance.parent for t in g] for g in other.groups] != [[t.provenance.parent for t in g] for g in one.groups]
+
+
+def test_group_rollout_keeps_its_interface(tokenizer):
+    _, loop, prompts = setup(tokenizer, {"one": 1})
+    out = GroupRollout(5).generate(loop, prompts, step=1, seed=0)
+    assert [len(g) for g in out.groups] == [5] and out.counts == {}
+    assert rollout_metrics([out.counts]) == {}
+
+
+def test_rollout_metrics_add_up_over_ranks():
+    ranks = [
+        {"roots": 4, "branches": 3, "fill_ins": 1, "rounds": 3, "delta_h_sum": 1.0, "decisions_round1": 4, "branched_round1": 2},
+        {"roots": 4, "branches": 1, "fill_ins": 0, "rounds": 5, "delta_h_sum": 2.0, "decisions_round1": 2, "branched_round1": 0,
+         "decisions_round2": 4, "branched_round2": 1},
+    ]  # fmt: skip
+    m = rollout_metrics(ranks)
+    assert (m["rollout/roots"], m["rollout/branches"], m["rollout/fill_ins"], m["rollout/rounds"]) == (8, 4, 1, 5)
+    assert m["rollout/mean_delta_h"] == pytest.approx(3.0 / 10)
+    assert m["rollout/branch_rate_round1"] == pytest.approx(2 / 6) and m["rollout/branch_rate_round2"] == pytest.approx(0.25)
+
+
+# -- AEPO ------------------------------------------------------------------------------------
+
+
+def test_dynamic_root_count_by_hand():
+    # floor(16 * sigmoid(0.5 * (2 - 0))) + 1 = floor(16 * 0.7311) + 1 = 12
+    assert dynamic_root_count(16, 2.0, 0.0) == 12
+    assert dynamic_root_count(16, 0.0, 0.0) == 9
+    assert dynamic_root_count(16, 0.0, 40.0) == 1
+    assert dynamic_root_count(16, 40.0, 0.0) == 16  # floor(16 * ~1) + 1 = 17, clamped to n
+
+
+def test_dynamic_roots_come_from_a_discarded_probe(tokenizer):
+    """One probe per prompt runs to its end with tools; H_root is its first segment's entropy,
+    H_tool the mean after results. Root counts follow the formula; probes are not in the groups."""
+    engine, loop, prompts = setup(tokenizer, {"calm-tools": 2, "calm-start": 2})
+    entropies = {"calm-tools": [4.0, 0.0, 0.0], "calm-start": [0.0, 3.0, 5.0]}
+    engine.entropy = lambda question, k: entropies[question][k]
+    out = tree(n=8, roots=4, p=0.0, w=0.0, dynamic_roots=True).generate(loop, prompts, step=1, seed=0)
+    expected = [dynamic_root_count(8, 4.0, 0.0), dynamic_root_count(8, 0.0, 4.0)]
+    assert expected == [8, 1]  # floor(8 sigmoid(2)) + 1 = 8; floor(8 sigmoid(-2)) + 1 = floor(0.95) + 1 = 1
+    assert out.counts["dynamic_roots"] == sum(expected) == out.counts["roots"]
+    assert [len(g) for g in out.groups] == [8, 8]
+    assert not any("probe" in t.id for g in out.groups for t in g)
+    # no branching (p = 0, w = 0): "calm-start" got 1 root, then 7 fill-ins once it ended
+    assert [t.provenance.operation for t in out.groups[1]] == ["rollout"] * 8 and out.counts["fill_ins"] == 7
+
+
+def test_aepo_branch_rule_direction_and_penalty(tokenizer):
+    """AEPO branches when clamp((u + w dH)(1 - 0.05 c), 0, 1) >= p: a larger p branches less
+    (ARPO's opposite), and each consecutive round a prompt gained paths damps it."""
+    assert aepo_branches(0.3, 0.5, 0.2, 1.0, 0)  # 0.5 >= 0.5
+    assert not aepo_branches(0.3, 0.6, 0.2, 1.0, 0)
+    assert not aepo_branches(0.3, 0.5, 0.2, 1.0, 2)  # 0.5 * 0.9 < 0.5
+    assert not aepo_branches(0.99, 0.01, 0.2, 1.0, 20)  # damped to 0
+    # through the rollout: p = 0 always branches under AEPO's rule, never under ARPO's (w = 0)
+    _, loop, prompts = setup(tokenizer, {"three": 3})
+    aepo = tree(n=8, roots=2, p=0.0, w=0.0, branch_penalty=True).generate(loop, prompts, step=1, seed=0)
+    arpo = tree(n=8, roots=2, p=0.0, w=0.0).generate(loop, prompts, step=1, seed=0)
+    assert aepo.counts["branches"] == 6 and arpo.counts["branches"] == 0
+
+
+def test_entropy_balanced_clipping_passes_a_gradient_on_a_clipped_token():
+    """A > 0 and r = 1.5 > 1 + 0.2: the standard loss has no gradient there; AEPO's upper bound
+    (1 + eps) r / sg(r) gives d loss / d log pi = -A (1 + eps), the unclipped gradient scaled by
+    (1 + eps) / r. The value of the loss is the same."""
+    old = torch.tensor([[0.0, 0.0]])
+    mask = torch.ones(1, 2)
+    advantages = torch.tensor([2.0])
+    results = {}
+    for balanced in (False, True):
+        logprobs = torch.tensor([[math.log(1.5), math.log(1.1)]], requires_grad=True)
+        terms = policy_loss(logprobs, old, advantages, mask, 1, 0.2, 0.2, 3.0, entropy_balanced_clipping=balanced)
+        terms.loss.backward()
+        results[balanced] = (terms.loss.item(), logprobs.grad[0].tolist(), terms.clipped_tokens.item())
+    assert results[False][0] == pytest.approx(results[True][0])
+    assert results[False][1][0] == 0.0 and results[True][1][0] == pytest.approx(-2.0 * 1.2)
+    # the unclipped token is the same either way: d(-A r)/d log pi = -A r
+    assert results[False][1][1] == pytest.approx(-2.0 * 1.1) == results[True][1][1]
+    assert results[False][2] == results[True][2] == 1
+
+
+def test_entropy_aware_advantage_by_hand():
+    """z over the masked tokens (mean 2, unbiased std 1 for entropies 1, 2, 3; the padded 9 left
+    out): A (1 + 0.2 z) = 0.8 A, A, 1.2 A; no gradient flows through the entropy."""
+    entropy = torch.tensor([[1.0, 2.0, 3.0, 9.0]], requires_grad=True)
+    mask = torch.tensor([[1.0, 1.0, 1.0, 0.0]])
+    scaled = entropy_aware_advantages(torch.tensor([-0.5]), entropy, mask)
+    assert scaled[0, :3].tolist() == pytest.approx([-0.4, -0.5, -0.6])
+    assert not scaled.requires_grad
+    flat = entropy_aware_advantages(torch.tensor([1.0]), torch.full((1, 3), 0.7), torch.ones(1, 3))
+    assert flat.tolist() == [[1.0, 1.0, 1.0]]  # std 0 counts as 1: z = 0
+
+
+def test_tree_settings_refuse_bad_numbers():
+    with pytest.raises(ValueError, match="initial_rollouts"):
+        TreeSettings(n=4, initial_rollouts=5)
+    with pytest.raises(ValueError, match="entropy"):
+        TreeSettings(n=4, initial_rollouts=2, entropy="mean")
+    with pytest.raises(ValueError, match="beam_size"):
+        TreeSettings(n=4, initial_rollouts=2, beam_size=0)
