@@ -402,10 +402,12 @@ class RewardModel(Record):
 
 
 class ExtraInfo(Record):
-    """``question_id`` is ours (the question's id in its questions file); the paper's files lack it."""
+    """``question_id`` is ours (the question's id in its questions file); the paper's files lack it.
+    ``need_tools_kwargs`` is false in ours: our tools take nothing per row, and verl warns on every
+    row that claims it without a ``tools_kwargs`` (the paper's files claim it)."""
 
     index: int
-    need_tools_kwargs: bool = True
+    need_tools_kwargs: bool = False
     question: str
     split: str
     question_id: str | None = None

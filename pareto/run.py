@@ -9,8 +9,8 @@ its K judged chains) and writes into ``out_dir``:
     rl.parquet      the selected questions in verl's schema, as the paper's file: data_source
                     math_effi_rl / qa_effi_rl, the chat prompt with the system prompt, ability,
                     reward_model {ground_truth: [str], style}, extra_info {index (unique per row),
-                    need_tools_kwargs, question, split, question_id}, metadata (null); rows in a
-                    seeded random order
+                    need_tools_kwargs (false: no per-row tool arguments), question, split,
+                    question_id}, metadata (null); rows in a seeded random order
     scores.jsonl    every question: its objectives, eligibility (and why not), front, crowding
                     distance where computed, selected or not
     report.json     counts (read, eligible, selected, dropped and why), front sizes, objective

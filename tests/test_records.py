@@ -187,7 +187,7 @@ def test_rl_parquet_has_verls_schema(tmp_path):
     assert rows[0]["data_source"] == "qa_effi_rl" and rows[1]["data_source"] == "math_effi_rl"
     assert rows[1]["prompt"] == protocol.prompt_messages("1+1?")
     assert rows[1]["reward_model"] == {"ground_truth": ["2"], "style": "rule"}
-    assert rows[1]["extra_info"] == {"index": 1, "need_tools_kwargs": True, "question": "1+1?", "split": "train", "question_id": "m1"}
+    assert rows[1]["extra_info"] == {"index": 1, "need_tools_kwargs": False, "question": "1+1?", "split": "train", "question_id": "m1"}
     back = read_records(path, RLRow)
     assert back[1].reward_model.ground_truth == ["2"]
 

@@ -115,3 +115,33 @@ def test_etagent_reward_command(tmp_path):
     bad = json.dumps({**groups[0], "lengths": [1, 2]})
     failed = subprocess.run([sys.executable, "-m", "etagent.cli", "reward"], input=bad + "\n", capture_output=True, text=True)
     assert failed.returncode != 0 and "<stdin>:1: field 'lengths'" in failed.stderr
+
+
+def test_verl_compute_score_as_verl_calls_it():
+    """verl loads the file by path and calls ``compute_score`` per response with keyword
+    arguments (its reward_kwargs included); ground truths arrive as numpy arrays from its parquet
+    loader. The score is raw correctness plus the format penalty, in either mode."""
+    import importlib.util
+    from pathlib import Path
+
+    import numpy as np
+
+    path = Path(__file__).resolve().parents[1] / "rl" / "verl_reward.py"
+    spec = importlib.util.spec_from_file_location("custom_module", path)
+    module = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(module)
+    compute_score = module.compute_score
+
+    right = compute_score(
+        data_source="math_effi_rl", solution_str=response("42", 2), ground_truth=np.array(["41", "42"]), extra_info={"index": 3}
+    )
+    assert right == {"score": 1.0, "raw": 1.0, "format_penalty": 0.0, "tool_calls": 2}
+    # the paper's mode reads only the first gold answer
+    paper = compute_score(
+        data_source="math_effi_rl", solution_str=response("42"), ground_truth=np.array(["41", "42"]), extra_info=None, mode="paper"
+    )
+    assert paper["score"] == 0.0
+    qa = compute_score(data_source="qa_effi_rl", solution_str=response("river Kess bank"), ground_truth=["Kess river"], extra_info={})
+    assert qa["score"] == pytest.approx(0.8)
+    bad = compute_score(data_source="qa_effi_rl", solution_str="<answer>\\boxed{x}</answer>", ground_truth="x", extra_info={})
+    assert bad == {"score": 0.0, "raw": 1.0, "format_penalty": -1.0, "tool_calls": 0}
