@@ -85,47 +85,6 @@ class StepRollouts:
     counts: dict[str, float] = field(default_factory=dict)
 
 
-def rollout_metrics(parts: list[dict[str, float]]) -> dict[str, float]:
-    """The step's tree-rollout metrics from every rank's counts: roots, branches and fill-ins per
-    prompt group summed, the most rounds any rank ran, the mean dH over branch decisions, the
-    branch rate of each round, and AEPO's mean dynamic root count. Nothing for plain GRPO."""
-    total: dict[str, float] = {}
-    for part in parts:
-        for key, value in part.items():
-            total[key] = max(total.get(key, 0.0), value) if key == "rounds" else total.get(key, 0.0) + value
-    if not total:
-        return {}
-    decisions = sum(v for k, v in total.items() if k.startswith("decisions_round"))
-    metrics = {f"rollout/{k}": total[k] for k in ("roots", "branches", "fill_ins", "rounds")}
-    metrics["rollout/mean_delta_h"] = total["delta_h_sum"] / decisions if decisions else 0.0
-    for key in sorted((k for k in total if k.startswith("decisions_round")), key=lambda k: int(k.removeprefix("decisions_round"))):
-        r = key.removeprefix("decisions_round")
-        metrics[f"rollout/branch_rate_round{r}"] = total[f"branched_round{r}"] / total[key]
-    if "dynamic_prompts" in total:
-        metrics["rollout/dynamic_roots_mean"] = total["dynamic_roots"] / total["dynamic_prompts"]
-    return metrics
-
-
-def make_rollout(cfg) -> GroupRollout | TreeRollout:
-    """The rollout of the ``rollout`` config: kind ``group`` or ``tree``."""
-    if cfg.kind == "group":
-        return GroupRollout(cfg.n)
-    if cfg.kind == "tree":
-        return TreeRollout(
-            TreeSettings(
-                n=cfg.n,
-                initial_rollouts=cfg.initial_rollouts,
-                beam_size=cfg.beam_size,
-                branch_probability=cfg.branch_probability,
-                entropy_weight=cfg.entropy_weight,
-                entropy=cfg.entropy,
-                dynamic_roots=cfg.dynamic_roots,
-                branch_penalty=cfg.branch_penalty,
-            )
-        )
-    raise ValueError(f"rollout.kind must be group or tree, got {cfg.kind!r}")
-
-
 class GroupRollout:
     """Plain GRPO rollouts: ``n`` independent samples per prompt."""
 
@@ -291,3 +250,44 @@ class TreeRollout:
             counts[f"decisions_round{r}"] = counts.get(f"decisions_round{r}", 0.0) + 1
             counts[f"branched_round{r}"] = counts.get(f"branched_round{r}", 0.0) + branched
         return StepRollouts(groups, counts)
+
+
+def rollout_metrics(parts: list[dict[str, float]]) -> dict[str, float]:
+    """The step's tree-rollout metrics from every rank's counts: roots, branches and fill-ins per
+    prompt group summed, the most rounds any rank ran, the mean dH over branch decisions, the
+    branch rate of each round, and AEPO's mean dynamic root count. Nothing for plain GRPO."""
+    total: dict[str, float] = {}
+    for part in parts:
+        for key, value in part.items():
+            total[key] = max(total.get(key, 0.0), value) if key == "rounds" else total.get(key, 0.0) + value
+    if not total:
+        return {}
+    decisions = sum(v for k, v in total.items() if k.startswith("decisions_round"))
+    metrics = {f"rollout/{k}": total[k] for k in ("roots", "branches", "fill_ins", "rounds")}
+    metrics["rollout/mean_delta_h"] = total["delta_h_sum"] / decisions if decisions else 0.0
+    for key in sorted((k for k in total if k.startswith("decisions_round")), key=lambda k: int(k.removeprefix("decisions_round"))):
+        r = key.removeprefix("decisions_round")
+        metrics[f"rollout/branch_rate_round{r}"] = total[f"branched_round{r}"] / total[key]
+    if "dynamic_prompts" in total:
+        metrics["rollout/dynamic_roots_mean"] = total["dynamic_roots"] / total["dynamic_prompts"]
+    return metrics
+
+
+def make_rollout(cfg) -> GroupRollout | TreeRollout:
+    """The rollout of the ``rollout`` config: kind ``group`` or ``tree``."""
+    if cfg.kind == "group":
+        return GroupRollout(cfg.n)
+    if cfg.kind == "tree":
+        return TreeRollout(
+            TreeSettings(
+                n=cfg.n,
+                initial_rollouts=cfg.initial_rollouts,
+                beam_size=cfg.beam_size,
+                branch_probability=cfg.branch_probability,
+                entropy_weight=cfg.entropy_weight,
+                entropy=cfg.entropy,
+                dynamic_roots=cfg.dynamic_roots,
+                branch_penalty=cfg.branch_penalty,
+            )
+        )
+    raise ValueError(f"rollout.kind must be group or tree, got {cfg.kind!r}")

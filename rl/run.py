@@ -12,7 +12,8 @@ policy) and ``manifest.json``. A rerun resumes from the last checkpoint.
 
 One step, as named and timed phases (``timing_s/<phase>`` in the metrics):
 
-1. generate: n rollouts per prompt through the agent loop with the real tools, sampled by the
+1. generate: n rollouts per prompt through the agent loop with the real tools (``rollout.kind``:
+   ARPO's entropy-branching tree, or n independent samples; rl/rollout.py), sampled by the
    colocated engine (``engine.kind``): ``hf``, the policy module itself (it shares the weights:
    nothing to copy), or ``vllm``, one vLLM engine per rank in the trainer's process (torchrun),
    asleep outside this phase;
@@ -24,9 +25,9 @@ One step, as named and timed phases (``timing_s/<phase>`` in the metrics):
 4. ref_logprobs (only with ``algorithm.kl_coef`` > 0): the same under a frozen copy of the
    run's starting policy;
 5. advantage: GRPO, the group's mean and unbiased std;
-6. update: for each mini-batch of prompts, the dual-clip PPO loss (plus the KL term, when on) as
-   an exact token mean over the mini-batch (micro-batches by token budget), one AdamW step with
-   gradient clipping;
+6. update: for each mini-batch of prompts, the dual-clip PPO loss (plus the KL term, when on;
+   AEPO's entropy-balanced clipping and entropy-aware advantage, when on) as an exact token mean
+   over the mini-batch (micro-batches by token budget), one AdamW step with gradient clipping;
 7. sync (vllm only): the updated weights gathered from their shards into the woken engine;
 8. save: every ``save_every`` steps and at the end; 9. validate: every ``validate_every`` steps.
 
@@ -35,7 +36,8 @@ NCCL on GPUs), also in one process. Each rank rolls out its share of the step's 
 generation every layer stays gathered, so ranks that decode different lengths never wait on
 each other.
 
-What it does not do (yet): the ARPO tree rollout (rl/rollout.py's interface takes it).
+What it does not do: choose a stage's data (pareto/) or chain the stages
+(scripts/rl_curriculum.sh runs data, RL and evaluation per stage).
 """
 
 from __future__ import annotations
