@@ -1,16 +1,19 @@
 #!/usr/bin/env bash
 # The paper's effect over seeds, on the toy world: RL stage 1 from the SFT policy with the
 # efficiency reward (sigma_tool 0.2, sigma_length 0.5) and without it (both 0, as the paper's
-# released scripts), SEEDS times each, every policy evaluated on the held-out questions; then a
-# table of the SFT policy against both settings, mean and spread over the seeds.
+# released scripts), SEEDS times each, every policy evaluated on the held-out questions at the
+# evaluation's temperature (0.6, top-p 0.95) and at RL's (1.0, no top-p), where the SFT policy
+# makes many more redundant calls; then a table of the SFT policy against both settings, mean
+# and spread over the seeds.
 #
 #   bash scripts/rl_effect.sh [RUN_DIR] [SEEDS]
 #
 # RUN_DIR (default runs/demo) must hold a finished demo's toy world, SFT model, stage-1 data
 # and indexes (bash scripts/demo.sh RUN_DIR). SEEDS defaults to 3. Writes RUN_DIR/effect/:
-# rl-{efficiency,plain}-seed{s}/ (RL runs), eval-{efficiency,plain}-seed{s}/ (their evaluations),
-# effect.md and effect.json. Every run resumes, so rerunning after a kill continues. About 5
-# minutes per RL run and its evaluation on 2 cores. RL_ARGS adds Hydra overrides to every RL run.
+# rl-{efficiency,plain}-seed{s}/ (RL runs), eval-{efficiency,plain}-seed{s}/ and
+# eval-t1-{efficiency,plain}-seed{s}/ (their evaluations at T=0.6 and T=1), eval-t1-sft/,
+# effect.md and effect.json. Every run resumes, so rerunning after a kill continues. About 6
+# minutes per RL run and its evaluations on 2 cores. RL_ARGS adds Hydra overrides to every RL run.
 set -euo pipefail
 RUN=${1:-runs/demo}
 SEEDS=${2:-3}
@@ -23,6 +26,19 @@ done
 OUT=$RUN/effect
 mkdir -p "$OUT"
 
+# held-out questions, 2 samples each: evaluate MODEL OUT NAME SEED [overrides]
+evaluate() {
+  local model=$1 out=$2 name=$3 seed=$4
+  shift 4
+  source scripts/serve_retriever.sh "$RUN/index" "$OUT/retriever.log"
+  python -m evaluation.run engine.model="$model" files.toy="$RUN/toy/questions/test.jsonl" out_dir="$out" run_name="$name" \
+    n=2 seed="$seed" tools.search.local.url="$RETRIEVER_URL" "$@"
+  stop_retriever
+}
+AT_T1=(agent.temperature=1.0 agent.top_p=1.0)
+
+echo "== the SFT policy at T=1 -> $OUT/eval-t1-sft"
+evaluate "$RUN/sft/model" "$OUT/eval-t1-sft" sft-t1 0 "${AT_T1[@]}"
 for seed in $(seq 0 $((SEEDS - 1))); do
   for setting in efficiency plain; do
     if [ "$setting" = efficiency ]; then sigmas=(reward.sigma_tool=0.2 reward.sigma_length=0.5); else sigmas=(reward.sigma_tool=0 reward.sigma_length=0); fi
@@ -33,11 +49,9 @@ for seed in $(seq 0 $((SEEDS - 1))); do
     bash scripts/rl.sh model="$RUN/sft/model" data.train="$RUN/rl_data/stage1/rl.parquet" out_dir="$OUT/rl-$setting-seed$seed" \
       train.seed="$seed" "${sigmas[@]}" tools.search.local.url="$RETRIEVER_URL" ${RL_ARGS:-}
     stop_retriever
-    echo "-- evaluation on the held-out questions -> $OUT/eval-$setting-seed$seed"
-    source scripts/serve_retriever.sh "$RUN/index" "$OUT/retriever.log"
-    python -m evaluation.run engine.model="$OUT/rl-$setting-seed$seed/model" files.toy="$RUN/toy/questions/test.jsonl" \
-      out_dir="$OUT/eval-$setting-seed$seed" run_name="$setting-seed$seed" n=2 seed="$seed" tools.search.local.url="$RETRIEVER_URL"
-    stop_retriever
+    echo "-- evaluation on the held-out questions at T=0.6 and at T=1 -> $OUT/eval-$setting-seed$seed, $OUT/eval-t1-$setting-seed$seed"
+    evaluate "$OUT/rl-$setting-seed$seed/model" "$OUT/eval-$setting-seed$seed" "$setting-seed$seed" "$seed"
+    evaluate "$OUT/rl-$setting-seed$seed/model" "$OUT/eval-t1-$setting-seed$seed" "$setting-t1-seed$seed" "$seed" "${AT_T1[@]}"
   done
 done
 
@@ -54,21 +68,25 @@ def figures(eval_dir: Path) -> dict:
     every = toy["behaviour"]["all"]
     return {"correctness": toy["correctness"], "efficiency": toy["efficiency"], **{k: every[k] for k in ("tool_calls", "redundant_rate", "insufficient_rate")}}
 
-rows = {"SFT": [figures(run / "eval")]}
-for setting, label in (("efficiency", "RL, efficiency reward (sigmas 0.2 / 0.5)"), ("plain", "RL, sigmas 0 (correctness + format)")):
-    rows[label] = [figures(run / "effect" / f"eval-{setting}-seed{s}") for s in range(seeds)]
-
 def cell(values: list[float]) -> str:
     if len(values) == 1:
         return f"{values[0]:.2f}"
     return f"{statistics.mean(values):.2f} ± {statistics.stdev(values):.2f}"
 
-lines = ["| policy | seeds | " + " | ".join(name for name, _ in fields) + " |", "|---" * (len(fields) + 2) + "|"]
-for label, runs in rows.items():
-    lines.append(f"| {label} | {len(runs)} | " + " | ".join(cell([r[key] for r in runs]) for _, key in fields) + " |")
-table = "\n".join(lines) + "\n"
+tables, everything = [], {}
+for title, prefix, sft in (("T=0.6, top-p 0.95 (the evaluation's sampling)", "eval-", run / "eval"),
+                           ("T=1.0, no top-p (RL's sampling)", "eval-t1-", run / "effect" / "eval-t1-sft")):
+    rows = {"SFT": [figures(sft)]}
+    for setting, label in (("efficiency", "RL, efficiency reward (sigmas 0.2 / 0.5)"), ("plain", "RL, sigmas 0 (correctness + format)")):
+        rows[label] = [figures(run / "effect" / f"{prefix}{setting}-seed{s}") for s in range(seeds)]
+    lines = [f"{title}:", "", "| policy | seeds | " + " | ".join(name for name, _ in fields) + " |", "|---" * (len(fields) + 2) + "|"]
+    for label, runs in rows.items():
+        lines.append(f"| {label} | {len(runs)} | " + " | ".join(cell([r[key] for r in runs]) for _, key in fields) + " |")
+    tables.append("\n".join(lines) + "\n")
+    everything[title] = rows
+table = "\n".join(tables)
 (run / "effect" / "effect.md").write_text(table)
-(run / "effect" / "effect.json").write_text(json.dumps(rows, indent=1) + "\n")
-print("\nThe held-out questions (200 x 2 samples, T=0.6), mean ± std over seeds:")
+(run / "effect" / "effect.json").write_text(json.dumps(everything, indent=1) + "\n")
+print("\nThe held-out questions (200 x 2 samples), mean ± std over seeds:\n")
 print(table)
 PY
