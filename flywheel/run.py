@@ -1,0 +1,205 @@
+"""The self-evolving data flywheel: evolve seed questions into many judged trajectories each.
+
+    python -m flywheel.run [--preset tiny|paper] [overrides]     # or: etagent flywheel ...
+    python -m flywheel.export [--preset tiny|paper] [overrides]  # or: etagent flywheel export ...
+    bash scripts/flywheel.sh SFT_MODEL [RUN_DIR]                  # the toy world, retriever included
+
+For every question of ``questions`` not yet in ``out_dir``: an initial rollout by the policy, then
+up to ``flywheel.rounds`` rounds of evolution (:mod:`flywheel.evolve`: re-rollout, redundancy
+fix and rewrite of correct trajectories; flaw location, new step, step hint and trajectory hint
+for wrong ones), every trajectory judged and kept with its operation, parent and round.
+``flywheel.concurrency`` questions are evolved at once (an in-process policy batches their
+requests together), each within ``flywheel.question_timeout_s`` (a question that runs out keeps
+what it made, marked ``timed_out``).
+
+Roles (``configs/flywheel``): the policy (``engine``), the self-reflector (the policy's engine,
+its own sampling), the editor (``editor.engine``, off in the tiny preset: the operations that
+need it are skipped and the log and manifest say so; the paper serves Qwen2.5-72B-Instruct), the
+LLM judge of math answers (the editor's model, ``judge.llm``) and the search summariser
+(``summariser.enabled``: each search result is replaced by the editor model's summary of it, as
+in the paper's flywheel).
+
+Writes ``out_dir/trajectories.jsonl`` (one line per question: its trajectories with provenance
+and judgement, and a ``flywheel`` field with the operations' log and counts) and
+``manifest.json`` (per-operation counts: attempted, parsed, succeeded, judged correct). A killed
+run resumes: questions already written are skipped, a question in progress is done again from
+its start, none is written twice.
+
+What this stage does not do: choose SFT data (``flywheel/export.py``), or fan out over a Ray
+cluster (scale the policy and the editor as pools of servers instead: ``engine.kind=openai``).
+"""
+
+from __future__ import annotations
+
+import asyncio
+import logging
+import time
+from collections import Counter
+from pathlib import Path
+
+from omegaconf import DictConfig, OmegaConf
+from tqdm import tqdm
+
+from etagent import scoring
+from etagent.agent import AgentLoop
+from etagent.records import JsonlAppender, Question, TrajectoryGroup, read_jsonl, read_questions, write_manifest
+from etagent.sampling import agent_config
+from etagent.tools import ToolOutput
+from etagent.tools.executor import build_executor
+from flywheel import prompts
+from flywheel.evolve import OPERATIONS, STAT_FIELDS, Flywheel, FlywheelSettings, QuestionRun
+from flywheel.roles import TextModel, build_engine, derived_seed, role_sampling
+
+log = logging.getLogger("flywheel")
+
+
+class SummarisedSearch:
+    """The search tool with its result replaced by a text model's summary of it (the paper's
+    flywheel summarises every search with its 72B model). The summary sees the query and the
+    documents, not the trajectory's earlier steps; a failed summary keeps the documents."""
+
+    name = "search"
+
+    def __init__(self, search, summariser: TextModel):
+        self.search, self.summariser = search, summariser
+
+    async def __call__(self, query: str) -> ToolOutput:
+        found = await self.search(query)
+        if not found.ok:
+            return found
+        ask = prompts.SUMMARY_PROMPT.format(query=query, documents=found.text)
+        try:
+            summary = await self.summariser.complete([{"role": "user", "content": ask}], seed=derived_seed("summary", query))
+        except Exception as error:  # noqa: BLE001 - the documents are still a good result
+            log.warning("summariser failed (%s); the search result keeps the documents", error)
+            return found
+        return ToolOutput(summary.strip() or found.text, ok=True, cached=found.cached, details={**found.details, "summarised": True})
+
+
+def question_record(run: QuestionRun, timed_out: bool, seconds: float, editor: bool) -> TrajectoryGroup:
+    group = TrajectoryGroup.for_question(run.question, run.trajectories)
+    group.flywheel = {
+        "rounds": run.rounds,
+        "evolved": run.evolved,
+        "timed_out": timed_out,
+        "seconds": round(seconds, 2),
+        "editor": editor,
+        "operations": run.stats_json(),
+        "log": run.events,
+    }
+    return group
+
+
+async def evolve_all(cfg: DictConfig, flywheel: Flywheel, todo: list[Question], writer: JsonlAppender, editor: bool) -> None:
+    """Evolve ``todo``, ``flywheel.concurrency`` questions at a time, writing each as it ends."""
+    limit = asyncio.Semaphore(cfg.flywheel.concurrency)
+    progress = tqdm(total=len(todo), desc="flywheel", unit="question", dynamic_ncols=True, disable=None)
+    started, made, logged = time.time(), 0, time.time()
+
+    async def one(q: Question) -> None:
+        nonlocal made, logged
+        async with limit:
+            run, begun, timed_out = QuestionRun(q), time.time(), False
+            try:
+                await asyncio.wait_for(flywheel.evolve(run), cfg.flywheel.question_timeout_s)
+            except TimeoutError:
+                timed_out = True
+                run.event(run.rounds, "question", f"time limit of {cfg.flywheel.question_timeout_s} s reached; kept what was made")
+            writer.write(question_record(run, timed_out, time.time() - begun, editor))
+        made += len(run.trajectories)
+        progress.update(1)
+        elapsed = max(time.time() - started, 1e-9)
+        progress.set_postfix(trajectories=made, per_min=f"{60 * progress.n / elapsed:.1f} q")
+        if progress.disable and (time.time() - logged >= 15 or progress.n == len(todo)):
+            log.info("%d/%d questions, %d trajectories, %.1f questions/min", progress.n, len(todo), made, 60 * progress.n / elapsed)
+            logged = time.time()
+
+    await asyncio.gather(*(one(q) for q in todo))
+    progress.close()
+
+
+def run(cfg: DictConfig) -> dict:
+    started = time.time()
+    out = Path(cfg.out_dir)
+    out.mkdir(parents=True, exist_ok=True)
+    questions = read_questions(cfg.questions)
+    if cfg.limit:
+        questions = questions[: cfg.limit]
+    policy = build_engine(cfg.engine)
+    editor = judge = None
+    if cfg.editor.enabled:
+        editor = TextModel(build_engine(cfg.editor.engine), role_sampling(cfg.editor.sampling), "editor")
+        if cfg.judge.llm:
+            judge = scoring.LLMJudge(editor, attempts=cfg.judge.attempts, max_tokens=cfg.judge.max_tokens)
+    elif cfg.judge.llm or cfg.summariser.enabled:
+        raise ValueError("judge.llm and summariser.enabled use the editor's model: set editor.enabled=true and editor.engine")
+    else:
+        log.warning("no editor configured (editor.enabled=false): A2, A3, B0, B1 and B2 are skipped; A1 and B3 run")
+    reflector = TextModel(policy, role_sampling(cfg.reflector.sampling), "reflector")
+    settings = FlywheelSettings(**{k: cfg.flywheel[k] for k in FlywheelSettings.__dataclass_fields__})
+    with build_executor(cfg.tools) as executor, JsonlAppender(out / "trajectories.jsonl") as writer:
+        if cfg.summariser.enabled:
+            executor.tools["search"] = SummarisedSearch(executor.tools["search"], editor)
+        loop = AgentLoop(policy, executor, agent_config(cfg.agent))
+        flywheel = Flywheel(loop, reflector, editor, settings, judge)
+        todo = [q for q in questions if q.id not in writer.done]
+        log.info("%d questions, %d already done, %d to evolve", len(questions), len(questions) - len(todo), len(todo))
+        asyncio.run(evolve_all(cfg, flywheel, todo, writer, editor is not None))
+    metrics = summarise(out / "trajectories.jsonl")
+    write_manifest(
+        out,
+        stage="flywheel",
+        config=OmegaConf.to_container(cfg, resolve=True),
+        inputs=[cfg.questions],
+        counts={"questions": metrics["questions"], "trajectories": metrics["trajectories"]},
+        seed=cfg.flywheel.seed,
+        started_at=started,
+        metrics=metrics,
+    )
+    return metrics
+
+
+def summarise(path: Path) -> dict:
+    """Counts over a flywheel output: per operation, per question, tool use and correctness."""
+    groups = read_jsonl(path, TrajectoryGroup)
+    operations: dict[str, Counter] = {op: Counter() for op in OPERATIONS}
+    for g in groups:
+        for op, counts in g.flywheel["operations"].items():
+            operations[op].update(counts)
+    trajectories = [t for g in groups for t in g.trajectories]
+    n_questions = max(len(groups), 1)
+    correct = [t for t in trajectories if t.correct]
+    return {
+        "questions": len(groups),
+        "trajectories": len(trajectories),
+        "editor": all(g.flywheel["editor"] for g in groups) if groups else None,
+        "timed_out": sum(g.flywheel["timed_out"] for g in groups),
+        "initial_correct": round(sum(bool(g.trajectories and g.trajectories[0].correct) for g in groups) / n_questions, 4),
+        "any_correct": round(sum(any(t.correct for t in g.trajectories) for g in groups) / n_questions, 4),
+        "correct_per_question": round(len(correct) / n_questions, 3),
+        "trajectories_per_question": round(len(trajectories) / n_questions, 3),
+        "tool_calls_of_correct": dict(sorted(Counter(t.tool_calls_written or 0 for t in correct).items())),
+        "operations": {op: {**dict.fromkeys(STAT_FIELDS, 0), **counts} for op, counts in operations.items()},
+    }
+
+
+def main(argv: list[str] | None = None) -> None:
+    from etagent.config import parse_stage_args
+
+    logging.basicConfig(level=logging.INFO, format="%(asctime)s %(name)s %(message)s")
+    logging.getLogger("httpx").setLevel(logging.WARNING)
+    cfg = parse_stage_args("flywheel", argv, prog="python -m flywheel.run", doc=__doc__)
+    m = run(cfg)
+    print(
+        f"flywheel: {m['trajectories']} trajectories of {m['questions']} questions in {cfg.out_dir}\n"
+        f"  correct: initial rollout {m['initial_correct']:.3f} of questions, any trajectory {m['any_correct']:.3f}; "
+        f"{m['correct_per_question']:.2f} correct trajectories per question; tool calls of correct ones {m['tool_calls_of_correct']}"
+    )
+    print(f"  {'operation':<20}" + "".join(f"{f:>11}" for f in STAT_FIELDS) + "   other")
+    for op, counts in m["operations"].items():
+        other = ", ".join(f"{k} {v}" for k, v in counts.items() if k not in STAT_FIELDS)
+        print(f"  {op:<20}" + "".join(f"{counts[f]:>11}" for f in STAT_FIELDS) + f"   {other}")
+
+
+if __name__ == "__main__":
+    main()
