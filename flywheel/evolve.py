@@ -161,7 +161,7 @@ class Flywheel:
             run.rounds = round
             if parent.correct:
                 made = await asyncio.gather(
-                    self.rerollout(run, round), self.redundancy_fix(run, parent, round), self.rewrite(run, parent, round)
+                    self.rerollout(run, parent, round), self.redundancy_fix(run, parent, round), self.rewrite(run, parent, round)
                 )
             else:
                 (b1, b2), b3 = await asyncio.gather(self.flaw_repairs(run, parent, round), self.trajectory_hint(run, parent, round))
@@ -174,11 +174,12 @@ class Flywheel:
 
     # -- correct parents --------------------------------------------------------------------
 
-    async def rerollout(self, run: QuestionRun, round: int) -> Trajectory | None:
+    async def rerollout(self, run: QuestionRun, parent: Trajectory, round: int) -> Trajectory | None:
+        """A1: a fresh rollout from the prompt (its parent is the trajectory this round evolved)."""
         op, q = "A1_rerollout", run.question
         run.count(op, "attempted")
         run.count(op, "parsed")
-        state = self.loop.new(q, f"{q.id}/r{round}/{op}", stage=self.stage, round=round)
+        state = self.loop.new(q, f"{q.id}/r{round}/{op}", stage=self.stage, round=round, parent=parent.id)
         return await self._finish(run, op, state)
 
     async def redundancy_fix(self, run: QuestionRun, parent: Trajectory, round: int) -> Trajectory | None:

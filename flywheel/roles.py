@@ -41,7 +41,6 @@ class SharedBatches:
         self.tokenizer, self.max_model_len = engine.tokenizer, engine.max_model_len
         self._queue: list[tuple[list[GenerationRequest], asyncio.Future]] = []
         self._worker: asyncio.Task | None = None
-        self.batches = 0  # engine calls made (a rate the run's log reports)
 
     async def agenerate(self, requests: list[GenerationRequest]):
         future = asyncio.get_running_loop().create_future()
@@ -55,7 +54,6 @@ class SharedBatches:
             await asyncio.sleep(0)  # let the coroutines woken in this tick queue their requests too
             batch, self._queue = self._queue, []
             flat = [r for requests, _ in batch for r in requests]
-            self.batches += 1
             try:
                 results = await self.engine.agenerate(flat)
             except Exception as error:  # noqa: BLE001 - handed to every waiting caller
@@ -87,7 +85,6 @@ class TextModel:
         self.engine, self.name = engine, name
         self.tokenizer = engine.tokenizer
         self.sampling = dict(sampling)
-        self.requests = 0  # requests sent (the manifest reports them per role)
 
     def render(self, messages: list[dict], prefill: str = "") -> str:
         """The prompt text: the chat with the assistant turn opened, and ``prefill`` in it."""
@@ -110,7 +107,6 @@ class TextModel:
             stop=tuple(stop),
             seed=seed,
         )
-        self.requests += 1
         [[sample]] = await self.engine.agenerate([request])
         if sample.finish_reason == "error":
             raise ExternalCallError(f"{self.name}: the engine failed the request: {sample.error}")

@@ -94,10 +94,10 @@ async def evolve_all(cfg: DictConfig, flywheel: Flywheel, todo: list[Question], 
     """Evolve ``todo``, ``flywheel.concurrency`` questions at a time, writing each as it ends."""
     limit = asyncio.Semaphore(cfg.flywheel.concurrency)
     progress = tqdm(total=len(todo), desc="flywheel", unit="question", dynamic_ncols=True, disable=None)
-    started, made, logged = time.time(), 0, time.time()
+    started, done, made, logged = time.time(), 0, 0, time.time()
 
     async def one(q: Question) -> None:
-        nonlocal made, logged
+        nonlocal done, made, logged
         async with limit:
             run, begun, timed_out = QuestionRun(q), time.time(), False
             try:
@@ -106,12 +106,13 @@ async def evolve_all(cfg: DictConfig, flywheel: Flywheel, todo: list[Question], 
                 timed_out = True
                 run.event(run.rounds, "question", f"time limit of {cfg.flywheel.question_timeout_s} s reached; kept what was made")
             writer.write(question_record(run, timed_out, time.time() - begun, editor))
-        made += len(run.trajectories)
+        done, made = done + 1, made + len(run.trajectories)
+        rate = 60 * done / max(time.time() - started, 1e-9)
         progress.update(1)
-        elapsed = max(time.time() - started, 1e-9)
-        progress.set_postfix(trajectories=made, per_min=f"{60 * progress.n / elapsed:.1f} q")
-        if progress.disable and (time.time() - logged >= 15 or progress.n == len(todo)):
-            log.info("%d/%d questions, %d trajectories, %.1f questions/min", progress.n, len(todo), made, 60 * progress.n / elapsed)
+        progress.set_postfix(trajectories=made, questions_per_min=f"{rate:.1f}")
+        # no progress bar when the output is not a terminal (logs, CI): a line every 15 s
+        if progress.disable and (time.time() - logged >= 15 or done == len(todo)):
+            log.info("%d/%d questions, %d trajectories, %.1f questions/min", done, len(todo), made, rate)
             logged = time.time()
 
     await asyncio.gather(*(one(q) for q in todo))

@@ -1,5 +1,5 @@
 #!/usr/bin/env bash
-# The paper's effect over seeds, on the toy world: RL stage 1 from the SFT policy with the
+# The paper's effect over seeds, on the toy world: RL stage 1 from the SFT'd policy with the
 # efficiency reward (sigma_tool 0.2, sigma_length 0.5) and without it (both 0, as the paper's
 # released scripts), SEEDS times each, every policy evaluated on the held-out questions at the
 # evaluation's temperature (0.6, top-p 0.95) and at RL's (1.0, no top-p), where the SFT policy
@@ -8,8 +8,10 @@
 #
 #   bash scripts/rl_effect.sh [RUN_DIR] [SEEDS]
 #
-# RUN_DIR (default runs/demo) must hold a finished demo's toy world, SFT model, stage-1 data
-# and indexes (bash scripts/demo.sh RUN_DIR). SEEDS defaults to 3. Writes RUN_DIR/effect/:
+# RUN_DIR (default runs/demo) must hold a finished demo's toy world, SFT models, stage-1 data
+# and indexes (bash scripts/demo.sh RUN_DIR). SEEDS defaults to 3. RL starts from START (default
+# RUN_DIR/sft-flywheel/model, where the demo's curriculum starts), evaluated in START_EVAL
+# (default RUN_DIR/eval-flywheel). Writes RUN_DIR/effect/:
 # rl-{efficiency,plain}-seed{s}/ (RL runs), eval-{efficiency,plain}-seed{s}/ and
 # eval-t1-{efficiency,plain}-seed{s}/ (their evaluations at T=0.6 and T=1), eval-t1-sft/,
 # effect.md and effect.json. Every run resumes, so rerunning after a kill continues. About 6
@@ -20,7 +22,9 @@ SEEDS=${2:-3}
 cd "$(dirname "$0")/.."
 VENV=$(realpath "${ETAGENT_VENV:-.venv}")
 export PATH="$VENV/bin:$PATH" HF_HUB_OFFLINE=1 TRANSFORMERS_OFFLINE=1 WANDB_MODE=offline TOKENIZERS_PARALLELISM=false
-for needed in "$RUN/sft/model" "$RUN/rl_data/stage1/rl.parquet" "$RUN/eval/summary.json" "$RUN/index" "$RUN/rl_index"; do
+START=${START:-$RUN/sft-flywheel/model}
+START_EVAL=${START_EVAL:-$RUN/eval-flywheel}
+for needed in "$START" "$RUN/rl_data/stage1/rl.parquet" "$START_EVAL/summary.json" "$RUN/index" "$RUN/rl_index"; do
   [ -e "$needed" ] || { echo "missing $needed: run bash scripts/demo.sh $RUN first" >&2; exit 1; }
 done
 OUT=$RUN/effect
@@ -38,7 +42,7 @@ evaluate() {
 AT_T1=(agent.temperature=1.0 agent.top_p=1.0)
 
 echo "== the SFT policy at T=1 -> $OUT/eval-t1-sft"
-evaluate "$RUN/sft/model" "$OUT/eval-t1-sft" sft-t1 0 "${AT_T1[@]}"
+evaluate "$START" "$OUT/eval-t1-sft" sft-t1 0 "${AT_T1[@]}"
 for seed in $(seq 0 $((SEEDS - 1))); do
   for setting in efficiency plain; do
     if [ "$setting" = efficiency ]; then sigmas=(reward.sigma_tool=0.2 reward.sigma_length=0.5); else sigmas=(reward.sigma_tool=0 reward.sigma_length=0); fi
@@ -46,7 +50,7 @@ for seed in $(seq 0 $((SEEDS - 1))); do
     echo "== seed $seed, $setting reward: RL stage 1 from the SFT policy -> $OUT/rl-$setting-seed$seed"
     source scripts/serve_retriever.sh "$RUN/rl_index" "$OUT/rl_retriever.log"
     # shellcheck disable=SC2086
-    bash scripts/rl.sh model="$RUN/sft/model" data.train="$RUN/rl_data/stage1/rl.parquet" out_dir="$OUT/rl-$setting-seed$seed" \
+    bash scripts/rl.sh model="$START" data.train="$RUN/rl_data/stage1/rl.parquet" out_dir="$OUT/rl-$setting-seed$seed" \
       train.seed="$seed" "${sigmas[@]}" tools.search.local.url="$RETRIEVER_URL" ${RL_ARGS:-}
     stop_retriever
     echo "-- evaluation on the held-out questions at T=0.6 and at T=1 -> $OUT/eval-$setting-seed$seed, $OUT/eval-t1-$setting-seed$seed"
@@ -55,7 +59,7 @@ for seed in $(seq 0 $((SEEDS - 1))); do
   done
 done
 
-python - "$RUN" "$SEEDS" <<'PY'
+python - "$RUN" "$SEEDS" "$START_EVAL" <<'PY'
 import json, statistics, sys
 from pathlib import Path
 
@@ -74,7 +78,7 @@ def cell(values: list[float]) -> str:
     return f"{statistics.mean(values):.2f} ± {statistics.stdev(values):.2f}"
 
 tables, everything = [], {}
-for title, prefix, sft in (("T=0.6, top-p 0.95 (the evaluation's sampling)", "eval-", run / "eval"),
+for title, prefix, sft in (("T=0.6, top-p 0.95 (the evaluation's sampling)", "eval-", Path(sys.argv[3])),
                            ("T=1.0, no top-p (RL's sampling)", "eval-t1-", run / "effect" / "eval-t1-sft")):
     rows = {"SFT": [figures(sft)]}
     for setting, label in (("efficiency", "RL, efficiency reward (sigmas 0.2 / 0.5)"), ("plain", "RL, sigmas 0 (correctness + format)")):

@@ -249,7 +249,7 @@ def test_a1_and_a3_keep_every_action_byte_identical(tokenizer, executor):
     run = evolve(make_flywheel(tokenizer, executor), RIGHT)
     ops = by_op(run)
     assert list(ops) == ["initial", "A1_rerollout", "A3_rewrite"]  # A2: the editor said "Step: no"
-    assert ops["A1_rerollout"].text == PARENT and ops["A1_rerollout"].provenance.parent is None
+    assert ops["A1_rerollout"].text == PARENT and ops["A1_rerollout"].provenance.parent == "right/initial"
     rewritten = ops["A3_rewrite"]
     assert rewritten.text == PARENT.replace("I will compute this.", "Short reasoning.").replace(
         "Let me check it again.", "Short reasoning."
@@ -309,3 +309,82 @@ def test_later_rounds_evolve_the_best_trajectory_not_yet_evolved(tokenizer, exec
     assert any(t.provenance.operation == "A1_rerollout" and t.provenance.round == 2 for t in run.trajectories)
     ids = [t.id for t in run.trajectories]
     assert len(ids) == len(set(ids))
+
+
+# -- export --------------------------------------------------------------------------------------
+
+
+def test_export_keeps_correct_distinct_trajectories_fewest_calls_first(tokenizer, executor, tmp_path):
+    from etagent.records import JsonlAppender, SFTExample, read_records
+    from flywheel.export import export
+    from flywheel.run import question_record
+    from sft.data import IGNORE, tokenize_example
+
+    reply = "Step: 2\nAnalysis: repeats.\nCorrected Step: <think>Python gave 612.</think>" + ANSWER.format(612)
+    right = evolve(make_flywheel(tokenizer, executor, redundancy=reply), RIGHT)
+    wrong = evolve(make_flywheel(tokenizer, executor), WRONG)
+    with JsonlAppender(tmp_path / "trajectories.jsonl") as writer:
+        for run in (right, wrong):
+            writer.write(question_record(run, timed_out=False, seconds=1.0, editor=True))
+    cfg = load_config("flywheel", "tiny", [f"out_dir={tmp_path}", "export.max_per_question=2"])
+    report = export(cfg)
+
+    examples = read_records(tmp_path / "sft" / "sft.jsonl", SFTExample)
+    # right: A2 (1 call) before the initial one (2 calls); A1 is a copy of the initial, A3 over the cap
+    # wrong: the initial is wrong; B1 (1 call), then B2 before B3 (2 calls each, flywheel order)
+    assert [e.id for e in examples] == ["right/r1/A2_redundancy_fix", "right/initial", "wrong/r1/B1_new_step", "wrong/r1/B2_step_hint"]
+    assert report["dropped"] == {"not judged correct": 1, "a copy of a kept trajectory": 1, "over max_per_question": 2}
+    assert report["kept"] == 4 and report["export"]["tool_calls"] == {1: 2, 2: 2}
+    # the prompt in the system turn, tool results masked, SFT trains on the trajectory's own ids
+    example = examples[1]
+    assert example.messages[0].content == protocol.SYSTEM_PROMPT and example.question == RIGHT.question
+    assert [s.train for s in example.segments] == [True, False, True, False, True]
+    row = tokenize_example(example, tokenizer)
+    assert row.from_token_ids
+    trained = tokenizer.decode([t for t in row.labels if t != IGNORE])
+    assert "<result>" not in trained and "Let me check it again." in trained
+    for fmt in ("alpaca", "sharegpt"):
+        import json
+
+        rows = json.loads((tmp_path / "sft" / "llamafactory" / fmt / f"flywheel_{fmt}.json").read_text())
+        assert len(rows) == 4 and rows[0]["system"] == protocol.SYSTEM_PROMPT
+
+
+# -- the judge and the summariser roles ----------------------------------------------------------
+
+
+def test_the_llm_judge_is_asked_only_when_the_rule_says_wrong(tokenizer, executor):
+    from etagent.scoring import LLMJudge
+
+    replies = ScriptedModel(tokenizer, lambda prompt: "Correct")
+    flywheel = make_flywheel(tokenizer, executor)
+    flywheel.judge = LLMJudge(TextModel(SharedBatches(replies), {"temperature": 0.0, "max_tokens": 8}, "judge"))
+    right = asyncio.run(flywheel.judgement(RIGHT, "612"))
+    assert (right.metric, right.verdict) == ("math_equal", True) and not replies.prompts
+    judged = asyncio.run(flywheel.judgement(RIGHT, "six hundred and twelve"))
+    assert (judged.metric, judged.verdict, judged.reply) == ("llm_judge", True, "Correct")
+    assert "six hundred and twelve" in replies.prompts[0]
+    qa = Question(id="qa", question="Who?", answer=["Zorvak Telmin"], source="toy_search", kind="qa")
+    assert asyncio.run(flywheel.judgement(qa, "Telmin")).metric == "f1_paper"  # QA: F1 only
+
+
+def test_search_results_are_summarised_by_the_summariser(tokenizer, toy, server, monkeypatch):
+    import json
+
+    from etagent.protocol import ToolCall
+    from flywheel.run import SummarisedSearch
+    from tests.conftest import TOKEN
+
+    monkeypatch.setenv("RETRIEVER_TOKEN", TOKEN)
+    name = json.loads((toy / "corpus.jsonl").read_text().splitlines()[0])["title"]
+    summariser = ScriptedModel(tokenizer, lambda prompt: "**Final Information** " + prompt.split("Search results:\n", 1)[1][:40])
+    tools = load_config("tools", "tiny", [f"tools.search.local.url={server}", "tools.search.local.token_env=RETRIEVER_TOKEN"]).tools
+    with build_executor(tools) as ex:
+        plain = ex.run_sync([ToolCall("search", name)])[0]
+        ex.tools["search"] = SummarisedSearch(
+            ex.tools["search"], TextModel(SharedBatches(summariser), {"temperature": 0.0, "max_tokens": 64}, "s")
+        )
+        [record] = ex.run_sync([ToolCall("search", name)])
+    assert plain.ok and name in plain.output
+    assert record.ok and record.output == "**Final Information** " + plain.output[:40].strip()
+    assert f"Search query: {name}" in summariser.prompts[0]
