@@ -266,7 +266,8 @@ class AgentLoop:
         come from ``source`` for the results it has, and are rebuilt from the text otherwise
         (``rebuilt=True``); they count against ``budgets`` (the flywheel's continuations have
         their own). A prefix that ends with a complete tool call and no result (an editor's
-        corrected step ending at ``</python>``) has that call run before generation goes on.
+        corrected step ending at ``</python>``) has that call run before generation goes on; one
+        that already ends with ``</answer>`` is finished (``answer``) as it is.
         """
         state = self.new(question, id, seed=seed, budgets=budgets, **{"operation": "prefix", **provenance})
         kept = self._reusable_ids(source, prefix) if source is not None else 0
@@ -289,6 +290,8 @@ class AgentLoop:
             call = protocol.parse_segment(pieces[-1][0])
             if isinstance(call, protocol.ToolCall) and pieces[-1][0].rstrip().endswith(f"</{call.tool}>"):
                 state.trailing_call = call
+        if state.trailing_call is None and prefix.rstrip().endswith(protocol.ANSWER_STOP):
+            state.finish_reason = "answer"
         return state
 
     def _reusable_ids(self, source: Trajectory, prefix: str) -> int:

@@ -329,7 +329,7 @@ class Flywheel:
         self, run: QuestionRun, op: str, round: int, parent: Trajectory, prefix: str, edited_step: int | None = None
     ) -> Trajectory:
         """The policy continues from ``prefix`` (a trailing call is run first; a prefix that
-        already ends with the answer is finished as it is)."""
+        already ends with the answer is finished as it is: ``AgentLoop.from_prefix``)."""
         q = run.question
         state = self.loop.from_prefix(
             q,
@@ -343,8 +343,6 @@ class Flywheel:
             parent=parent.id,
             edited_step=edited_step,
         )
-        if prefix.rstrip().endswith(protocol.ANSWER_STOP) and state.trailing_call is None:
-            state.finish_reason = "answer"
         return await self._finish(run, op, state)
 
     async def _finish(self, run: QuestionRun, op: str, state) -> Trajectory:

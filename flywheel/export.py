@@ -12,7 +12,8 @@ Reads ``out_dir/trajectories.jsonl`` (``flywheel/run.py``) and writes into ``exp
   with its ``dataset_info.json``;
 - ``report.json``: kept and dropped counts with the reason of each drop, per question and per
   operation, the tool-call counts of what was kept, and, with ``export.seed_data``, the same
-  figures for the seed SFT data of the same questions.
+  figures for the seed SFT data of the same questions, whose examples go to ``seed_sft.jsonl``
+  (for an SFT on the seed data of exactly these questions: ``scripts/flywheel_effect.sh``).
 
 A trajectory is kept when it is judged correct, passes the strict template check
 (:func:`etagent.protocol.template_problems`: starts with ``<think>``, ends with one boxed answer,
@@ -31,7 +32,7 @@ from __future__ import annotations
 import json
 import logging
 import statistics
-from collections import Counter, defaultdict
+from collections import Counter
 from pathlib import Path
 
 from omegaconf import DictConfig
@@ -128,19 +129,17 @@ def export(cfg: DictConfig) -> dict:
         "rules": {k: e[k] for k in ("max_per_question", "prefer_fewer_calls", "require_tool_success")},
     }
     if e.seed_data:
-        report["seed_data"] = {"path": str(e.seed_data), **spread(seed_calls(Path(e.seed_data), set(kept_calls)))}
+        seed = seed_examples(Path(e.seed_data), set(kept_calls))
+        write_jsonl(out / "seed_sft.jsonl", seed)
+        calls = {q: [protocol.count_tool_calls(x.response) for x in seed if x.id.rsplit("/", 1)[0] == q] for q in kept_calls}
+        report["seed_data"] = {"path": str(e.seed_data), "written": str(out / "seed_sft.jsonl"), **spread(calls)}
     (out / "report.json").write_text(json.dumps(report, indent=2) + "\n")
     return report
 
 
-def seed_calls(path: Path, questions: set[str]) -> dict[str, list[int]]:
-    """Tool-call counts of the seed SFT examples of ``questions`` (example ids "<question id>/...")."""
-    calls: dict[str, list[int]] = defaultdict(list)
-    for example in read_records(path, SFTExample):
-        question = example.id.rsplit("/", 1)[0]
-        if question in questions:
-            calls[question].append(protocol.count_tool_calls(example.response))
-    return {q: calls.get(q, []) for q in questions}
+def seed_examples(path: Path, questions: set[str]) -> list[SFTExample]:
+    """The seed SFT examples of ``questions`` (example ids "<question id>/...")."""
+    return [x for x in read_records(path, SFTExample) if x.id.rsplit("/", 1)[0] in questions]
 
 
 def main(argv: list[str] | None = None) -> None:

@@ -21,7 +21,7 @@ from __future__ import annotations
 import asyncio
 import hashlib
 
-from omegaconf import DictConfig, OmegaConf
+from omegaconf import DictConfig
 
 from etagent.llm import GenerationRequest, make_engine
 from etagent.net import ExternalCallError
@@ -115,7 +115,3 @@ class TextModel:
     async def chat(self, messages: list[dict], *, session: str | None = None, **sampling) -> str:
         """The :class:`etagent.scoring.LLMJudge` interface (a judge of any engine)."""
         return await self.complete(messages, **sampling)
-
-
-def role_sampling(cfg: DictConfig) -> dict:
-    return OmegaConf.to_container(cfg, resolve=True)

@@ -48,7 +48,7 @@ from etagent.tools import ToolOutput
 from etagent.tools.executor import build_executor
 from flywheel import prompts
 from flywheel.evolve import OPERATIONS, STAT_FIELDS, Flywheel, FlywheelSettings, QuestionRun
-from flywheel.roles import TextModel, build_engine, derived_seed, role_sampling
+from flywheel.roles import TextModel, build_engine, derived_seed
 
 log = logging.getLogger("flywheel")
 
@@ -121,6 +121,11 @@ async def evolve_all(cfg: DictConfig, flywheel: Flywheel, todo: list[Question], 
 
 def run(cfg: DictConfig) -> dict:
     started = time.time()
+    # the roles' settings are checked before any model is loaded
+    if cfg.editor.enabled and not cfg.editor.engine.model:
+        raise ValueError("editor.enabled=true needs editor.engine.model (a model folder, hub id or .gguf file)")
+    if not cfg.editor.enabled and (cfg.judge.llm or cfg.summariser.enabled):
+        raise ValueError("judge.llm and summariser.enabled use the editor's model: set editor.enabled=true and editor.engine.model")
     out = Path(cfg.out_dir)
     out.mkdir(parents=True, exist_ok=True)
     questions = read_questions(cfg.questions)
@@ -129,14 +134,12 @@ def run(cfg: DictConfig) -> dict:
     policy = build_engine(cfg.engine)
     editor = judge = None
     if cfg.editor.enabled:
-        editor = TextModel(build_engine(cfg.editor.engine), role_sampling(cfg.editor.sampling), "editor")
+        editor = TextModel(build_engine(cfg.editor.engine), OmegaConf.to_container(cfg.editor.sampling), "editor")
         if cfg.judge.llm:
             judge = scoring.LLMJudge(editor, attempts=cfg.judge.attempts, max_tokens=cfg.judge.max_tokens)
-    elif cfg.judge.llm or cfg.summariser.enabled:
-        raise ValueError("judge.llm and summariser.enabled use the editor's model: set editor.enabled=true and editor.engine")
     else:
         log.warning("no editor configured (editor.enabled=false): A2, A3, B0, B1 and B2 are skipped; A1 and B3 run")
-    reflector = TextModel(policy, role_sampling(cfg.reflector.sampling), "reflector")
+    reflector = TextModel(policy, OmegaConf.to_container(cfg.reflector.sampling), "reflector")
     settings = FlywheelSettings(**{k: cfg.flywheel[k] for k in FlywheelSettings.__dataclass_fields__})
     with build_executor(cfg.tools) as executor, JsonlAppender(out / "trajectories.jsonl") as writer:
         if cfg.summariser.enabled:

@@ -6,28 +6,23 @@
 #   bash scripts/flywheel_effect.sh [RUN_DIR]
 #
 # Needs RUN_DIR (default runs/demo) from the demo up to its flywheel step: toy/, index/, sft/,
-# eval/ and flywheel/ (scripts/flywheel.sh). Writes RUN_DIR/flywheel/seed_sft.jsonl, sft-flywheel/,
-# sft-seed/, eval-flywheel/, eval-seed/ and flywheel_effect.md. A finished model or evaluation is
-# not redone.
+# eval/ and flywheel/ (scripts/flywheel.sh, whose export writes flywheel/sft/seed_sft.jsonl, the
+# seed SFT examples of the flywheel's questions). Writes RUN_DIR/sft-flywheel/, sft-seed/,
+# eval-flywheel/, eval-seed/ and flywheel_effect.md. A finished model or evaluation is not redone.
 set -euo pipefail
 cd "$(dirname "$0")/.."
 VENV=$(realpath "${ETAGENT_VENV:-.venv}")
 export PATH="$VENV/bin:$PATH" HF_HUB_OFFLINE=1 TRANSFORMERS_OFFLINE=1 WANDB_MODE=offline TOKENIZERS_PARALLELISM=false
 RUN=${1:-runs/demo}
 
-echo "-- the seed SFT data of the flywheel's questions -> $RUN/flywheel/seed_sft.jsonl"
-python - "$RUN/flywheel/questions.jsonl" "$RUN/toy/sft.jsonl" "$RUN/flywheel/seed_sft.jsonl" <<'PY'
-import json, sys
-questions = {json.loads(line)["id"] for line in open(sys.argv[1])}
-kept = [line for line in open(sys.argv[2]) if json.loads(line)["id"].rsplit("/", 1)[0] in questions]
-open(sys.argv[3], "w").writelines(kept)
-print(f"   {len(kept)} seed examples of {len(questions)} questions")
-PY
+for needed in "$RUN/flywheel/sft/sft.jsonl" "$RUN/flywheel/sft/seed_sft.jsonl" "$RUN/eval/summary.json" "$RUN/index"; do
+  [ -e "$needed" ] || { echo "missing $needed: run bash scripts/demo.sh $RUN (or scripts/flywheel.sh) first" >&2; exit 1; }
+done
 
 source scripts/serve_retriever.sh "$RUN/index" "$RUN/retriever.log"
 for arm in flywheel seed; do
   data=$RUN/flywheel/sft/sft.jsonl
-  [ "$arm" = seed ] && data=$RUN/flywheel/seed_sft.jsonl
+  [ "$arm" = seed ] && data=$RUN/flywheel/sft/seed_sft.jsonl  # the export's seed examples of the same questions
   if [ ! -f "$RUN/sft-$arm/model/config.json" ]; then
     echo "-- SFT of $RUN/sft/model on $data -> $RUN/sft-$arm"
     python -m sft.run --preset tiny_flywheel model="$RUN/sft/model" data.path="$data" out_dir="$RUN/sft-$arm" train.progress_bar=false

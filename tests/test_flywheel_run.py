@@ -94,6 +94,7 @@ def test_the_toy_flywheel_end_to_end_and_its_data_feeds_sft(toy, sft_model, tmp_
     # more correct trajectories per question than the seed data, and more tool-call counts per question
     assert flywheel["examples_per_question"] > seed["examples_per_question"]
     assert flywheel["distinct_tool_call_counts_per_question"] > seed["distinct_tool_call_counts_per_question"]
+    assert len(read_records(run / "flywheel" / "sft" / "seed_sft.jsonl", SFTExample)) == seed["examples"]
     examples = read_records(run / "flywheel" / "sft" / "sft.jsonl", SFTExample)
     assert len(examples) == report["kept"] > 0
     # sft/ reads the export unchanged, on the trajectories' own token ids
