@@ -122,7 +122,7 @@ def main() -> None:
         with build_executor(tools) as executor:
             engines = {
                 "hf": lambda: HFEngine(model),
-                "vllm": lambda: VLLMEngine(model, dtype="float32", max_model_len=2048, cpu_kv_cache_gb=1.0, enforce_eager=True),
+                "vllm": lambda: VLLMEngine.load(model, dtype="float32", max_model_len=2048, cpu_kv_cache_gb=1.0, enforce_eager=True),
             }
             for name, make in engines.items():
                 engine = make()

@@ -6,6 +6,9 @@ tensors are (B, R). Token ids are the rollout's own (never re-tokenized). The lo
 the tokens the policy sampled in this rollout (``TokenOrigin.SAMPLED``): tool results and given
 text have no log-probability under the policy that generated the rollout.
 
+:func:`batch_plan` splits a step over the ranks and into mini-batches counted in sequences;
+:func:`micro_batches` cuts a mini-batch into forward passes within a token budget.
+
 What this module does not do: compute losses (rl/algorithm.py) or shard anything.
 """
 
@@ -17,7 +20,6 @@ import torch
 
 from etagent.agent import TrajectoryState
 from etagent.records import TokenOrigin
-from rl.algorithm import entropy_from_logprobs
 
 
 @dataclass
@@ -89,19 +91,11 @@ def pack(trajectories: list[TrajectoryState], pad_id: int) -> Batch:
     return Batch(input_ids, attention, position_ids, loss_mask, logprobs, prompt_width)
 
 
-def token_logprobs(model, batch: Batch, with_entropy: bool = False) -> tuple[torch.Tensor, torch.Tensor | None]:
-    """Log-probabilities of every response token under ``model`` (B, R), and the entropy of the
-    distribution each was drawn from when asked. Padding positions hold junk: mask them."""
-    logits = model(input_ids=batch.input_ids, attention_mask=batch.attention_mask, position_ids=batch.position_ids, use_cache=False).logits
-    start = batch.prompt_width - 1
-    logits = logits[:, start : start + batch.response_width].float()
-    targets = batch.input_ids[:, batch.prompt_width :]
-    log_probs = torch.log_softmax(logits, dim=-1)
-    logprobs = log_probs.gather(-1, targets[..., None]).squeeze(-1)
-    if not with_entropy:
-        return logprobs, None
-    with torch.no_grad():
-        return logprobs, entropy_from_logprobs(log_probs.detach())
+def token_logprobs(policy, batch: Batch, with_entropy: bool = False) -> tuple[torch.Tensor, torch.Tensor | None]:
+    """Log-probabilities of every response token under ``policy`` (an rl.policy.Policy) (B, R),
+    and the entropy of the distribution each was drawn from when asked. Padding positions hold
+    junk: mask them."""
+    return policy(batch.input_ids, batch.attention_mask, batch.position_ids, batch.prompt_width, with_entropy)
 
 
 def micro_batches(tokens: list[int], max_tokens: int) -> list[list[int]]:
@@ -119,3 +113,41 @@ def micro_batches(tokens: list[int], max_tokens: int) -> list[list[int]]:
     if current:
         groups.append(current)
     return groups
+
+
+@dataclass(frozen=True)
+class BatchPlan:
+    """How a step's data splits over the ranks and into optimizer steps. Mini-batches are counted
+    in sequences, as verl counts them (``ppo_mini_batch_size`` x n), so the same preset makes the
+    same optimizer steps of the same number of sequences on 1, 2, 4, 8 or 16 ranks."""
+
+    prompts_per_rank: int  # rank r rolls out prompts r, r + world, ... of the step
+    sequences_per_rank: int
+    mini_batch_sequences_per_rank: int
+    optimizer_steps: int  # per RL step, on every rank
+
+
+def batch_plan(prompts_per_step: int, n: int, mini_batch_prompts: int, world: int) -> BatchPlan:
+    """The plan for ``prompts_per_step`` prompts x ``n`` rollouts, optimizer steps of
+    ``mini_batch_prompts`` x ``n`` sequences, over ``world`` ranks; a setting that does not divide
+    evenly is an error naming the key."""
+    for key, value in (("data.prompts_per_step", prompts_per_step), ("rollout.n", n), ("train.mini_batch_prompts", mini_batch_prompts)):
+        if value < 1:
+            raise ValueError(f"{key} must be at least 1, got {value}")
+    if prompts_per_step % world:
+        raise ValueError(f"data.prompts_per_step ({prompts_per_step}) must be a multiple of the number of processes ({world})")
+    if prompts_per_step % mini_batch_prompts:
+        raise ValueError(
+            f"data.prompts_per_step ({prompts_per_step}) must be a multiple of train.mini_batch_prompts ({mini_batch_prompts})"
+        )
+    if mini_batch_prompts * n % world:
+        raise ValueError(
+            f"a mini-batch of train.mini_batch_prompts x rollout.n = {mini_batch_prompts} x {n} sequences "
+            f"does not split evenly over {world} processes"
+        )
+    return BatchPlan(
+        prompts_per_rank=prompts_per_step // world,
+        sequences_per_rank=prompts_per_step // world * n,
+        mini_batch_sequences_per_rank=mini_batch_prompts * n // world,
+        optimizer_steps=prompts_per_step // mini_batch_prompts,
+    )

@@ -2,21 +2,25 @@
 
     python -m rl.run [--preset tiny|paper] [overrides]           # or: etagent rl ...
     torchrun --nproc_per_node=2 -m rl.run ...                    # FSDP2 across processes
+    bash scripts/rl.sh ...                                       # the same, with launchers
 
 Reads the RL parquet of a curriculum stage (``data.train``, as ``pareto/`` writes it) and a
 policy (``model``: a ``save_pretrained`` folder); writes into ``out_dir``: ``metrics.jsonl`` (one
 line per step), ``rollouts/step_{k}.jsonl`` (every rollout with its reward terms),
-``checkpoints/step_{k}/`` (``model/``, a plain ``save_pretrained`` folder the next stage and
-the evaluation load as it is, plus ``optimizer.pt`` and ``state.json``), ``model/`` (the final
-policy) and ``manifest.json``. A rerun resumes from the last checkpoint.
+``checkpoints/step_{k}/`` (the sharded training state, the last ``train.keep_checkpoints``),
+``models/step_{k}/`` (every ``train.export_every`` steps) and ``model/`` (the final policy),
+plain ``save_pretrained`` folders the next stage and the evaluation load as they are, and
+``manifest.json``. A rerun resumes from the last complete checkpoint.
 
+The recipe: setup (process group, the sharded policy, the optimizer, the rollout engine, the
+data, all settings checked before any work) -> :func:`train_step` per step -> the final model.
 One step, as named and timed phases (``timing_s/<phase>`` in the metrics):
 
 1. generate: n rollouts per prompt through the agent loop with the real tools (``rollout.kind``:
    ARPO's entropy-branching tree, or n independent samples; rl/rollout.py), sampled by the
    colocated engine (``engine.kind``): ``hf``, the policy module itself (it shares the weights:
    nothing to copy), or ``vllm``, one vLLM engine per rank in the trainer's process (torchrun),
-   asleep outside this phase;
+   asleep outside this phase and the validation;
 2. reward: the efficiency reward per prompt's group (rl/reward.py), sigmas decayed linearly over
    the run as in the paper;
 3. old_logprobs (vllm only): the policy's log-probabilities of the sampled tokens before the
@@ -25,16 +29,20 @@ One step, as named and timed phases (``timing_s/<phase>`` in the metrics):
 4. ref_logprobs (only with ``algorithm.kl_coef`` > 0): the same under a frozen copy of the
    run's starting policy;
 5. advantage: GRPO, the group's mean and unbiased std;
-6. update: for each mini-batch of prompts, the dual-clip PPO loss (plus the KL term, when on;
-   AEPO's entropy-balanced clipping and entropy-aware advantage, when on) as an exact token mean
-   over the mini-batch (micro-batches by token budget), one AdamW step with gradient clipping;
-7. sync (vllm only): the updated weights gathered from their shards into the woken engine;
-8. save: every ``save_every`` steps and at the end; 9. validate: every ``validate_every`` steps.
+6. update: for each mini-batch (``mini_batch_prompts`` x n sequences over all ranks; rl/batch.py's
+   plan), the dual-clip PPO loss (plus the KL term, when on; AEPO's entropy-balanced clipping
+   and entropy-aware advantage, when on) as an exact token mean over the mini-batch
+   (micro-batches by token budget), one AdamW step with gradient clipping;
+7. sync (vllm only): the updated weights streamed from their shards into the engine
+   (rl/weights.py);
+8. validate: every ``validate_every`` steps;
+9. save: the rollouts, then the sharded checkpoint every ``save_every`` steps (rl/checkpoint.py),
+   then the exported model when one is due.
 
-The policy is sharded with FSDP2 (``fully_shard`` per decoder layer, then the root; gloo on CPU,
-NCCL on GPUs), also in one process. Each rank rolls out its share of the step's prompts; during
-generation every layer stays gathered, so ranks that decode different lengths never wait on
-each other.
+The policy is sharded with FSDP2 (rl/policy.py: ``fully_shard`` per decoder layer, then the
+root; gloo on CPU, NCCL on GPUs), also in one process. Each rank rolls out its share of the
+step's prompts; during generation with the hf engine every layer stays gathered, so ranks that
+decode different lengths never wait on each other.
 
 What it does not do: choose a stage's data (pareto/) or chain the stages
 (scripts/rl_curriculum.sh runs data, RL and evaluation per stage).
@@ -47,9 +55,9 @@ import json
 import logging
 import os
 import random
-import shutil
 import time
-from contextlib import contextmanager, nullcontext
+from contextlib import nullcontext
+from dataclasses import dataclass, replace
 from pathlib import Path
 
 import numpy as np
@@ -61,9 +69,13 @@ from etagent.agent import AgentConfig, AgentLoop, TrajectoryState
 from etagent.records import write_manifest
 from etagent.timing import phase
 from rl.algorithm import entropy_aware_advantages, grpo_advantages, kl_estimate, logprob_mismatch, masked_sum, policy_loss
-from rl.batch import Batch, micro_batches, pack, token_logprobs
+from rl.batch import Batch, BatchPlan, batch_plan, micro_batches, pack, token_logprobs
+from rl.checkpoint import export_model, latest_checkpoint, load_checkpoint, save_checkpoint
+from rl.distributed import gather_objects, init_distributed, max_all, sum_all, training_device
+from rl.policy import Policy, gathered, load_policy
 from rl.reward import efficiency_reward, raw_correctness, sigma_factor, validation_score
 from rl.rollout import Prompt, make_rollout, read_prompts, rollout_metrics
+from rl.weights import sync_engine
 
 log = logging.getLogger("rl")
 
@@ -72,166 +84,195 @@ log = logging.getLogger("rl")
 # Setup
 
 
-def init_distributed(device: torch.device) -> tuple[int, int]:
-    """(rank, world size). Under torchrun, its process group; alone, a group of one (FSDP2 needs
-    one; an in-memory store, no port)."""
-    if not dist.is_initialized():
-        backend = "nccl" if device.type == "cuda" else "gloo"
-        if "RANK" in os.environ:
-            if device.type == "cuda":
-                torch.cuda.set_device(int(os.environ.get("LOCAL_RANK", 0)))
-            dist.init_process_group(backend)
-        else:
-            dist.init_process_group(backend, store=dist.HashStore(), rank=0, world_size=1)
-    return dist.get_rank(), dist.get_world_size()
+@dataclass
+class Trainer:
+    """Everything a step uses, built once by :func:`setup`."""
+
+    cfg: DictConfig
+    out: Path
+    device: torch.device
+    rank: int
+    world: int
+    seed: int
+    plan: BatchPlan
+    total: int  # steps of the run
+    start: int  # the last step already done (resumed from)
+    resumed_metrics: dict
+    policy: Policy
+    reference: Policy | None
+    tokenizer: object
+    optimizer: torch.optim.Optimizer
+    prompts: list[Prompt]
+    validation: list[Prompt]
+    engine: object
+    weight_dtype: torch.dtype | None  # what the engine is sent
+    export_dtype: torch.dtype
+    bucket_bytes: int
 
 
-def load_policy(path: str | Path, cfg: DictConfig, device: torch.device, world: int, trainable: bool = True):
-    """The policy from a save_pretrained folder, sharded with FSDP2 over all ranks (the
-    reference model too, frozen: ``trainable=False``)."""
-    from torch.distributed.device_mesh import init_device_mesh
-    from torch.distributed.fsdp import MixedPrecisionPolicy, fully_shard
-    from transformers import AutoModelForCausalLM, AutoTokenizer
-
-    tokenizer = AutoTokenizer.from_pretrained(path)
-    # parameters stay float32 (the optimizer's copy); bf16 is the compute dtype on GPUs
-    model = AutoModelForCausalLM.from_pretrained(path, dtype=torch.float32).to(device)
-    if not trainable:
-        model.requires_grad_(False).eval()
-    elif cfg.train.gradient_checkpointing:
-        model.gradient_checkpointing_enable(gradient_checkpointing_kwargs={"use_reentrant": False})
-    mesh = init_device_mesh(device.type, (world,))
-    compute = getattr(torch, cfg.train.compute_dtype)
-    policy = MixedPrecisionPolicy(param_dtype=compute, reduce_dtype=torch.float32)
-    for layer in model.model.layers:
-        fully_shard(layer, mesh=mesh, mp_policy=policy)
-    fully_shard(model, mesh=mesh, mp_policy=policy)
-    return model, tokenizer
-
-
-@contextmanager
-def gathered(model):
-    """Every FSDP2 group's parameters gathered for the whole block, so that forward passes issue
-    no collectives: generation on each rank runs as many forwards as its own rollouts need."""
-    from torch.distributed.fsdp import FSDPModule
-
-    modules = [m for m in model.modules() if isinstance(m, FSDPModule)]
-    for m in modules:
-        m.set_reshard_after_forward(False)
-        m.unshard()
-    try:
-        yield
-    finally:
-        for m in modules:
-            m.reshard()
-            m.set_reshard_after_forward(True)
-
-
-def build_rollout_engine(cfg: DictConfig, model, tokenizer, path: Path):
-    """The colocated rollout engine. ``hf`` samples with the policy module itself; ``vllm`` is one
-    engine per rank in this process (vLLM's external launcher under torchrun: every rank
-    generates on its own), loaded from the policy's folder and then kept in step by
-    :func:`sync_engine` after every update."""
-    from etagent.llm import make_engine
-    from etagent.llm.hf import HFEngine
-
-    if cfg.engine.kind == "hf":
-        return HFEngine.from_model(model, tokenizer, max_batch_size=cfg.engine.max_batch_size)
-    return make_engine(OmegaConf.merge(cfg.engine, {"model": str(path), "vllm": {"colocated": True}}))
-
-
-def check_engine_choice(cfg: DictConfig) -> None:
-    """Before anything starts: RL's engine is hf or a colocated vllm, which needs torchrun."""
+def check_settings(cfg: DictConfig) -> None:
+    """Before anything starts: the engine, the counts and sizes in their ranges."""
     if cfg.engine.kind not in ("hf", "vllm"):
         raise ValueError(f"engine.kind must be hf or vllm for RL, got {cfg.engine.kind!r}")
     if cfg.engine.kind == "vllm" and "RANK" not in os.environ:
         raise ValueError("engine.kind=vllm runs one engine per rank under torchrun: launch with scripts/rl.sh or torchrun -m rl.run")
+    for key in (
+        "train.micro_batch_tokens",
+        "train.logprob_chunk_tokens",
+        "train.weight_bucket_mb",
+        "train.save_every",
+        "train.keep_checkpoints",
+        "train.validate_every",
+        "data.epochs",
+    ):
+        if OmegaConf.select(cfg, key) < 1:
+            raise ValueError(f"{key} must be at least 1, got {OmegaConf.select(cfg, key)}")
+    for key in ("train.max_steps", "train.export_every"):
+        value = OmegaConf.select(cfg, key)
+        if value is not None and value < 1:
+            raise ValueError(f"{key} must be at least 1 or null, got {value}")
 
 
-def engine_reads_policy(cfg: DictConfig, model):
+def setup(cfg: DictConfig) -> Trainer:
+    check_settings(cfg)
+    device = training_device(cfg.train.device)
+    rank, world = init_distributed(device)
+    plan = batch_plan(int(cfg.data.prompts_per_step), int(cfg.rollout.n), int(cfg.train.mini_batch_prompts), world)
+    out = Path(cfg.out_dir)
+    out.mkdir(parents=True, exist_ok=True)
+    seed = int(cfg.train.seed)
+    random.seed(seed)
+    torch.manual_seed(seed)
+
+    checkpoint = latest_checkpoint(out)
+    compute = getattr(torch, cfg.train.compute_dtype)
+    policy, tokenizer = load_policy(
+        cfg.model,
+        device,
+        compute_dtype=compute,
+        chunk_tokens=cfg.train.logprob_chunk_tokens,
+        gradient_checkpointing=cfg.train.gradient_checkpointing,
+        weights=checkpoint is None,
+    )
+    optimizer = torch.optim.AdamW(
+        policy.parameters(), lr=cfg.optim.lr, betas=tuple(cfg.optim.betas), weight_decay=cfg.optim.weight_decay, eps=cfg.optim.eps
+    )
+    state = {"step": 0, "metrics": {}}
+    if checkpoint:
+        state = load_checkpoint(checkpoint, policy, optimizer)
+        log.info("resuming after step %d from %s", state["step"], checkpoint)
+    # the KL term's reference is the stage's starting policy, also after a resume
+    reference = None
+    if cfg.algorithm.kl_coef > 0:
+        reference, _ = load_policy(cfg.model, device, compute_dtype=compute, chunk_tokens=cfg.train.logprob_chunk_tokens, trainable=False)
+
+    prompts = read_prompts(cfg.data.train, tokenizer, cfg.data.max_prompt_tokens)
+    validation = read_prompts(cfg.data.validation, tokenizer, cfg.data.max_prompt_tokens) if cfg.data.validation else []
+    per_step = int(cfg.data.prompts_per_step)
+    if len(prompts) < per_step:
+        raise ValueError(f"{cfg.data.train} has {len(prompts)} prompts, fewer than data.prompts_per_step ({per_step})")
+    total = int(cfg.train.max_steps or len(prompts) // per_step * cfg.data.epochs)
+
+    engine = build_rollout_engine(cfg, policy, tokenizer)
+    weight_dtype = None if cfg.engine.dtype == "auto" else getattr(torch, cfg.engine.dtype)
+    bucket_bytes = int(cfg.train.weight_bucket_mb) << 20
+    if cfg.engine.kind == "vllm" and checkpoint:
+        # the engine loaded the stage's starting weights; the resumed policy has moved on
+        sync_engine(engine, policy.lm, device, weight_dtype, bucket_bytes)
+    return Trainer(
+        cfg=cfg,
+        out=out,
+        device=device,
+        rank=rank,
+        world=world,
+        seed=seed,
+        plan=plan,
+        total=total,
+        start=state["step"],
+        resumed_metrics=state["metrics"],
+        policy=policy,
+        reference=reference,
+        tokenizer=tokenizer,
+        optimizer=optimizer,
+        prompts=prompts,
+        validation=validation,
+        engine=engine,
+        weight_dtype=weight_dtype,
+        export_dtype=getattr(torch, cfg.train.export_dtype),
+        bucket_bytes=bucket_bytes,
+    )
+
+
+def build_rollout_engine(cfg: DictConfig, policy: Policy, tokenizer):
+    """The colocated rollout engine. ``hf`` samples with the policy module itself; ``vllm`` is one
+    engine per rank in this process (vLLM's external launcher under torchrun: every rank
+    generates on its own), loaded from the stage's starting policy and then kept in step by the
+    sync phase after every update."""
+    from etagent.llm import make_engine
+    from etagent.llm.hf import HFEngine
+
+    if cfg.engine.kind == "hf":
+        return HFEngine.from_model(policy.lm, tokenizer, max_batch_size=cfg.engine.max_batch_size)
+    return make_engine(OmegaConf.merge(cfg.engine, {"model": str(cfg.model), "vllm": {"colocated": True}}))
+
+
+def engine_reads_policy(trainer: Trainer):
     """What generation needs around it: the hf engine runs the sharded policy, so every layer
     stays gathered; vLLM holds its own copy."""
-    return gathered(model) if cfg.engine.kind == "hf" else nullcontext()
-
-
-def full_weights(model, dtype: torch.dtype | None) -> dict[str, torch.Tensor]:
-    """The policy's whole state dict on every rank, each parameter gathered from its shards and
-    cast to the engine's dtype (a 7B model in bf16: 15 GB while the engine's weights are awake)."""
-    from torch.distributed.tensor import DTensor
-
-    weights = {}
-    for name, tensor in model.state_dict().items():
-        full = tensor.full_tensor() if isinstance(tensor, DTensor) else tensor
-        weights[name] = full.detach().to(dtype) if dtype is not None else full.detach()
-    return weights
-
-
-def sync_engine(engine, model, cfg: DictConfig) -> None:
-    """The updated weights into the sleeping vLLM engine: its weights woken first, then the
-    update, then its KV cache, which keeps the peak memory low."""
-    dtype = None if cfg.engine.dtype == "auto" else getattr(torch, cfg.engine.dtype)
-    weights = full_weights(model, dtype)
-    engine.wake_up(["weights"])
-    engine.update_weights(weights)
-    del weights
-    engine.wake_up(["kv_cache"])
+    return gathered(trainer.policy) if trainer.cfg.engine.kind == "hf" else nullcontext()
 
 
 # ---------------------------------------------------------------------------------------------
-# Checkpoints
+# One step
 
 
-def save_checkpoint(out: Path, step: int, model, tokenizer, optimizer, rank: int, metrics: dict, final: bool = False) -> Path:
-    """``checkpoints/step_{k}/``: the policy as a plain save_pretrained folder, the optimizer, and
-    the step with its metrics (``state.json``: a kill before the metrics line is written loses
-    nothing); written to a temporary folder and renamed, so a kill never leaves half of one."""
-    from torch.distributed.checkpoint.state_dict import StateDictOptions, get_model_state_dict, get_optimizer_state_dict
+def train_step(trainer: Trainer, step: int, loop: AgentLoop, greedy: AgentLoop, rollout) -> dict:
+    """Step ``step`` (counted from 1) as timed phases; its metrics (summed over ranks)."""
+    cfg = trainer.cfg
+    loop.policy_version = f"step{step - 1}"
+    metrics: dict = {"step": step}
+    started = time.perf_counter()
+    chosen = step_prompts(trainer.prompts, step, cfg.data.prompts_per_step, trainer.seed)[trainer.rank :: trainer.world]
 
-    options = StateDictOptions(full_state_dict=True, cpu_offload=True)
-    weights = get_model_state_dict(model, options=options)
-    optimizer_state = get_optimizer_state_dict(model, optimizer, options=options)
-    folder = out / "checkpoints" / f"step_{step}"
-    if rank == 0:
-        tmp = folder.with_name(folder.name + ".tmp")
-        if tmp.exists():
-            shutil.rmtree(tmp)
-        # save_pretrained edits the dict it is given (tied weights): give it a copy each time
-        model.save_pretrained(tmp / "model", state_dict=dict(weights), safe_serialization=True)
-        tokenizer.save_pretrained(tmp / "model")
-        torch.save(optimizer_state, tmp / "optimizer.pt")
-        (tmp / "state.json").write_text(json.dumps({"step": step, "metrics": metrics}) + "\n")
-        tmp.rename(folder)
-        if final:
-            export_final(out, folder)
-    dist.barrier()
-    return folder
+    with phase("generate", metrics), engine_reads_policy(trainer):
+        rollouts = rollout.generate(loop, chosen, step, trainer.seed)
+        # vLLM frees its GPU memory for the trainer: level 2 drops the weights too (the sync
+        # brings new ones), a no-op elsewhere
+        trainer.engine.sleep(level=2)
+    with phase("reward", metrics):
+        factor = sigma_factor(step, trainer.total) if cfg.reward.decay else 1.0
+        rows = rewards_of(rollouts.groups, chosen, cfg, factor, loop)
+    pad_id = trainer.tokenizer.pad_token_id if trainer.tokenizer.pad_token_id is not None else trainer.tokenizer.eos_token_id
+    batch = pack([t for group in rollouts.groups for t in group], pad_id).to(trainer.device)
+    if cfg.engine.kind == "hf":
+        # sampled by this module with these weights: recomputing would repeat the rollout's forwards
+        old = batch.rollout_logprobs
+    else:
+        with phase("old_logprobs", metrics), gathered(trainer.policy), torch.no_grad():
+            old = response_logprobs(trainer.policy, batch, cfg.train.micro_batch_tokens)
+    ref = None
+    if trainer.reference is not None:
+        with phase("ref_logprobs", metrics), gathered(trainer.reference), torch.no_grad():
+            ref = response_logprobs(trainer.reference, batch, cfg.train.micro_batch_tokens)
+    with phase("advantage", metrics):
+        scores = torch.tensor([r["reward"] for r in rows])
+        advantages = grpo_advantages(scores, torch.tensor([r["index"] for r in rows]), cfg.algorithm.eps).to(trainer.device)
+    with phase("update", metrics):
+        trainer.policy.train()
+        metrics.update(update(trainer, batch, advantages, old, ref))
+    if cfg.engine.kind == "vllm":
+        with phase("sync", metrics):
+            sync_engine(trainer.engine, trainer.policy.lm, trainer.device, trainer.weight_dtype, trainer.bucket_bytes)
 
-
-def export_final(out: Path, checkpoint: Path) -> None:
-    """``out_dir/model``: the final checkpoint's policy, copied whole or not at all."""
-    tmp = out / "model.tmp"
-    if tmp.exists():
-        shutil.rmtree(tmp)
-    shutil.copytree(checkpoint / "model", tmp)
-    if (out / "model").exists():
-        shutil.rmtree(out / "model")
-    tmp.rename(out / "model")
-
-
-def latest_checkpoint(out: Path) -> Path | None:
-    steps = [(int(p.name.split("_")[1]), p) for p in (out / "checkpoints").glob("step_*") if p.name.split("_")[1].isdigit()]
-    return max(steps)[1] if steps else None
-
-
-def load_optimizer(model, optimizer, path: Path) -> None:
-    from torch.distributed.checkpoint.state_dict import StateDictOptions, set_optimizer_state_dict
-
-    state = torch.load(path, map_location="cpu", weights_only=False)
-    set_optimizer_state_dict(model, optimizer, optim_state_dict=state, options=StateDictOptions(full_state_dict=True))
-
-
-# ---------------------------------------------------------------------------------------------
-# The step's pieces
+    metrics.update(step_metrics(trainer, rows, batch, old, factor, metrics["timing_s/generate"]))
+    metrics.update(rollout_metrics(gather_objects(rollouts.counts)))  # tallies differ in keys between ranks
+    if trainer.validation and (step % cfg.train.validate_every == 0 or step == trainer.total):
+        with phase("validate", metrics):
+            metrics.update(validate(trainer, greedy, step))
+    with phase("save", metrics):
+        save(trainer, step, rows, metrics)
+    metrics["timing_s/step"] = time.perf_counter() - started
+    return metrics
 
 
 def step_prompts(prompts: list[Prompt], step: int, per_step: int, seed: int) -> list[Prompt]:
@@ -278,41 +319,45 @@ def rewards_of(groups: list[list[TrajectoryState]], prompts: list[Prompt], cfg: 
     return rows
 
 
-def update(
-    model, optimizer, batch: Batch, advantages: torch.Tensor, old: torch.Tensor, ref: torch.Tensor | None, cfg: DictConfig, device
-) -> dict:
-    """One optimizer step per mini-batch of ``mini_batch_prompts`` prompts; the step's metrics.
+def response_logprobs(policy: Policy, batch: Batch, budget: int) -> torch.Tensor:
+    """Every response token's log-probability under ``policy``, micro-batch by micro-batch (the
+    caller gathers the policy: ranks may run different numbers of micro-batches)."""
+    logprobs = torch.zeros_like(batch.rollout_logprobs)
+    for part in micro_batches(batch.tokens(), budget):
+        micro = batch.select(part)
+        lp, _ = token_logprobs(policy, micro)
+        logprobs[part, : micro.response_width] = lp.float()
+    return logprobs
+
+
+def update(trainer: Trainer, batch: Batch, advantages: torch.Tensor, old: torch.Tensor, ref: torch.Tensor | None) -> dict:
+    """One optimizer step per mini-batch of the plan; the step's metrics.
 
     Every rank takes the same number of optimizer steps and of micro-batches per step (each
     backward is a collective under FSDP2): a rank with fewer micro-batches runs its first one
     again with the loss multiplied by zero."""
     from torch.distributed.tensor import DTensor
 
-    world = dist.get_world_size()
-    # rank r holds prompts r, r + world, ... of the step, so a global mini-batch of M prompts is
-    # M / world consecutive prompts on every rank
-    per_mini = cfg.train.mini_batch_prompts // world * cfg.rollout.n
-    rows = list(range(batch.input_ids.shape[0]))
-    minis = [rows[i : i + per_mini] for i in range(0, len(rows), per_mini)]
-    n_minis = int(max_all([len(minis)], device)[0])
-    minis += [[]] * (n_minis - len(minis))
+    cfg, device, world = trainer.cfg, trainer.device, trainer.world
+    size = trainer.plan.mini_batch_sequences_per_rank
+    minis = [list(range(k * size, (k + 1) * size)) for k in range(trainer.plan.optimizer_steps)]
+    assert minis[-1][-1] == batch.input_ids.shape[0] - 1, "a rank's rollouts are not the plan's"
     sums = dict.fromkeys(("loss", "clipped_tokens", "dual_clipped_tokens", "entropy", "kl", "policy_tokens", "grad_norm"), 0.0)
     row_tokens = batch.tokens()
     for mini in minis:
-        local_tokens = float(batch.loss_mask[mini].sum()) if mini else 0.0
-        tokens = max(sum_all([local_tokens], device)[0], 1.0)
+        tokens = max(sum_all([float(batch.loss_mask[mini].sum())], device)[0], 1.0)
         parts = [[mini[i] for i in part] for part in micro_batches([row_tokens[i] for i in mini], cfg.train.micro_batch_tokens)]
         n_parts = int(max_all([len(parts)], device)[0])
         for k in range(n_parts):
-            rows_, weight = (parts[k], 1.0) if k < len(parts) else ([0], 0.0)
-            micro = batch.select(rows_)
-            logprobs, entropy = token_logprobs(model, micro, with_entropy=True)
-            micro_advantages = advantages[rows_]
+            rows, weight = (parts[k], 1.0) if k < len(parts) else (parts[0], 0.0)
+            micro = batch.select(rows)
+            logprobs, entropy = token_logprobs(trainer.policy, micro, with_entropy=True)
+            micro_advantages = advantages[rows]
             if cfg.algorithm.entropy_aware_advantage:  # AEPO: standardised over this micro-batch's tokens, as the reference
                 micro_advantages = entropy_aware_advantages(micro_advantages, entropy, micro.loss_mask)
             terms = policy_loss(
                 logprobs,
-                old[rows_, : micro.response_width],
+                old[rows, : micro.response_width],
                 micro_advantages,
                 micro.loss_mask,
                 tokens / world,  # gradients are averaged over ranks: this makes it a sum over all tokens / tokens
@@ -324,7 +369,7 @@ def update(
             loss = terms.loss
             if ref is not None:
                 # verl's use_kl_loss: the estimator's token mean over the mini-batch, like the policy loss
-                kl = masked_sum(kl_estimate(logprobs, ref[rows_, : micro.response_width], cfg.algorithm.kl_estimator), micro.loss_mask)
+                kl = masked_sum(kl_estimate(logprobs, ref[rows, : micro.response_width], cfg.algorithm.kl_estimator), micro.loss_mask)
                 loss = loss + cfg.algorithm.kl_coef * kl / (tokens / world)
                 sums["kl"] += weight * kl.item()
             (loss * weight).backward()
@@ -332,225 +377,148 @@ def update(
             sums["clipped_tokens"] += weight * terms.clipped_tokens.item()
             sums["dual_clipped_tokens"] += weight * terms.dual_clipped_tokens.item()
             sums["entropy"] += weight * float(masked_sum(entropy, micro.loss_mask))
-        grad_norm = torch.nn.utils.clip_grad_norm_(model.parameters(), cfg.optim.grad_clip)
+        grad_norm = torch.nn.utils.clip_grad_norm_(trainer.policy.parameters(), cfg.optim.grad_clip)
         if isinstance(grad_norm, DTensor):
             grad_norm = grad_norm.full_tensor()
-        optimizer.step()
-        optimizer.zero_grad(set_to_none=True)
+        trainer.optimizer.step()
+        trainer.optimizer.zero_grad(set_to_none=True)
         sums["policy_tokens"] += tokens
-        sums["grad_norm"] += float(grad_norm) / n_minis
+        sums["grad_norm"] += float(grad_norm) / len(minis)
     loss_sum, clipped, dual, entropy, kl = sum_all(
         [sums["loss"], sums["clipped_tokens"], sums["dual_clipped_tokens"], sums["entropy"], sums["kl"]], device
     )
     kl_metrics = {"actor/kl": kl / max(sums["policy_tokens"], 1.0)} if ref is not None else {}
     return kl_metrics | {
-        "actor/loss": loss_sum / n_minis,
+        "actor/loss": loss_sum / len(minis),
         "actor/clip_fraction": clipped / max(sums["policy_tokens"], 1.0),
         "actor/dual_clip_fraction": dual / max(sums["policy_tokens"], 1.0),
         # of the distributions the tokens were drawn from, as each mini-batch's forward sees them
         "actor/entropy": entropy / max(sums["policy_tokens"], 1.0),
         "actor/grad_norm": sums["grad_norm"],
-        "actor/optimizer_steps": n_minis,
+        "actor/optimizer_steps": len(minis),
         "actor/policy_tokens": sums["policy_tokens"],
     }
 
 
-def sum_all(values: list[float], device: torch.device) -> list[float]:
-    tensor = torch.tensor(values, dtype=torch.float64, device=device)
-    dist.all_reduce(tensor)
-    return tensor.tolist()
+def step_metrics(trainer: Trainer, rows: list[dict], batch: Batch, old: torch.Tensor, factor: float, generate_s: float) -> dict:
+    """The rollouts' means over every rank's rows."""
+    mask = batch.loss_mask
+    local = [
+        len(rows),
+        sum(r["reward"] for r in rows),
+        sum(r["raw"] for r in rows),
+        sum(r["tool_calls"] for r in rows),
+        sum(r["length"] for r in rows),
+        sum(r["f_format"] < 0 for r in rows),
+        float(mask.sum()),
+    ]
+    if trainer.cfg.engine.kind == "vllm":
+        local.append(logprob_mismatch(batch.rollout_logprobs, old, mask)["mean_abs"] * float(mask.sum()))
+    n, reward, raw, calls, length, bad_format, policy_tokens, *mismatch = sum_all(local, trainer.device)
+    metrics = {
+        "reward/mean": reward / n,
+        "reward/raw": raw / n,
+        "reward/sigma_factor": factor,
+        "rollout/tool_calls": calls / n,
+        "rollout/length": length / n,
+        "rollout/bad_format": bad_format / n,
+        "rollout/tokens_per_s": policy_tokens / max(generate_s, 1e-9),
+    }
+    if mismatch:
+        metrics["rollout/logprob_mismatch"] = mismatch[0] / max(policy_tokens, 1.0)
+    return metrics
 
 
-def max_all(values: list[float], device: torch.device) -> list[float]:
-    tensor = torch.tensor(values, dtype=torch.float64, device=device)
-    dist.all_reduce(tensor, op=dist.ReduceOp.MAX)
-    return tensor.tolist()
+def validate(trainer: Trainer, loop: AgentLoop, step: int) -> dict:
+    """Greedy rollouts of the validation prompts (this rank's share), the paper's validation score."""
+    prompts = trainer.validation[trainer.rank :: trainer.world]
+    states = [loop.new(p.question, f"val{step}/{p.index}", seed=0, stage="rl-validation") for p in prompts]
+    with engine_reads_policy(trainer):
+        asyncio.run(loop.run(states))
+    texts = [loop.text(s) for s in states]
+    scores = [validation_score(p.data_source, t, p.question.answer) for p, t in zip(prompts, texts)]
+    raw = [raw_correctness(t, p.question.answer, p.data_source) for p, t in zip(prompts, texts)]
+    calls = [s.executed() for s in states]
+    n, total_score, total_raw, total_calls = sum_all([len(states), sum(scores), sum(raw), sum(calls)], trainer.device)
+    n = max(n, 1.0)
+    return {"val/score": total_score / n, "val/raw": total_raw / n, "val/tool_calls": total_calls / n, "val/prompts": n}
+
+
+def save(trainer: Trainer, step: int, rows: list[dict], metrics: dict) -> None:
+    """The step's rollouts, then the checkpoint that commits the step (it carries the metrics, so a
+    kill before the metrics line loses nothing), then a model export when one is due."""
+    cfg = trainer.cfg
+    every_rank = gather_objects(rows)
+    if trainer.rank == 0:
+        (trainer.out / "rollouts").mkdir(exist_ok=True)
+        with open(trainer.out / "rollouts" / f"step_{step}.jsonl", "w") as f:
+            for part in every_rank:
+                for row in part:
+                    f.write(json.dumps(row, ensure_ascii=False) + "\n")
+    if step % cfg.train.save_every == 0 or step == trainer.total:
+        save_checkpoint(trainer.out, step, trainer.policy, trainer.optimizer, metrics, cfg.train.keep_checkpoints)
+    if step == trainer.total:
+        export_model(trainer.out / "model", trainer.policy.lm, trainer.tokenizer, trainer.export_dtype, trainer.bucket_bytes)
+    elif cfg.train.export_every and step % cfg.train.export_every == 0:
+        export_model(
+            trainer.out / "models" / f"step_{step}", trainer.policy.lm, trainer.tokenizer, trainer.export_dtype, trainer.bucket_bytes
+        )
 
 
 # ---------------------------------------------------------------------------------------------
 # The run
 
 
-def response_logprobs(model, batch: Batch, budget: int) -> torch.Tensor:
-    """Every response token's log-probability under ``model``, micro-batch by micro-batch (the
-    caller gathers the model: ranks may run different numbers of micro-batches)."""
-    logprobs = torch.zeros_like(batch.rollout_logprobs)
-    for part in micro_batches(batch.tokens(), budget):
-        micro = batch.select(part)
-        lp, _ = token_logprobs(model, micro)
-        logprobs[part, : micro.response_width] = lp.float()
-    return logprobs
-
-
-def validate(model, loop: AgentLoop, prompts: list[Prompt], step: int, cfg: DictConfig, device) -> dict:
-    """Greedy rollouts of the validation prompts (this rank's share), the paper's validation score."""
-    states = [loop.new(p.question, f"val{step}/{p.index}", seed=0, stage="rl-validation") for p in prompts]
-    with engine_reads_policy(cfg, model):
-        asyncio.run(loop.run(states))
-    texts = [loop.text(s) for s in states]
-    scores = [validation_score(p.data_source, t, p.question.answer) for p, t in zip(prompts, texts)]
-    raw = [raw_correctness(t, p.question.answer, p.data_source) for p, t in zip(prompts, texts)]
-    calls = [s.executed() for s in states]
-    n, total_score, total_raw, total_calls = sum_all([len(states), sum(scores), sum(raw), sum(calls)], device)
-    n = max(n, 1.0)
-    return {"val/score": total_score / n, "val/raw": total_raw / n, "val/tool_calls": total_calls / n, "val/prompts": n}
+def restore_metrics_log(trainer: Trainer) -> Path:
+    """``metrics.jsonl`` up to the resumed step: lines logged after the checkpoint run again, and a
+    checkpoint whose line a kill lost brings it back."""
+    path = trainer.out / "metrics.jsonl"
+    if trainer.rank == 0 and (path.exists() or trainer.start):
+        lines = path.read_text().splitlines() if path.exists() else []
+        kept = [line for line in lines if line.strip() and json.loads(line)["step"] <= trainer.start]
+        if trainer.start and (not kept or json.loads(kept[-1])["step"] < trainer.start):
+            kept.append(json.dumps(trainer.resumed_metrics))
+        path.write_text("".join(line + "\n" for line in kept))
+    return path
 
 
 def run(cfg: DictConfig) -> list[dict]:
     """Train from the last checkpoint in cfg.out_dir (or cfg.model); return the metrics of the steps run."""
-    from dataclasses import replace
-
     from tqdm import tqdm
 
     from etagent.tools.executor import build_executor
 
     started = time.time()
-    check_engine_choice(cfg)
-    device = torch.device(cfg.train.device)
-    rank, world = init_distributed(device)
-    out = Path(cfg.out_dir)
-    out.mkdir(parents=True, exist_ok=True)
-    checkpoint = latest_checkpoint(out)
-    state = json.loads((checkpoint / "state.json").read_text()) if checkpoint else {"step": 0}
-    start = state["step"]
-    seed = int(cfg.train.seed)
-    random.seed(seed)
-    torch.manual_seed(seed)
-
-    policy_path = Path(checkpoint / "model" if checkpoint else cfg.model)
-    model, tokenizer = load_policy(policy_path, cfg, device, world)
-    optimizer = torch.optim.AdamW(
-        model.parameters(), lr=cfg.optim.lr, betas=tuple(cfg.optim.betas), weight_decay=cfg.optim.weight_decay, eps=cfg.optim.eps
-    )
-    # the KL term's reference is the stage's starting policy, also after a resume
-    reference = load_policy(cfg.model, cfg, device, world, trainable=False)[0] if cfg.algorithm.kl_coef > 0 else None
-    if checkpoint:
-        load_optimizer(model, optimizer, checkpoint / "optimizer.pt")
-        log.info("resuming after step %d from %s", start, checkpoint)
-    prompts = read_prompts(cfg.data.train, tokenizer, cfg.data.max_prompt_tokens)
-    validation = read_prompts(cfg.data.validation, tokenizer, cfg.data.max_prompt_tokens) if cfg.data.validation else []
-    per_step = int(cfg.data.prompts_per_step)
-    for name, value in (("data.prompts_per_step", per_step), ("train.mini_batch_prompts", int(cfg.train.mini_batch_prompts))):
-        if value % world:
-            raise ValueError(f"{name} ({value}) must be a multiple of the number of processes ({world})")
-    if len(prompts) < per_step:
-        raise ValueError(f"{cfg.data.train} has {len(prompts)} prompts, fewer than data.prompts_per_step ({per_step})")
-    total = int(cfg.train.max_steps or len(prompts) // per_step * cfg.data.epochs)
-
-    metrics_path = out / "metrics.jsonl"
-    if rank == 0 and (metrics_path.exists() or start):
-        # steps logged after the checkpoint run again; a checkpoint whose line a kill lost brings it back
-        lines = metrics_path.read_text().splitlines() if metrics_path.exists() else []
-        kept = [line for line in lines if line.strip() and json.loads(line)["step"] <= start]
-        if start and (not kept or json.loads(kept[-1])["step"] < start):
-            kept.append(json.dumps(state["metrics"]))
-        metrics_path.write_text("".join(line + "\n" for line in kept))
-        if start >= total and not (out / "model").exists():
-            export_final(out, checkpoint)
+    trainer = setup(cfg)
+    metrics_path = restore_metrics_log(trainer)
     wandb_run = None
-    if rank == 0 and cfg.wandb.enabled:
+    if trainer.rank == 0 and cfg.wandb.enabled:
         import wandb
 
         wandb_run = wandb.init(
             project=cfg.wandb.project,
             name=cfg.wandb.run_name,
             mode=cfg.wandb.mode,
-            dir=str(out),
+            dir=str(trainer.out),
             config=OmegaConf.to_container(cfg, resolve=True),
         )
-
-    engine = build_rollout_engine(cfg, model, tokenizer, policy_path)
-    pad_id = tokenizer.pad_token_id if tokenizer.pad_token_id is not None else tokenizer.eos_token_id
     config = AgentConfig(**OmegaConf.to_container(cfg.agent, resolve=True))
     history = []
     with build_executor(cfg.tools) as executor:
-        loop = AgentLoop(engine, executor, config)
-        greedy = AgentLoop(engine, executor, replace(config, temperature=0.0))
+        loop = AgentLoop(trainer.engine, executor, config)
+        greedy = AgentLoop(trainer.engine, executor, replace(config, temperature=0.0))
         rollout = make_rollout(cfg.rollout)
-        progress = tqdm(total=total, initial=start, desc="rl", unit="step", disable=None if rank == 0 else True, dynamic_ncols=True)
-        for step in range(start + 1, total + 1):
-            metrics: dict = {"step": step}
-            step_started = time.perf_counter()
-            chosen = step_prompts(prompts, step, per_step, seed)[rank::world]
-            loop.policy_version = f"step{step - 1}"
-
-            with phase("generate", metrics), engine_reads_policy(cfg, model):
-                rollouts = rollout.generate(loop, chosen, step, seed)
-                groups = rollouts.groups
-                # vLLM frees its GPU memory for the trainer: level 2 drops the weights too (the sync
-                # brings new ones; vLLM keeps its buffers), a no-op elsewhere
-                engine.sleep(level=2)
-            with phase("reward", metrics):
-                factor = sigma_factor(step, total) if cfg.reward.decay else 1.0
-                rows = rewards_of(groups, chosen, cfg, factor, loop)
-            trajectories = [t for group in groups for t in group]
-            batch = pack(trajectories, pad_id).to(device)
-            if cfg.engine.kind == "hf":
-                # sampled by this module with these weights: recomputing would repeat the rollout's forwards
-                old = batch.rollout_logprobs
-            else:
-                with phase("old_logprobs", metrics), gathered(model), torch.no_grad():
-                    old = response_logprobs(model, batch, cfg.train.micro_batch_tokens)
-            ref = None
-            if reference is not None:
-                with phase("ref_logprobs", metrics), gathered(reference), torch.no_grad():
-                    ref = response_logprobs(reference, batch, cfg.train.micro_batch_tokens)
-            with phase("advantage", metrics):
-                scores = torch.tensor([r["reward"] for r in rows])
-                advantages = grpo_advantages(scores, torch.tensor([r["index"] for r in rows]), cfg.algorithm.eps).to(device)
-            with phase("update", metrics):
-                model.train()
-                metrics.update(update(model, optimizer, batch, advantages, old, ref, cfg, device))
-            if cfg.engine.kind == "vllm":
-                with phase("sync", metrics):
-                    sync_engine(engine, model, cfg)
-            # step metrics, summed over ranks
-            mask = batch.loss_mask
-            local = [
-                len(rows),
-                sum(r["reward"] for r in rows),
-                sum(r["raw"] for r in rows),
-                sum(r["tool_calls"] for r in rows),
-                sum(r["length"] for r in rows),
-                sum(r["f_format"] < 0 for r in rows),
-                float(mask.sum()),
-            ]
-            n, reward, raw, calls, length, bad_format, policy_tokens = sum_all(local, device)
-            metrics.update(
-                {
-                    "reward/mean": reward / n,
-                    "reward/raw": raw / n,
-                    "reward/sigma_factor": factor,
-                    "rollout/tool_calls": calls / n,
-                    "rollout/length": length / n,
-                    "rollout/bad_format": bad_format / n,
-                    "rollout/tokens_per_s": policy_tokens / max(metrics["timing_s/generate"], 1e-9),
-                }
-            )
-            counts = [None] * world  # the tree rollout's tallies differ in keys between ranks (rounds)
-            dist.all_gather_object(counts, rollouts.counts)
-            metrics.update(rollout_metrics(counts))
-            if cfg.engine.kind == "vllm":
-                mismatch = logprob_mismatch(batch.rollout_logprobs, old, mask)["mean_abs"] * float(mask.sum())
-                metrics["rollout/logprob_mismatch"] = sum_all([mismatch], device)[0] / max(policy_tokens, 1.0)
-            if validation and (step % cfg.train.validate_every == 0 or step == total):
-                with phase("validate", metrics):
-                    metrics.update(validate(model, greedy, validation[rank::world], step, cfg, device))
-
-            # the rollouts, then the checkpoint that commits the step, then its metrics line
-            gathered_rows = [None] * world
-            dist.all_gather_object(gathered_rows, rows)
-            if rank == 0:
-                (out / "rollouts").mkdir(exist_ok=True)
-                with open(out / "rollouts" / f"step_{step}.jsonl", "w") as f:
-                    for part in gathered_rows:
-                        for row in part:
-                            f.write(json.dumps(row, ensure_ascii=False) + "\n")
-            with phase("save", metrics):
-                if step % cfg.train.save_every == 0 or step == total:
-                    save_checkpoint(out, step, model, tokenizer, optimizer, rank, metrics, final=step == total)
-            metrics["timing_s/step"] = time.perf_counter() - step_started
-            if rank == 0:
+        progress = tqdm(
+            total=trainer.total,
+            initial=trainer.start,
+            desc="rl",
+            unit="step",
+            disable=None if trainer.rank == 0 else True,
+            dynamic_ncols=True,
+        )
+        for step in range(trainer.start + 1, trainer.total + 1):
+            metrics = train_step(trainer, step, loop, greedy, rollout)
+            if trainer.rank == 0:
                 with open(metrics_path, "a") as f:
                     f.write(json.dumps(metrics) + "\n")
                 if wandb_run is not None:
@@ -558,7 +526,7 @@ def run(cfg: DictConfig) -> list[dict]:
                 log.info(
                     "step %d/%d: reward %.3f, raw %.3f, tool calls %.2f, length %.0f, grad norm %.3f, %.1f s",
                     step,
-                    total,
+                    trainer.total,
                     metrics["reward/mean"],
                     metrics["reward/raw"],
                     metrics["rollout/tool_calls"],
@@ -570,19 +538,22 @@ def run(cfg: DictConfig) -> list[dict]:
             progress.set_postfix(reward=f"{metrics['reward/mean']:.3f}", raw=f"{metrics['reward/raw']:.3f}")
             history.append(metrics)
         progress.close()
+    if not (trainer.out / "model").exists():
+        # a rerun of a run killed between its last checkpoint and its final export
+        export_model(trainer.out / "model", trainer.policy.lm, trainer.tokenizer, trainer.export_dtype, trainer.bucket_bytes)
     if cfg.engine.kind == "vllm":
-        engine.shutdown()
-    if rank == 0:
+        trainer.engine.shutdown()
+    if trainer.rank == 0:
         write_manifest(
-            out,
+            trainer.out,
             stage=f"rl/stage{cfg.rl_stage}",
             config=OmegaConf.to_container(cfg, resolve=True),
             inputs=[cfg.data.train],
-            counts={"prompts": len(prompts), "steps": total},
-            seed=seed,
+            counts={"prompts": len(trainer.prompts), "steps": trainer.total},
+            seed=trainer.seed,
             started_at=started,
             # a rerun of a finished run steps nothing: its last logged step is still the result
-            metrics=history[-1] if history else state.get("metrics", {}),
+            metrics=history[-1] if history else trainer.resumed_metrics,
         )
         if wandb_run is not None:
             wandb_run.finish()

@@ -62,7 +62,7 @@ def test_steps_checkpoints_and_an_exact_resume(sft_model, parquet, server, tmp_p
 
     monkeypatch.setenv("RETRIEVER_TOKEN", TOKEN)
     straight = tmp_path / "straight"
-    run_in_subprocess(rl_overrides(sft_model, parquet, server, straight, "train.max_steps=3", "train.save_every=1"))
+    run_in_subprocess(rl_overrides(sft_model, parquet, server, straight, "train.max_steps=3", "train.save_every=1", "train.export_every=2"))
     history = metrics_of(straight)
     assert [m["step"] for m in history] == [1, 2, 3]
     for m in history:
@@ -81,12 +81,14 @@ def test_steps_checkpoints_and_an_exact_resume(sft_model, parquet, server, tmp_p
     rollouts = [json.loads(line) for line in (straight / "rollouts" / "step_1.jsonl").read_text().splitlines()]
     assert len(rollouts) == 16 and {"reward", "raw", "tool_calls", "f_tool", "f_length", "f_format", "text"} <= set(rollouts[0])
 
-    # every checkpoint is a plain save_pretrained folder; the final one is out_dir/model
+    # sharded training state, the last two kept; plain save_pretrained models every 2 steps and at the end
+    assert sorted(p.name for p in (straight / "checkpoints").iterdir()) == ["step_2", "step_3"]
+    assert sorted(p.name for p in (straight / "models").iterdir()) == ["step_2"]
     final = AutoModelForCausalLM.from_pretrained(straight / "model")
-    again = AutoModelForCausalLM.from_pretrained(straight / "checkpoints" / "step_3" / "model")
+    middle = AutoModelForCausalLM.from_pretrained(straight / "models" / "step_2")
     start = AutoModelForCausalLM.from_pretrained(sft_model / "model")
-    assert all(torch.equal(a, b) for a, b in zip(final.state_dict().values(), again.state_dict().values()))
-    assert not all(torch.equal(a, b) for a, b in zip(final.state_dict().values(), start.state_dict().values()))
+    for other in (middle, start):
+        assert not all(torch.equal(a, b) for a, b in zip(final.state_dict().values(), other.state_dict().values()))
 
     # kill -9 during step 2 (step 1 checkpointed), rerun: steps 2 and 3 give the same numbers
     import signal

@@ -10,6 +10,7 @@ from transformers import Qwen2Config, Qwen2ForCausalLM
 from etagent.agent import Budgets, TrajectoryState
 from etagent.records import Question, RecordError, RLRow, TokenOrigin, write_rl_parquet
 from rl.batch import micro_batches, pack, token_logprobs
+from rl.policy import Policy
 from rl.rollout import read_prompts
 
 QUESTION = Question(id="q", question="?", answer=["1"], source="toy", kind="qa")
@@ -28,7 +29,7 @@ def model():
     config = Qwen2Config(
         vocab_size=50, hidden_size=32, intermediate_size=64, num_hidden_layers=2, num_attention_heads=4, num_key_value_heads=2
     )
-    return Qwen2ForCausalLM(config).eval()
+    return Policy(Qwen2ForCausalLM(config), chunk_tokens=4).eval()
 
 
 def test_pack_pads_prompts_left_and_responses_right_and_masks_by_origin():
@@ -55,7 +56,7 @@ def test_log_probs_of_the_padded_batch_equal_each_sequence_alone(model):
         logprobs, entropy = token_logprobs(model, batch, with_entropy=True)
         for i, t in enumerate(trajectories):
             ids = torch.tensor([t.prompt_ids + t.response_ids])
-            alone = torch.log_softmax(model(ids).logits[0].float(), -1)
+            alone = torch.log_softmax(model.lm(ids).logits[0].float(), -1)
             expected = [alone[len(t.prompt_ids) + k - 1, tok].item() for k, tok in enumerate(t.response_ids)]
             assert logprobs[i, : len(t.response_ids)].tolist() == pytest.approx(expected, abs=1e-5)
         # a micro-batch of some rows, trimmed of the columns only others needed, gives the same

@@ -103,6 +103,6 @@ if __name__ == "__main__":
     from etagent.llm.vllm_engine import VLLMEngine
 
     model_dir = sys.argv[1]
-    engine = VLLMEngine(model_dir, dtype="float32", max_model_len=2048, cpu_kv_cache_gb=0.25, enforce_eager=True, colocated=True)
+    engine = VLLMEngine.load(model_dir, dtype="float32", max_model_len=2048, cpu_kv_cache_gb=0.25, enforce_eager=True, colocated=True)
     found = check_weight_update(engine, model_dir)
     print("WEIGHT-UPDATE " + json.dumps({**found, "in_process": engine.in_process}), flush=True)

@@ -17,7 +17,8 @@ attempt) comes back as a sample with ``finish_reason == "error"`` and the reason
 other requests of the batch are unaffected.
 
 The lifecycle RL needs is part of the interface: :meth:`Engine.update_weights` (named full tensors,
-checked strictly by :func:`check_weights` before anything is touched), :meth:`Engine.sleep` and
+as a dict or a :class:`WeightStream` that produces them one at a time, checked strictly by
+:func:`check_weights` before anything is touched), :meth:`Engine.sleep` and
 :meth:`Engine.wake_up` (free and restore accelerator memory around a training step; no-ops where
 there is nothing to free) and ``max_model_len`` (prompt plus response tokens).
 
@@ -30,6 +31,7 @@ Use :func:`make_engine` to build one from the ``engine`` config group.
 from __future__ import annotations
 
 import math
+from collections.abc import Iterable, Iterator, Mapping
 from dataclasses import dataclass, field
 from typing import Protocol
 
@@ -89,16 +91,50 @@ class Sample:
         return cls([], [], "error", error=reason)
 
 
+class WeightStream:
+    """New weights for an engine: every name with its shape, known before any tensor exists, then
+    the tensors one at a time, in that order. The trainer gathers each tensor from its shards
+    only when the engine asks for it (rl/weights.py), so the engine checks names and shapes first
+    and the full model never exists at once on the trainer's side. A plain dict of tensors is a
+    stream too (:meth:`of`).
+
+    A tensor that comes with another name or shape than announced raises ``ValueError``: by then
+    the engine may hold part of the update, which only a bug on the producing side can cause."""
+
+    def __init__(self, shapes: dict[str, tuple[int, ...]], tensors: Iterable[tuple[str, object]]):
+        self.shapes = shapes
+        self._tensors = tensors
+
+    @classmethod
+    def of(cls, weights: Mapping[str, object] | WeightStream) -> WeightStream:
+        if isinstance(weights, WeightStream):
+            return weights
+        return cls({name: tuple(t.shape) for name, t in weights.items()}, weights.items())
+
+    def __iter__(self) -> Iterator[tuple[str, object]]:
+        announced = iter(self.shapes.items())
+        for name, tensor in self._tensors:
+            expected = next(announced, None)
+            if expected != (name, tuple(tensor.shape)):
+                raise ValueError(f"weight stream: got {name!r} {tuple(tensor.shape)}, announced {expected}")
+            yield name, tensor
+            del tensor  # not held while the producer gathers the next one
+        if next(announced, None) is not None:
+            raise ValueError("weight stream: ended before every announced tensor came")
+
+
 class Engine(Protocol):
     """What every engine provides. ``generate`` blocks; ``agenerate`` can be awaited (in-process
     engines run ``generate`` in a worker thread).
 
     ``update_weights`` replaces every weight of the policy (the names of the transformers model's
-    ``state_dict()``, full unsharded tensors; a tied ``lm_head.weight`` may be left out); a
-    wrong, missing or misshapen name raises ``ValueError`` and leaves the engine unchanged. ``sleep(level)`` frees accelerator memory while a trainer
+    ``state_dict()``, full unsharded tensors, as a dict or a :class:`WeightStream`; a tied
+    ``lm_head.weight`` may be left out); a wrong, missing or misshapen name raises ``ValueError``
+    and leaves the engine unchanged. ``sleep(level)`` frees accelerator memory while a trainer
     steps (level 1: the KV cache freed and weights offloaded; level 2: weights discarded too,
     because an update follows); ``wake_up(tags)`` restores ``"weights"`` and/or ``"kv_cache"``
-    (all when None), so that new weights can be loaded before the cache is re-allocated.
+    (all when None), so that new weights can be loaded before the cache is re-allocated. An
+    engine generates only when fully awake and takes new weights only when its weights are.
     """
 
     tokenizer: object
@@ -108,29 +144,31 @@ class Engine(Protocol):
 
     async def agenerate(self, requests: list[GenerationRequest]) -> list[list[Sample]]: ...
 
-    def update_weights(self, weights: dict) -> None: ...
+    def update_weights(self, weights: Mapping[str, object] | WeightStream) -> None: ...
 
     def sleep(self, level: int = 1) -> None: ...
 
     def wake_up(self, tags: list[str] | None = None) -> None: ...
 
 
-def check_weights(weights: dict, expected: dict[str, tuple[int, ...]], model: str, optional: set[str] = frozenset()) -> None:
+def check_weights(
+    shapes: dict[str, tuple[int, ...]], expected: dict[str, tuple[int, ...]], model: str, optional: set[str] = frozenset()
+) -> None:
     """Refuse a weight update unless it names exactly the model's tensors with their shapes
     (``optional`` names, tied aliases such as ``lm_head.weight``, may be left out).
 
     Called before any tensor is touched, so a refused update leaves the engine as it was."""
-    unknown = sorted(set(weights) - set(expected))
-    missing = sorted(set(expected) - set(weights) - set(optional))
+    unknown = sorted(set(shapes) - set(expected))
+    missing = sorted(set(expected) - set(shapes) - set(optional))
     if unknown or missing:
         raise ValueError(
             f"update_weights for {model}: {len(unknown)} unknown name(s) {unknown[:3]}, {len(missing)} missing {missing[:3]}; "
             "the engine was not touched"
         )
-    for name, tensor in weights.items():
-        if tuple(tensor.shape) != tuple(expected[name]):
+    for name, shape in shapes.items():
+        if tuple(shape) != tuple(expected[name]):
             raise ValueError(
-                f"update_weights for {model}: {name!r} has shape {tuple(tensor.shape)}, the model expects {tuple(expected[name])}; "
+                f"update_weights for {model}: {name!r} has shape {tuple(shape)}, the model expects {tuple(expected[name])}; "
                 "the engine was not touched"
             )
 
@@ -166,7 +204,7 @@ def make_engine(cfg):
         from etagent.llm.vllm_engine import VLLMEngine
 
         v = cfg.vllm
-        return VLLMEngine(
+        return VLLMEngine.load(
             cfg.model,
             dtype=cfg.dtype,
             max_model_len=v.max_model_len,

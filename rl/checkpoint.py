@@ -1,0 +1,109 @@
+"""What an RL run leaves on disk, and how it resumes.
+
+- ``checkpoints/step_{k}/``: the training state to resume from, sharded: every rank writes its
+  own shards of the policy and of AdamW's state with ``torch.distributed.checkpoint`` (no rank
+  gathers the model or the optimizer: at 7B that was 92 GB on rank 0 per save), plus
+  ``state.json`` (the step and its metrics). Written into ``step_{k}.tmp`` and renamed when every
+  rank has finished, so a kill during a save leaves the previous checkpoint as the last complete
+  one; only the last ``keep`` are kept.
+- ``models/step_{k}/`` every ``export_every`` steps and ``model/`` at the end: the policy as a
+  plain ``save_pretrained`` folder in the export dtype (bf16 for the paper: 15 GB at 7B, not
+  the float32 training copy), which the next curriculum stage, the evaluation and vLLM load as it
+  is. Gathered to rank 0 bucket by bucket (rl/weights.py) and written from there.
+
+A shared filesystem is assumed across nodes (every rank writes into the same folder).
+
+What it does not do: decide when to save (rl/run.py).
+"""
+
+from __future__ import annotations
+
+import json
+import shutil
+from pathlib import Path
+
+import torch
+import torch.distributed as dist
+
+from rl.weights import stream_weights
+
+
+def latest_checkpoint(out: Path) -> Path | None:
+    """The newest complete checkpoint (one whose ``state.json`` was written and which was renamed
+    from its ``.tmp`` folder), or None."""
+    steps = []
+    for folder in (out / "checkpoints").glob("step_*"):
+        number = folder.name.removeprefix("step_")
+        if number.isdigit() and (folder / "state.json").exists():
+            steps.append((int(number), folder))
+    return max(steps)[1] if steps else None
+
+
+def save_checkpoint(out: Path, step: int, policy, optimizer, metrics: dict, keep: int) -> Path:
+    """Every rank writes its shards of the policy and the optimizer into ``checkpoints/step_{k}``;
+    the older checkpoints beyond ``keep`` go."""
+    import torch.distributed.checkpoint as dcp
+    from torch.distributed.checkpoint.state_dict import get_state_dict
+
+    folder = out / "checkpoints" / f"step_{step}"
+    tmp = folder.with_name(folder.name + ".tmp")
+    if dist.get_rank() == 0 and tmp.exists():
+        shutil.rmtree(tmp)  # what a killed save left
+    dist.barrier()
+    model_state, optimizer_state = get_state_dict(policy, optimizer)
+    dcp.save({"model": model_state, "optimizer": optimizer_state}, checkpoint_id=tmp / "state")
+    if dist.get_rank() == 0:
+        (tmp / "state.json").write_text(json.dumps({"step": step, "metrics": metrics}) + "\n")
+        commit(tmp, folder)
+        for old in sorted(
+            (p for p in (out / "checkpoints").glob("step_*") if p.name.removeprefix("step_").isdigit()),
+            key=lambda p: int(p.name.removeprefix("step_")),
+        )[:-keep]:
+            shutil.rmtree(old)
+    dist.barrier()
+    return folder
+
+
+def commit(tmp: Path, folder: Path) -> None:
+    """The checkpoint becomes complete: its folder takes its final name."""
+    if folder.exists():
+        shutil.rmtree(folder)
+    tmp.rename(folder)
+
+
+def load_checkpoint(folder: Path, policy, optimizer) -> dict:
+    """Every rank reads its shards back into the policy and the optimizer; returns state.json."""
+    import torch.distributed.checkpoint as dcp
+    from torch.distributed.checkpoint.state_dict import get_state_dict, set_state_dict
+
+    model_state, optimizer_state = get_state_dict(policy, optimizer)
+    state = {"model": model_state, "optimizer": optimizer_state}
+    dcp.load(state, checkpoint_id=folder / "state")
+    set_state_dict(policy, optimizer, model_state_dict=state["model"], optim_state_dict=state["optimizer"])
+    return json.loads((folder / "state.json").read_text())
+
+
+def export_model(target: Path, lm, tokenizer, dtype: torch.dtype, bucket_bytes: int) -> None:
+    """``lm`` (the transformers model inside the sharded policy) as a save_pretrained folder in
+    ``dtype`` at ``target``, whole or not at all: gathered bucket by bucket, kept on rank 0's
+    host memory only, written to ``target.tmp`` and renamed."""
+    rank = dist.get_rank()
+    weights = {}
+    for name, tensor in stream_weights(lm, dtype, bucket_bytes):
+        if rank == 0:
+            weights[name] = tensor.cpu()
+        del tensor
+    if rank == 0:
+        tmp = target.with_name(target.name + ".tmp")
+        if tmp.exists():
+            shutil.rmtree(tmp)
+        lm.save_pretrained(tmp, state_dict=weights, safe_serialization=True)
+        tokenizer.save_pretrained(tmp)
+        # the config says what the weights are: the export dtype, not the training copy's float32
+        config = json.loads((tmp / "config.json").read_text())
+        config["dtype"] = str(dtype).removeprefix("torch.")
+        (tmp / "config.json").write_text(json.dumps(config, indent=2, sort_keys=True) + "\n")
+        if target.exists():
+            shutil.rmtree(target)
+        tmp.rename(target)
+    dist.barrier()

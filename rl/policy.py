@@ -1,0 +1,195 @@
+"""The policy being trained: a transformers causal LM sharded with FSDP2, loaded without ever
+holding the whole model on a rank's GPU, whose forward returns what the loss needs (the
+response tokens' log-probabilities, and their distributions' entropy) without the full logits.
+
+Loading (:func:`load_policy`) follows verl's and torchtune's recipe: every rank builds the model
+with its parameters on the meta device (no memory), shards it (``fully_shard`` per decoder
+layer, then the root), allocates only its own shards on its device, and then receives the
+weights: rank 0 reads the safetensors checkpoint into host memory and
+``set_model_state_dict(..., broadcast_from_rank0=True)`` sends it one tensor at a time, each rank
+keeping its shard. At 7B on 4 GPUs that is 7.6 GB of float32 shards per GPU instead of 30 GB of
+a whole float32 copy per rank first. A run that resumes skips the checkpoint read: its sharded
+training state (rl/checkpoint.py) overwrites the shards.
+
+Log-probabilities (:class:`Policy`'s forward): the decoder's last hidden states of the response
+positions go through the output embedding ``chunk_tokens`` positions at a time, each chunk's
+logits in float32 only while its log-softmax is taken (and recomputed in the backward pass,
+under activation checkpointing), so the peak is one chunk's logits, not (tokens x vocabulary)
+in float32 twice: at a 151,936 vocabulary and 12k response tokens the old way held about 15 GB
+(the logits and the full log-softmax), this holds 0.3 GB per 512 positions (bench/logprob_memory.py
+measures both). The numbers are the same: the float32 log-softmax of the same logits.
+
+What it does not do: architectures whose logits are not a plain linear map of the last hidden
+state (logit soft-capping, scaled logits), or tensor/sequence parallelism.
+"""
+
+from __future__ import annotations
+
+import json
+from contextlib import contextmanager
+from pathlib import Path
+
+import torch
+import torch.distributed as dist
+import torch.nn.functional as F
+from torch import nn
+from torch.utils.checkpoint import checkpoint
+
+from rl.algorithm import entropy_from_logprobs
+
+
+class Policy(nn.Module):
+    """A causal LM (``lm``, a transformers ``*ForCausalLM``) whose forward returns the response
+    tokens' log-probabilities. It is the FSDP2 root, so the output embedding, the final norm and
+    the input embedding are gathered for exactly this forward and its backward."""
+
+    def __init__(self, lm: nn.Module, chunk_tokens: int):
+        super().__init__()
+        self.lm = lm
+        self.chunk_tokens = chunk_tokens
+
+    def forward(
+        self,
+        input_ids: torch.Tensor,
+        attention_mask: torch.Tensor,
+        position_ids: torch.Tensor,
+        prompt_width: int,
+        with_entropy: bool = False,
+    ) -> tuple[torch.Tensor, torch.Tensor | None]:
+        """Log-probabilities (B, R) of the tokens after ``prompt_width`` (each predicted from the
+        position before it), and the entropy of each one's distribution when asked (no gradient).
+        Padding positions hold junk: mask them."""
+        hidden = self.lm.get_decoder()(
+            input_ids=input_ids, attention_mask=attention_mask, position_ids=position_ids, use_cache=False
+        ).last_hidden_state
+        responses = hidden[:, prompt_width - 1 : -1]
+        targets = input_ids[:, prompt_width:]
+        return response_logprobs(responses, self.lm.get_output_embeddings().weight, targets, self.chunk_tokens, with_entropy)
+
+
+def response_logprobs(
+    hidden: torch.Tensor, weight: torch.Tensor, targets: torch.Tensor, chunk_tokens: int, with_entropy: bool = False
+) -> tuple[torch.Tensor, torch.Tensor | None]:
+    """``log softmax(hidden @ weight.T)[target]`` for (B, T, H) hidden states and (B, T) targets,
+    ``chunk_tokens`` positions at a time. With gradients on, each chunk is checkpointed: its
+    logits are freed after the forward and recomputed in the backward."""
+    batch, width, size = hidden.shape
+    flat_hidden, flat_targets = hidden.reshape(-1, size), targets.reshape(-1)
+    logprobs, entropies = [], []
+    for start in range(0, flat_hidden.shape[0], chunk_tokens):
+        part = (flat_hidden[start : start + chunk_tokens], weight, flat_targets[start : start + chunk_tokens], with_entropy)
+        if torch.is_grad_enabled():
+            lp, entropy = checkpoint(_chunk_logprobs, *part, use_reentrant=False)
+        else:
+            lp, entropy = _chunk_logprobs(*part)
+        logprobs.append(lp)
+        entropies.append(entropy)
+    if not logprobs:  # no response position at all
+        empty = hidden.new_zeros(batch, width, dtype=torch.float32)
+        return empty, (empty if with_entropy else None)
+    result = torch.cat(logprobs).reshape(batch, width)
+    return result, (torch.cat(entropies).reshape(batch, width) if with_entropy else None)
+
+
+def _chunk_logprobs(hidden, weight, targets, with_entropy: bool):
+    logits = F.linear(hidden, weight).float()  # the output embedding, then float32 as the loss wants
+    log_probs = torch.log_softmax(logits, dim=-1)
+    logprobs = log_probs.gather(-1, targets[:, None]).squeeze(-1)
+    entropy = None
+    if with_entropy:
+        with torch.no_grad():
+            entropy = entropy_from_logprobs(log_probs)
+    return logprobs, entropy
+
+
+def load_policy(
+    path: str | Path,
+    device: torch.device,
+    *,
+    compute_dtype: torch.dtype,
+    chunk_tokens: int,
+    gradient_checkpointing: bool = False,
+    trainable: bool = True,
+    weights: bool = True,
+):
+    """The policy in ``path`` (a save_pretrained folder), sharded with FSDP2 over every rank, with
+    float32 parameters (the optimizer's copy) and ``compute_dtype`` for the forward and backward.
+    ``weights=False`` leaves the shards unfilled for a resume to overwrite. A frozen copy
+    (``trainable=False``) serves as the KL reference. Returns (policy, tokenizer)."""
+    from accelerate import init_empty_weights
+    from torch.distributed.checkpoint.state_dict import StateDictOptions, set_model_state_dict
+    from torch.distributed.device_mesh import init_device_mesh
+    from torch.distributed.fsdp import MixedPrecisionPolicy, fully_shard
+    from transformers import AutoConfig, AutoModelForCausalLM, AutoTokenizer
+
+    tokenizer = AutoTokenizer.from_pretrained(path)
+    config = AutoConfig.from_pretrained(path)
+    # parameters on the meta device; buffers (rotary frequencies) computed for real, because no
+    # checkpoint holds them
+    with init_empty_weights():
+        lm = AutoModelForCausalLM.from_config(config, dtype=torch.float32)
+    lm.tie_weights()  # accelerate's meta parameters replace the shared one: tie the output embedding again
+    if not trainable:
+        lm.requires_grad_(False).eval()
+    elif gradient_checkpointing:
+        lm.gradient_checkpointing_enable(gradient_checkpointing_kwargs={"use_reentrant": False})
+    policy = Policy(lm, chunk_tokens)
+    mesh = init_device_mesh(device.type, (dist.get_world_size(),))
+    precision = MixedPrecisionPolicy(param_dtype=compute_dtype, reduce_dtype=torch.float32)
+    for layer in lm.get_decoder().layers:
+        fully_shard(layer, mesh=mesh, mp_policy=precision)
+    fully_shard(policy, mesh=mesh, mp_policy=precision)
+    buffers = {name: buffer.clone() for name, buffer in policy.named_buffers()}
+    policy.to_empty(device=device)  # this rank's shards only, uninitialised
+    with torch.no_grad():
+        for name, buffer in policy.named_buffers():
+            buffer.copy_(buffers[name])
+    if weights:
+        full = read_checkpoint(Path(path), config) if dist.get_rank() == 0 else {}
+        set_model_state_dict(lm, full, options=StateDictOptions(full_state_dict=True, broadcast_from_rank0=True))
+        del full
+    # FSDP2 settles which module is its root at the first forward through it; the hf engine runs
+    # the inner model, whose layers would each take themselves for a root if they came first
+    with torch.no_grad():
+        ids = torch.zeros(1, 2, dtype=torch.long, device=device)
+        policy(ids, torch.ones_like(ids), torch.arange(2, device=device)[None], 1)
+    policy.reshard()  # the root keeps its parameters gathered after a forward (for the backward)
+    return policy, tokenizer
+
+
+def read_checkpoint(path: Path, config) -> dict[str, torch.Tensor]:
+    """The full state dict of a save_pretrained folder (one ``model.safetensors`` or the shards its
+    index lists), in host memory, with the tied ``lm_head.weight`` the checkpoint leaves out."""
+    from safetensors.torch import load_file
+
+    index = path / "model.safetensors.index.json"
+    if index.exists():
+        files = sorted(set(json.loads(index.read_text())["weight_map"].values()))
+    elif (path / "model.safetensors").exists():
+        files = ["model.safetensors"]
+    else:
+        raise FileNotFoundError(f"{path}: no model.safetensors or model.safetensors.index.json (RL loads safetensors checkpoints)")
+    state: dict[str, torch.Tensor] = {}
+    for name in files:
+        state.update(load_file(path / name))
+    if getattr(config.get_text_config(), "tie_word_embeddings", False):
+        state.setdefault("lm_head.weight", state["model.embed_tokens.weight"])
+    return state
+
+
+@contextmanager
+def gathered(module: nn.Module):
+    """Every FSDP2 group's parameters gathered for the whole block, so that forward passes issue
+    no collectives: generation on each rank runs as many forwards as its own rollouts need."""
+    from torch.distributed.fsdp import FSDPModule
+
+    modules = [m for m in module.modules() if isinstance(m, FSDPModule)]
+    for m in modules:
+        m.set_reshard_after_forward(False)
+        m.unshard()
+    try:
+        yield
+    finally:
+        for m in modules:
+            m.reshard()
+            m.set_reshard_after_forward(True)
