@@ -149,7 +149,11 @@ STAGES = {
     "reward": (None, "rl.reward", "the RL efficiency reward of groups given as JSON lines: etagent reward [FILE]"),
     "radar": (None, "radar.run", "radar metrics and chart over evaluation runs: etagent radar [--preset P] [overrides]"),
 }
-UTILITIES = {"score": "score predictions given as JSON lines", "tool": "run one tool call (python or search) with the tools config"}
+UTILITIES = {
+    "score": "score predictions given as JSON lines",
+    "tool": "run one tool call (python or search) with the tools config",
+    "configs": "write every preset, resolved, into configs/resolved/ (--check: fail if one is stale)",
+}
 
 
 def main(argv: list[str] | None = None) -> int:
@@ -172,6 +176,10 @@ def main(argv: list[str] | None = None) -> int:
         return tool_main(argv[1:])
     if name == "score":
         return score_main(argv[1:])
+    if name == "configs":
+        from etagent.config import configs_main
+
+        return configs_main(argv[1:])
     print(__doc__.strip())
     print("\ncommands:")
     for command, (_, _, help_text) in STAGES.items():

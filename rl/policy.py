@@ -94,6 +94,7 @@ def response_logprobs(
 def _chunk_logprobs(hidden, weight, targets, with_entropy: bool):
     logits = F.linear(hidden, weight).float()  # the output embedding, then float32 as the loss wants
     log_probs = torch.log_softmax(logits, dim=-1)
+    del logits  # the log-softmax's backward needs only its output
     logprobs = log_probs.gather(-1, targets[:, None]).squeeze(-1)
     entropy = None
     if with_entropy:

@@ -289,3 +289,60 @@ def test_kl_term_against_the_starting_policy(sft_model, parquet, server, tmp_pat
     assert 0 < first["actor/kl"] < second["actor/kl"]
     assert first["reward/mean"] == plain["reward/mean"]  # the same rollouts
     assert first["actor/loss"] > plain["actor/loss"]  # the term reaches the loss
+
+
+@pytest.mark.slow
+def test_paper_preset_scaled_down_on_four_gloo_processes(sft_model, toy, server, tmp_path, monkeypatch):
+    """The paper preset's shape (bf16 compute, gradient checkpointing, the tree rollout, prompts x
+    rollouts split over the ranks, mini-batches of whole prompts' worth of sequences, sharded
+    checkpoints, bf16 exports) scaled down to the toy on 4 processes (torchrun, gloo) through
+    scripts/rl.sh: 16 prompts x 4 rollouts, mini-batches of 2 prompts = 8 sequences, 2 per rank
+    (which the first trainer refused: 2 prompts do not divide over 4 ranks). Two steps, then a
+    rerun that resumes from the 4-way sharded checkpoint for a third."""
+    import subprocess
+
+    from transformers import AutoModelForCausalLM
+
+    monkeypatch.setenv("RETRIEVER_TOKEN", TOKEN)
+    questions = [q for q in read_questions(toy / "questions" / "test.jsonl") if q.source != "toy_none"][::4][:32]
+    parquet = write_rl_parquet([RLRow.for_question(q, i, "train") for i, q in enumerate(questions)], tmp_path / "rl.parquet")
+    out = tmp_path / "paper"
+    overrides = [
+        "--preset",
+        "paper",
+        f"model={sft_model / 'model'}",
+        f"data.train={parquet}",
+        f"out_dir={out}",
+        f"tools.search.local.url={server}",
+        "tools.search.local.token_env=RETRIEVER_TOKEN",
+        "tools.python.timeout_s=10",
+        # what the toy machine lacks: a GPU, vLLM (the hf engine samples with the policy), wandb
+        "train.device=cpu",
+        "engine.kind=hf",
+        "engine.device=cpu",
+        "wandb.enabled=false",
+        # the shape, scaled down: 64 x 16 -> 16 x 4, mini-batches of 4 -> 2 prompts, tree 8 -> 2 roots
+        "data.prompts_per_step=16",
+        "rollout.n=4",
+        "rollout.initial_rollouts=2",
+        "train.mini_batch_prompts=2",
+        "train.save_every=2",
+    ]
+    env = dict(os.environ, OMP_NUM_THREADS="1", NPROC="4")
+    root = Path(__file__).parents[1]
+    for steps in (2, 3):
+        result = subprocess.run(
+            ["bash", "scripts/rl.sh", *overrides, f"train.max_steps={steps}"], capture_output=True, text=True, timeout=1200, env=env, cwd=root
+        )
+        assert result.returncode == 0, result.stderr[-3000:]
+        if steps == 2:
+            assert len(list((out / "checkpoints" / "step_2" / "state").glob("*.distcp"))) == 4  # one shard file per rank
+    assert "resuming after step 2" in result.stderr
+    history = metrics_of(out)
+    assert [m["step"] for m in history] == [1, 2, 3]
+    for m in history:
+        assert m["actor/optimizer_steps"] == 8 and m["actor/grad_norm"] > 0 and abs(m["actor/loss"]) < 10
+        assert m["actor/policy_tokens"] > 0
+    assert len((out / "rollouts" / "step_3.jsonl").read_text().splitlines()) == 64
+    model = AutoModelForCausalLM.from_pretrained(out / "model")
+    assert {p.dtype for p in model.parameters()} == {torch.bfloat16}  # the paper exports bf16

@@ -1,0 +1,99 @@
+"""Presets complete in themselves (configs/<stage>/_base.yaml plus the preset, never another
+preset), their committed resolved form current, and the paper presets against the paper's numbers
+(../shared/reference/paper_data_stages.md §3, paper_rl.md §5.3-5.5), with no toy value left."""
+
+from __future__ import annotations
+
+import shutil
+import subprocess
+import sys
+from pathlib import Path
+
+import pytest
+import yaml
+
+from etagent.config import config_dir, load_config, presets, stages
+
+ROOT = Path(__file__).parents[1]
+
+
+def test_the_committed_resolved_presets_are_current():
+    result = subprocess.run([sys.executable, "-m", "etagent.cli", "configs", "--check"], capture_output=True, text=True, cwd=ROOT)
+    assert result.returncode == 0, result.stdout + result.stderr
+
+
+def test_every_preset_builds_on_the_base_not_on_another_preset():
+    for stage in stages():
+        for preset in presets(stage):
+            defaults = yaml.safe_load((config_dir() / stage / f"{preset}.yaml").read_text()).get("defaults", [])
+            own = [d for d in defaults if isinstance(d, str)]
+            if preset == "tiny_flywheel":  # a variant of the tiny preset by name and on purpose
+                assert own == ["tiny", "_self_"]
+            elif (config_dir() / stage / "_base.yaml").exists():
+                assert own == ["_base", "_self_"], (stage, preset, own)
+            for group in (d for d in defaults if isinstance(d, dict)):  # shared groups: the preset's own kind
+                assert list(group.values()) == ["paper" if preset == "paper" else "tiny"], (stage, preset, group)
+
+
+def test_a_preset_that_leaves_a_value_open_is_refused_naming_it(tmp_path, monkeypatch):
+    configs = tmp_path / "configs"
+    shutil.copytree(config_dir(), configs)
+    preset = (configs / "sft" / "paper.yaml").read_text().replace("  epochs: 3\n", "")
+    (configs / "sft" / "forgetful.yaml").write_text(preset)
+    monkeypatch.setenv("ETAGENT_CONFIG_DIR", str(configs))
+    with pytest.raises(ValueError, match=r"sft/forgetful.yaml leaves train.epochs unset"):
+        load_config("sft", "forgetful")
+    result = subprocess.run([sys.executable, "-m", "sft.run", "--preset", "forgetful"], capture_output=True, text=True, cwd=ROOT)
+    assert result.returncode != 0 and "leaves train.epochs unset" in result.stderr
+
+
+def test_sft_paper_preset_has_the_papers_numbers():
+    """3 epochs (max_steps -1: the tiny preset's 4800-step cap once leaked into it), lr 5e-6,
+    cosine with warm-up 0.1, 1 x 8 accumulation per GPU, cutoff 10000, bf16, ZeRO-3."""
+    from sft.run import training_arguments
+
+    cfg = load_config("sft", "paper")
+    t = cfg.train
+    assert (t.epochs, t.max_steps, t.learning_rate, t.lr_scheduler, t.warmup_ratio) == (3, -1, 5e-6, "cosine", 0.1)
+    assert (t.batch_size, t.gradient_accumulation_steps, cfg.cutoff_len) == (1, 8, 10000)
+    assert (t.bf16, t.gradient_checkpointing, t.deepspeed, cfg.model_dtype) == (True, True, "configs/sft/ds_zero3.json", "bfloat16")
+    assert cfg.model == "Qwen/Qwen2.5-7B-Instruct" and not cfg.lora.enabled
+    tiny = load_config("sft", "tiny")
+    for key in ("train.max_steps", "train.learning_rate", "train.batch_size", "cutoff_len", "model"):
+        assert _value(cfg, key) != _value(tiny, key), key
+    args = training_arguments(load_config("sft", "paper", ["train.deepspeed=null", "train.bf16=false"]), Path("unused"))
+    assert (args.num_train_epochs, args.max_steps) == (3, -1)
+
+
+def test_rl_paper_preset_has_no_toy_value_left():
+    """Every value the paper preset shares with the tiny one is a default of _base.yaml, and the
+    sizes the paper gives are its own: 64 x 16, mini-batches of 4 prompts, lr 1e-6, prompt 2000 +
+    response 4096, bf16 exports every 30 steps."""
+    paper, tiny = load_config("rl", "paper"), load_config("rl", "tiny")
+    assert (paper.data.prompts_per_step, paper.rollout.n, paper.train.mini_batch_prompts, paper.optim.lr) == (64, 16, 4, 1e-6)
+    assert (paper.data.max_prompt_tokens, paper.agent.max_response_tokens, paper.engine.vllm.max_model_len) == (2000, 4096, 6096)
+    assert (paper.train.save_every, paper.train.export_every, paper.train.export_dtype) == (30, 30, "bfloat16")
+    base = yaml.safe_load((config_dir() / "rl" / "_base.yaml").read_text())
+    for key in _keys(base):
+        if _value(paper, key) == _value(tiny, key):
+            assert _raw(base, key) != "???", key  # a shared value is a default, never a toy one
+
+
+def _keys(tree, prefix=""):
+    for key, value in tree.items():
+        if isinstance(value, dict):
+            yield from _keys(value, f"{prefix}{key}.")
+        else:
+            yield f"{prefix}{key}"
+
+
+def _raw(tree, key):
+    for part in key.split("."):
+        tree = tree[part]
+    return tree
+
+
+def _value(cfg, key):
+    from omegaconf import OmegaConf
+
+    return OmegaConf.select(cfg, key)
