@@ -60,7 +60,15 @@ def measure(method: str, vocab: int, tokens: int, hidden: int, chunk: int) -> di
         logprobs, entropy = policy(ids, mask, positions, prompt, with_entropy=True)
     logprobs.sum().backward()
     peak = resource.getrusage(resource.RUSAGE_SELF).ru_maxrss * 1024 - before
-    return {"method": method, "vocab": vocab, "tokens": tokens, "hidden": hidden, "chunk": chunk, "peak_bytes": peak, "entropy": float(entropy.mean())}
+    return {
+        "method": method,
+        "vocab": vocab,
+        "tokens": tokens,
+        "hidden": hidden,
+        "chunk": chunk,
+        "peak_bytes": peak,
+        "entropy": float(entropy.mean()),
+    }
 
 
 def resident_bytes() -> int:
@@ -84,7 +92,9 @@ def main() -> None:
         print(json.dumps(measure(args.method, args.vocab, args.tokens, args.hidden, args.chunk)))
         return
     print(f"log-probabilities and entropy, forward + backward: vocabulary {args.vocab}, {args.tokens} response tokens, float32, CPU")
-    print(f"{'method':<24} {'peak GiB':>9}   {'(tokens x vocabulary x 4 bytes = ' + format(args.tokens * args.vocab * 4 / 2**30, '.2f') + ' GiB)'}")
+    print(
+        f"{'method':<24} {'peak GiB':>9}   {'(tokens x vocabulary x 4 bytes = ' + format(args.tokens * args.vocab * 4 / 2**30, '.2f') + ' GiB)'}"
+    )
     for method in ("full", "chunked"):
         command = [sys.executable, __file__, "--method", method, f"--vocab={args.vocab}", f"--tokens={args.tokens}"]
         command += [f"--hidden={args.hidden}", f"--chunk={args.chunk}"]

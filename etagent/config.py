@@ -115,7 +115,9 @@ def configs_main(argv: list[str]) -> int:
     args = parser.parse_args(argv)
     changed = write_resolved(check=args.check)
     for path in changed:
-        print(f"{'stale' if args.check else 'wrote'}: {path.relative_to(config_dir().parent) if path.is_relative_to(config_dir().parent) else path}")
+        print(
+            f"{'stale' if args.check else 'wrote'}: {path.relative_to(config_dir().parent) if path.is_relative_to(config_dir().parent) else path}"
+        )
     if args.check and changed:
         print("run `etagent configs` to rewrite them", flush=True)
         return 1

@@ -143,10 +143,13 @@ def run(cfg: DictConfig) -> dict:
         raise ValueError(f"{cfg.data.path}: no example left to train on ({data_report})")
     dataset = [{"input_ids": r.input_ids, "labels": r.labels, "length": len(r)} for r in rows]
     log.info("data: %s", data_report)
+    # The arguments first: with a ZeRO-3 config they register DeepSpeed with transformers, and
+    # from_pretrained then builds the model partitioned across the ranks (zero.Init) instead of
+    # every rank loading the whole model into host memory.
+    args = training_arguments(cfg, out)
     model = load_model(cfg)
 
     # -- train ------------------------------------------------------------------------------
-    args = training_arguments(cfg, out)
     trainer = Trainer(
         model=model,
         args=args,

@@ -332,7 +332,12 @@ def test_paper_preset_scaled_down_on_four_gloo_processes(sft_model, toy, server,
     root = Path(__file__).parents[1]
     for steps in (2, 3):
         result = subprocess.run(
-            ["bash", "scripts/rl.sh", *overrides, f"train.max_steps={steps}"], capture_output=True, text=True, timeout=1200, env=env, cwd=root
+            ["bash", "scripts/rl.sh", *overrides, f"train.max_steps={steps}"],
+            capture_output=True,
+            text=True,
+            timeout=1200,
+            env=env,
+            cwd=root,
         )
         assert result.returncode == 0, result.stderr[-3000:]
         if steps == 2:
