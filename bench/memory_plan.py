@@ -70,11 +70,12 @@ class Model:
     config: object
 
 
-def build_model() -> Model:
+def build_model(layers: int = QWEN25_7B["num_hidden_layers"]) -> Model:
+    """Qwen2.5-7B on the meta device (``layers``: a slice of it, as wide)."""
     import torch
     from transformers import AutoModelForCausalLM, Qwen2Config
 
-    config = Qwen2Config(**QWEN25_7B)
+    config = Qwen2Config(**{**QWEN25_7B, "num_hidden_layers": layers})
     with torch.device("meta"):
         lm = AutoModelForCausalLM.from_config(config, dtype=torch.bfloat16)
     layers = lm.get_decoder().layers
@@ -132,6 +133,33 @@ def layer_activation_bytes(config, tokens: int) -> int:
     return sum(t.numel() * t.element_size() for t in saved.values())
 
 
+def trainer_state(model: Model, world: int) -> tuple[int, int, int]:
+    """Bytes of one rank's float32 parameters, gradients and AdamW moments under FSDP2."""
+    shard = sum(shard_elements(s, world) for group in [*model.layer_groups, model.root_group] for s in group)
+    return 4 * shard, 4 * shard, 8 * shard
+
+
+def update_parts(model: Model, world: int, tokens: int, chunk: int, checkpointing: bool) -> dict[str, int]:
+    """One rank's bytes during an update on a micro-batch of ``tokens`` tokens (rl/run.py's update:
+    FSDP2 with bf16 compute, rl/policy.py's chunked log-probabilities)."""
+    params, grads, adam = trainer_state(model, world)
+    hidden, layers, vocab = model.config.hidden_size, model.config.num_hidden_layers, model.config.vocab_size
+    layer, root = elements(model.layer_groups[0]), elements(model.root_group)
+    act_layer = layer_activation_bytes(model.config, tokens)
+    kept = layers * tokens * hidden * 2 if checkpointing else (layers - 1) * act_layer
+    return {
+        "trainer params+grads+AdamW": params + grads + adam,
+        # two layer groups (the current and the prefetched) and the root, gathered in bf16
+        "gathered bf16": 2 * (2 * layer) + 2 * root,
+        # an unsharded gradient in bf16, then float32 for the reduce-scatter
+        "reduce-scatter": (2 + 4) * max(layer, root),
+        # kept layer inputs (all layers' activations without checkpointing), one layer's
+        # activations and their gradients, the decoder's output and its gradient
+        "activations": kept + 2 * act_layer + 2 * tokens * hidden * 2,
+        "log-prob chunk": 4 * chunk * vocab * 4,
+    }
+
+
 def rl_plan(model: Model, world: int, args) -> dict:
     from etagent.config import load_config
 
@@ -139,42 +167,28 @@ def rl_plan(model: Model, world: int, args) -> dict:
     tokens = int(cfg.train.micro_batch_tokens)
     chunk = int(cfg.train.logprob_chunk_tokens)
     bucket = int(cfg.train.weight_bucket_mb) << 20
-    vocab, hidden, n_layers = model.config.vocab_size, model.config.hidden_size, model.config.num_hidden_layers
-
-    shard = sum(shard_elements(s, world) for g in [*model.layer_groups, model.root_group] for s in g)
-    params, grads, adam = 4 * shard, 4 * shard, 8 * shard
-    layer = elements(model.layer_groups[0])
-    root = elements(model.root_group)
-    gathered_forward = 2 * (2 * layer) + 2 * root  # two layer groups and the root in bf16
-    reduce_transient = (2 + 4) * max(layer, root)  # an unsharded gradient in bf16, then float32
-    act_layer = layer_activation_bytes(model.config, tokens)
-    checkpointed = n_layers * tokens * hidden * 2 if cfg.train.gradient_checkpointing else 0
-    recomputed = 2 * act_layer  # one layer's activations and their gradients in the backward
-    logprob_chunk = 4 * chunk * vocab * 4
-    hidden_states = 2 * tokens * hidden * 2  # the decoder's output and its gradient
+    vocab, hidden = model.config.vocab_size, model.config.hidden_size
+    params, _, adam = trainer_state(model, world)
     vllm_awake = args.vllm_fraction * args.gpu_gib * GIB
     vllm_asleep = args.vllm_asleep_gib * GIB
     context = args.context_gib * GIB
     weights_bf16 = 2 * model.params
-    sync_extra = max(bucket, 0) + 2 * model.largest
+    sync_extra = bucket + 2 * model.largest
     every_layer_gathered = 2 * model.params  # old log-probs run with the whole policy gathered
+    act_layer = layer_activation_bytes(model.config, tokens)
 
     phases = {
         "generate (vLLM awake)": {"trainer params+AdamW": params + adam, "vLLM": vllm_awake, "context": context},
         "old_logprobs (whole policy gathered)": {
             "trainer params+AdamW": params + adam,
             "gathered bf16": every_layer_gathered,
-            "activations (no grad)": act_layer // 2 + hidden_states // 2,
-            "log-prob chunk": logprob_chunk,
+            "activations (no grad)": act_layer // 2 + tokens * hidden * 2,
+            "log-prob chunk": 4 * chunk * vocab * 4,
             "vLLM asleep": vllm_asleep,
             "context": context,
         },
         "update": {
-            "trainer params+grads+AdamW": params + grads + adam,
-            "gathered bf16": gathered_forward,
-            "reduce-scatter": reduce_transient,
-            "activations": checkpointed + recomputed + hidden_states,
-            "log-prob chunk": logprob_chunk,
+            **update_parts(model, world, tokens, chunk, cfg.train.gradient_checkpointing),
             "vLLM asleep": vllm_asleep,
             "context": context,
         },

@@ -160,7 +160,8 @@ def setup(cfg: DictConfig) -> Trainer:
     state = {"step": 0, "metrics": {}}
     if checkpoint:
         state = load_checkpoint(checkpoint, policy, optimizer)
-        log.info("resuming after step %d from %s", state["step"], checkpoint)
+        if rank == 0:
+            log.info("resuming after step %d from %s", state["step"], checkpoint)
     # the KL term's reference is the stage's starting policy, also after a resume
     reference = None
     if cfg.algorithm.kl_coef > 0:

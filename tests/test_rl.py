@@ -112,6 +112,33 @@ def test_steps_checkpoints_and_an_exact_resume(sft_model, parquet, server, tmp_p
     assert [numbers(m) for m in metrics_of(resumed)] == [numbers(m) for m in history]
 
 
+def test_a_kill_during_a_save_resumes_from_the_last_complete_checkpoint(sft_model, parquet, server, tmp_path, monkeypatch):
+    """SIGKILL while step 2's sharded checkpoint is being written (its files are in
+    checkpoints/step_2.tmp, not yet renamed): the rerun resumes from step 1's, redoes step 2 and
+    ends with the uninterrupted run's numbers and model."""
+    import subprocess
+    import sys
+
+    from safetensors.torch import load_file
+
+    monkeypatch.setenv("RETRIEVER_TOKEN", TOKEN)
+    straight, killed = tmp_path / "straight", tmp_path / "killed"
+    extra = ("train.max_steps=3", "train.save_every=1")
+    run_in_subprocess(rl_overrides(sft_model, parquet, server, straight, *extra))
+    overrides = rl_overrides(sft_model, parquet, server, killed, *extra)
+    root = Path(__file__).parents[1]
+    crash = subprocess.run([sys.executable, "-m", "tests.rl_killed_in_save", "2", *overrides], capture_output=True, text=True, timeout=900, cwd=root)
+    assert crash.returncode == -9, crash.stderr[-3000:]
+    assert (killed / "checkpoints" / "step_2.tmp" / "state.json").exists() and not (killed / "checkpoints" / "step_2").exists()
+    rerun = subprocess.run([sys.executable, "-m", "rl.run", *overrides], capture_output=True, text=True, timeout=900, cwd=root)
+    assert rerun.returncode == 0, rerun.stderr[-3000:]
+    assert "resuming after step 1" in rerun.stderr
+    assert not (killed / "checkpoints" / "step_2.tmp").exists()
+    assert [numbers(m) for m in metrics_of(killed)] == [numbers(m) for m in metrics_of(straight)]
+    a, b = load_file(straight / "model" / "model.safetensors"), load_file(killed / "model" / "model.safetensors")
+    assert a.keys() == b.keys() and all(torch.equal(a[k], b[k]) for k in a)
+
+
 def test_fsdp2_over_two_processes_matches_one(sft_model, parquet, server, tmp_path, monkeypatch):
     """The same global batch on one process and on two (torchrun, gloo): the same rollouts, and
     losses and gradient norms within 1e-4, for two steps."""
