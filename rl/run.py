@@ -23,13 +23,13 @@ One step, as named and timed phases (``timing_s/<phase>`` in the metrics):
    asleep outside this phase and the validation;
 2. reward: the efficiency reward per prompt's group (rl/reward.py), sigmas decayed linearly over
    the run as in the paper;
-3. old_logprobs (vllm only): the policy's log-probabilities of the sampled tokens before the
+3. old_logprobs (vllm only; rl/actor.py): the policy's log-probabilities of the sampled tokens before the
    update, and their mismatch with vLLM's own (a diagnostic). The hf engine samples with the
    policy module and its current weights, so its log-probabilities are the old ones already;
 4. ref_logprobs (only with ``algorithm.kl_coef`` > 0): the same under a frozen copy of the
    run's starting policy;
 5. advantage: GRPO, the group's mean and unbiased std;
-6. update: for each mini-batch (``mini_batch_prompts`` x n sequences over all ranks; rl/batch.py's
+6. update (rl/actor.py): for each mini-batch (``mini_batch_prompts`` x n sequences over all ranks; rl/batch.py's
    plan), the dual-clip PPO loss (plus the KL term, when on; AEPO's entropy-balanced clipping
    and entropy-aware advantage, when on) as an exact token mean over the mini-batch
    (micro-batches by token budget), one AdamW step with gradient clipping;
@@ -68,10 +68,11 @@ from omegaconf import DictConfig, OmegaConf
 from etagent.agent import AgentConfig, AgentLoop, TrajectoryState
 from etagent.records import write_manifest
 from etagent.timing import phase
-from rl.algorithm import entropy_aware_advantages, grpo_advantages, kl_estimate, logprob_mismatch, masked_sum, policy_loss
-from rl.batch import Batch, BatchPlan, batch_plan, micro_batches, pack, token_logprobs
+from rl.actor import response_logprobs, update
+from rl.algorithm import grpo_advantages, logprob_mismatch
+from rl.batch import Batch, BatchPlan, batch_plan, pack
 from rl.checkpoint import export_model, latest_checkpoint, load_checkpoint, save_checkpoint
-from rl.distributed import gather_objects, init_distributed, max_all, sum_all, training_device
+from rl.distributed import gather_objects, init_distributed, sum_all, training_device
 from rl.policy import Policy, gathered, load_policy
 from rl.reward import efficiency_reward, raw_correctness, sigma_factor, validation_score
 from rl.rollout import Prompt, make_rollout, read_prompts, rollout_metrics
@@ -260,7 +261,7 @@ def train_step(trainer: Trainer, step: int, loop: AgentLoop, greedy: AgentLoop, 
         advantages = grpo_advantages(scores, torch.tensor([r["index"] for r in rows]), cfg.algorithm.eps).to(trainer.device)
     with phase("update", metrics):
         trainer.policy.train()
-        metrics.update(update(trainer, batch, advantages, old, ref))
+        metrics.update(update(trainer.policy, trainer.optimizer, trainer.plan, batch, advantages, old, ref, cfg, trainer.device))
     if cfg.engine.kind == "vllm":
         with phase("sync", metrics):
             sync_engine(trainer.engine, trainer.policy.lm, trainer.device, trainer.weight_dtype, trainer.bucket_bytes)
@@ -318,87 +319,6 @@ def rewards_of(groups: list[list[TrajectoryState]], prompts: list[Prompt], cfg: 
                 }
             )
     return rows
-
-
-def response_logprobs(policy: Policy, batch: Batch, budget: int) -> torch.Tensor:
-    """Every response token's log-probability under ``policy``, micro-batch by micro-batch (the
-    caller gathers the policy: ranks may run different numbers of micro-batches)."""
-    logprobs = torch.zeros_like(batch.rollout_logprobs)
-    for part in micro_batches(batch.tokens(), budget):
-        micro = batch.select(part)
-        lp, _ = token_logprobs(policy, micro)
-        logprobs[part, : micro.response_width] = lp.float()
-    return logprobs
-
-
-def update(trainer: Trainer, batch: Batch, advantages: torch.Tensor, old: torch.Tensor, ref: torch.Tensor | None) -> dict:
-    """One optimizer step per mini-batch of the plan; the step's metrics.
-
-    Every rank takes the same number of optimizer steps and of micro-batches per step (each
-    backward is a collective under FSDP2): a rank with fewer micro-batches runs its first one
-    again with the loss multiplied by zero."""
-    from torch.distributed.tensor import DTensor
-
-    cfg, device, world = trainer.cfg, trainer.device, trainer.world
-    size = trainer.plan.mini_batch_sequences_per_rank
-    minis = [list(range(k * size, (k + 1) * size)) for k in range(trainer.plan.optimizer_steps)]
-    assert minis[-1][-1] == batch.input_ids.shape[0] - 1, "a rank's rollouts are not the plan's"
-    sums = dict.fromkeys(("loss", "clipped_tokens", "dual_clipped_tokens", "entropy", "kl", "policy_tokens", "grad_norm"), 0.0)
-    row_tokens = batch.tokens()
-    for mini in minis:
-        tokens = max(sum_all([float(batch.loss_mask[mini].sum())], device)[0], 1.0)
-        parts = [[mini[i] for i in part] for part in micro_batches([row_tokens[i] for i in mini], cfg.train.micro_batch_tokens)]
-        n_parts = int(max_all([len(parts)], device)[0])
-        for k in range(n_parts):
-            rows, weight = (parts[k], 1.0) if k < len(parts) else (parts[0], 0.0)
-            micro = batch.select(rows)
-            logprobs, entropy = token_logprobs(trainer.policy, micro, with_entropy=True)
-            micro_advantages = advantages[rows]
-            if cfg.algorithm.entropy_aware_advantage:  # AEPO: standardised over this micro-batch's tokens, as the reference
-                micro_advantages = entropy_aware_advantages(micro_advantages, entropy, micro.loss_mask)
-            terms = policy_loss(
-                logprobs,
-                old[rows, : micro.response_width],
-                micro_advantages,
-                micro.loss_mask,
-                tokens / world,  # gradients are averaged over ranks: this makes it a sum over all tokens / tokens
-                cfg.algorithm.clip_low,
-                cfg.algorithm.clip_high,
-                cfg.algorithm.clip_c,
-                cfg.algorithm.entropy_balanced_clipping,
-            )
-            loss = terms.loss
-            if ref is not None:
-                # verl's use_kl_loss: the estimator's token mean over the mini-batch, like the policy loss
-                kl = masked_sum(kl_estimate(logprobs, ref[rows, : micro.response_width], cfg.algorithm.kl_estimator), micro.loss_mask)
-                loss = loss + cfg.algorithm.kl_coef * kl / (tokens / world)
-                sums["kl"] += weight * kl.item()
-            (loss * weight).backward()
-            sums["loss"] += weight * loss.item() / world
-            sums["clipped_tokens"] += weight * terms.clipped_tokens.item()
-            sums["dual_clipped_tokens"] += weight * terms.dual_clipped_tokens.item()
-            sums["entropy"] += weight * float(masked_sum(entropy, micro.loss_mask))
-        grad_norm = torch.nn.utils.clip_grad_norm_(trainer.policy.parameters(), cfg.optim.grad_clip)
-        if isinstance(grad_norm, DTensor):
-            grad_norm = grad_norm.full_tensor()
-        trainer.optimizer.step()
-        trainer.optimizer.zero_grad(set_to_none=True)
-        sums["policy_tokens"] += tokens
-        sums["grad_norm"] += float(grad_norm) / len(minis)
-    loss_sum, clipped, dual, entropy, kl = sum_all(
-        [sums["loss"], sums["clipped_tokens"], sums["dual_clipped_tokens"], sums["entropy"], sums["kl"]], device
-    )
-    kl_metrics = {"actor/kl": kl / max(sums["policy_tokens"], 1.0)} if ref is not None else {}
-    return kl_metrics | {
-        "actor/loss": loss_sum / len(minis),
-        "actor/clip_fraction": clipped / max(sums["policy_tokens"], 1.0),
-        "actor/dual_clip_fraction": dual / max(sums["policy_tokens"], 1.0),
-        # of the distributions the tokens were drawn from, as each mini-batch's forward sees them
-        "actor/entropy": entropy / max(sums["policy_tokens"], 1.0),
-        "actor/grad_norm": sums["grad_norm"],
-        "actor/optimizer_steps": len(minis),
-        "actor/policy_tokens": sums["policy_tokens"],
-    }
 
 
 def step_metrics(trainer: Trainer, rows: list[dict], batch: Batch, old: torch.Tensor, factor: float, generate_s: float) -> dict:

@@ -127,6 +127,7 @@ def test_chunked_log_probs_equal_the_full_log_softmax_with_their_gradients():
         assert ((ours[name] - p.grad).norm() / p.grad.norm()).item() < 1e-5, name
 
 
+@pytest.mark.slow
 def test_log_probs_peak_memory_at_qwens_vocabulary():
     """Forward and backward of the log-probabilities and entropies of 8192 response tokens at a
     151,936 vocabulary, on CPU (bench/logprob_memory.py, its own process): the full float32

@@ -1,0 +1,109 @@
+"""The policy's work on a step's batch: the log-probabilities of its tokens (the old ones behind
+vLLM, the KL reference's) and the PPO update over the batch plan's mini-batches.
+
+The loss is an exact token mean over each mini-batch across its micro-batches and ranks
+(rl/algorithm.py); micro-batches are cut by padded tokens (``train.micro_batch_tokens``). What
+this module does not do: generate, score, or decide the plan (rl/batch.py).
+"""
+
+from __future__ import annotations
+
+import torch
+import torch.distributed as dist
+from omegaconf import DictConfig
+
+from rl.algorithm import entropy_aware_advantages, kl_estimate, masked_sum, policy_loss
+from rl.batch import Batch, BatchPlan, micro_batches, token_logprobs
+from rl.distributed import max_all, sum_all
+from rl.policy import Policy
+
+
+def response_logprobs(policy: Policy, batch: Batch, budget: int) -> torch.Tensor:
+    """Every response token's log-probability under ``policy``, micro-batch by micro-batch (the
+    caller gathers the policy: ranks may run different numbers of micro-batches)."""
+    logprobs = torch.zeros_like(batch.rollout_logprobs)
+    for part in micro_batches(batch.tokens(), budget):
+        micro = batch.select(part)
+        lp, _ = token_logprobs(policy, micro)
+        logprobs[part, : micro.response_width] = lp.float()
+    return logprobs
+
+
+def update(
+    policy: Policy,
+    optimizer: torch.optim.Optimizer,
+    plan: BatchPlan,
+    batch: Batch,
+    advantages: torch.Tensor,
+    old: torch.Tensor,
+    ref: torch.Tensor | None,
+    cfg: DictConfig,
+    device: torch.device,
+) -> dict:
+    """One optimizer step per mini-batch of the plan; the step's metrics (summed over ranks).
+
+    Every rank takes the same number of optimizer steps and of micro-batches per step (each
+    backward is a collective under FSDP2): a rank with fewer micro-batches runs its first one
+    again with the loss multiplied by zero."""
+    from torch.distributed.tensor import DTensor
+
+    world = dist.get_world_size()
+    size = plan.mini_batch_sequences_per_rank
+    minis = [list(range(k * size, (k + 1) * size)) for k in range(plan.optimizer_steps)]
+    assert minis[-1][-1] == batch.input_ids.shape[0] - 1, "a rank's rollouts are not the plan's"
+    sums = dict.fromkeys(("loss", "clipped_tokens", "dual_clipped_tokens", "entropy", "kl", "policy_tokens", "grad_norm"), 0.0)
+    row_tokens = batch.tokens()
+    for mini in minis:
+        tokens = max(sum_all([float(batch.loss_mask[mini].sum())], device)[0], 1.0)
+        parts = [[mini[i] for i in part] for part in micro_batches([row_tokens[i] for i in mini], cfg.train.micro_batch_tokens)]
+        n_parts = int(max_all([len(parts)], device)[0])
+        for k in range(n_parts):
+            rows, weight = (parts[k], 1.0) if k < len(parts) else (parts[0], 0.0)
+            micro = batch.select(rows)
+            logprobs, entropy = token_logprobs(policy, micro, with_entropy=True)
+            micro_advantages = advantages[rows]
+            if cfg.algorithm.entropy_aware_advantage:  # AEPO: standardised over this micro-batch's tokens, as the reference
+                micro_advantages = entropy_aware_advantages(micro_advantages, entropy, micro.loss_mask)
+            terms = policy_loss(
+                logprobs,
+                old[rows, : micro.response_width],
+                micro_advantages,
+                micro.loss_mask,
+                tokens / world,  # gradients are averaged over ranks: this makes it a sum over all tokens / tokens
+                cfg.algorithm.clip_low,
+                cfg.algorithm.clip_high,
+                cfg.algorithm.clip_c,
+                cfg.algorithm.entropy_balanced_clipping,
+            )
+            loss = terms.loss
+            if ref is not None:
+                # verl's use_kl_loss: the estimator's token mean over the mini-batch, like the policy loss
+                kl = masked_sum(kl_estimate(logprobs, ref[rows, : micro.response_width], cfg.algorithm.kl_estimator), micro.loss_mask)
+                loss = loss + cfg.algorithm.kl_coef * kl / (tokens / world)
+                sums["kl"] += weight * kl.item()
+            (loss * weight).backward()
+            sums["loss"] += weight * loss.item() / world
+            sums["clipped_tokens"] += weight * terms.clipped_tokens.item()
+            sums["dual_clipped_tokens"] += weight * terms.dual_clipped_tokens.item()
+            sums["entropy"] += weight * float(masked_sum(entropy, micro.loss_mask))
+        grad_norm = torch.nn.utils.clip_grad_norm_(policy.parameters(), cfg.optim.grad_clip)
+        if isinstance(grad_norm, DTensor):
+            grad_norm = grad_norm.full_tensor()
+        optimizer.step()
+        optimizer.zero_grad(set_to_none=True)
+        sums["policy_tokens"] += tokens
+        sums["grad_norm"] += float(grad_norm) / len(minis)
+    loss_sum, clipped, dual, entropy, kl = sum_all(
+        [sums["loss"], sums["clipped_tokens"], sums["dual_clipped_tokens"], sums["entropy"], sums["kl"]], device
+    )
+    kl_metrics = {"actor/kl": kl / max(sums["policy_tokens"], 1.0)} if ref is not None else {}
+    return kl_metrics | {
+        "actor/loss": loss_sum / len(minis),
+        "actor/clip_fraction": clipped / max(sums["policy_tokens"], 1.0),
+        "actor/dual_clip_fraction": dual / max(sums["policy_tokens"], 1.0),
+        # of the distributions the tokens were drawn from, as each mini-batch's forward sees them
+        "actor/entropy": entropy / max(sums["policy_tokens"], 1.0),
+        "actor/grad_norm": sums["grad_norm"],
+        "actor/optimizer_steps": len(minis),
+        "actor/policy_tokens": sums["policy_tokens"],
+    }
