@@ -35,6 +35,11 @@ def latest_checkpoint(out: Path) -> Path | None:
     for folder in (out / "checkpoints").glob("step_*"):
         number = folder.name.removeprefix("step_")
         if number.isdigit() and (folder / "state.json").exists():
+            if not (folder / "state").is_dir():
+                raise ValueError(
+                    f"{folder} is a checkpoint of an earlier version of the toolkit (a save_pretrained folder and optimizer.pt, "
+                    "no sharded state/): it cannot be resumed; start again in a new out_dir, or with the model it holds as `model`"
+                )
             steps.append((int(number), folder))
     return max(steps)[1] if steps else None
 

@@ -127,7 +127,9 @@ def test_a_kill_during_a_save_resumes_from_the_last_complete_checkpoint(sft_mode
     run_in_subprocess(rl_overrides(sft_model, parquet, server, straight, *extra))
     overrides = rl_overrides(sft_model, parquet, server, killed, *extra)
     root = Path(__file__).parents[1]
-    crash = subprocess.run([sys.executable, "-m", "tests.rl_killed_in_save", "2", *overrides], capture_output=True, text=True, timeout=900, cwd=root)
+    crash = subprocess.run(
+        [sys.executable, "-m", "tests.rl_killed_in_save", "2", *overrides], capture_output=True, text=True, timeout=900, cwd=root
+    )
     assert crash.returncode == -9, crash.stderr[-3000:]
     assert (killed / "checkpoints" / "step_2.tmp" / "state.json").exists() and not (killed / "checkpoints" / "step_2").exists()
     rerun = subprocess.run([sys.executable, "-m", "rl.run", *overrides], capture_output=True, text=True, timeout=900, cwd=root)
@@ -378,3 +380,18 @@ def test_paper_preset_scaled_down_on_four_gloo_processes(sft_model, toy, server,
     assert len((out / "rollouts" / "step_3.jsonl").read_text().splitlines()) == 64
     model = AutoModelForCausalLM.from_pretrained(out / "model")
     assert {p.dtype for p in model.parameters()} == {torch.bfloat16}  # the paper exports bf16
+
+
+def test_a_checkpoint_of_the_earlier_layout_is_refused_with_the_way_out(tmp_path):
+    """Before sharded checkpoints, checkpoints/step_k held model/, optimizer.pt and state.json: a
+    rerun on such an out_dir is told so, instead of failing inside torch.distributed.checkpoint."""
+    from rl.checkpoint import latest_checkpoint
+
+    old = tmp_path / "checkpoints" / "step_10"
+    (old / "model").mkdir(parents=True)
+    (old / "state.json").write_text('{"step": 10, "metrics": {}}')
+    with pytest.raises(ValueError, match=r"step_10 is a checkpoint of an earlier version.*new out_dir"):
+        latest_checkpoint(tmp_path)
+    (tmp_path / "checkpoints" / "step_11.tmp").mkdir()  # what a killed save leaves: never a candidate
+    old.rename(tmp_path / "elsewhere")
+    assert latest_checkpoint(tmp_path) is None
