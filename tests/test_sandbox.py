@@ -5,8 +5,13 @@ from __future__ import annotations
 
 import asyncio
 import os
+import random
+import shutil
+import signal
 import socket
 import subprocess
+import sys
+import tempfile
 import threading
 import time
 from pathlib import Path
@@ -276,11 +281,110 @@ def test_rlimits_fallback_still_limits_and_cleans_up():
         assert_nothing_left(sb)
 
 
+# A host as a user writes one: the sandbox behind the python tool. Its first call starts the server
+# from a thread of asyncio.to_thread that has ended before the second call (a server tied to that
+# thread would be gone); a process forked from it, as a DataLoader worker is, must not keep the
+# server alive once the host is killed. It prints the server's pid and the forked process's pid,
+# then makes a call that runs for a minute.
+HOST = """
+import asyncio, os, sys, time
+from etagent.tools.sandbox import PythonSandbox, PythonTool, SandboxLimits
+sandbox = PythonSandbox(limits=SandboxLimits(timeout_s=60), isolation=sys.argv[1])
+tool = PythonTool(sandbox)
+assert asyncio.run(tool("print(1)")).text == "1"
+bystander = os.fork()
+if bystander == 0:
+    time.sleep(30)
+    os._exit(0)
+print(sandbox.zygote_pid, bystander, flush=True)
+asyncio.run(tool(sys.argv[2]))
+"""
+
+
+def live_processes() -> dict[int, list[str]]:
+    """pid -> command line of every process that is not a zombie."""
+    found = {}
+    for entry in os.listdir("/proc"):
+        if entry.isdigit():
+            try:
+                if Path(f"/proc/{entry}/stat").read_text().rsplit(")", 1)[1].split()[0] == "Z":
+                    continue
+                found[int(entry)] = Path(f"/proc/{entry}/cmdline").read_bytes().decode(errors="replace").split("\0")
+            except OSError:
+                continue
+    return found
+
+
+@pytest.mark.parametrize("killed", ["host", "host and server"])
+@pytest.mark.parametrize("isolation", ["namespaces", "rlimits"])
+def test_a_call_dies_with_its_host(sandbox, isolation, killed):
+    """``kill -9`` of the process that runs a call: within seconds no process of the call is left
+    (the server, its handler, the runner and a child of the code) and neither is the sandbox's
+    directory. If the server is killed too (a whole cgroup killed), the processes still die, and
+    the directory is removed by the next sandbox that starts."""
+    if isolation == "namespaces" and sandbox.isolation != "namespaces":
+        pytest.skip(f"namespaces unavailable on this machine: {sandbox.isolation_note}")
+    marker = f"{60 + random.random():.9f}"  # the child's `sleep` argument, to find it by
+    code = f"import os, time\nif os.fork() == 0:\n    os.execv('/bin/sleep', ['sleep', '{marker}'])\ntime.sleep(60)"
+    host = subprocess.Popen(
+        [sys.executable, "-c", HOST, isolation, code], stdout=subprocess.PIPE, text=True, cwd=Path(__file__).resolve().parents[1]
+    )
+    bystander = None
+    try:
+        server, bystander = map(int, host.stdout.readline().split())
+        server_command = Path(f"/proc/{server}/cmdline").read_text().split("\0")
+        directory = server_command[server_command.index("--dir") + 1]
+        deadline = time.monotonic() + 10
+        while not any(cmdline[:2] == ["sleep", marker] for cmdline in live_processes().values()):
+            assert time.monotonic() < deadline and host.poll() is None, "the call did not start"
+            time.sleep(0.02)
+        call = [server, *descendants(server)]
+        assert len(call) >= 4  # server, handler, runner, sleep
+        host.kill()
+        if killed == "host and server":
+            os.kill(server, signal.SIGKILL)
+        host.wait()
+        start = time.monotonic()
+        while True:
+            left = {pid: cmdline for pid, cmdline in live_processes().items() if pid in call or marker in cmdline}
+            gone = killed == "host and server" or not Path(directory).exists()
+            if not left and gone:
+                break
+            assert time.monotonic() - start < 5, f"left behind after 5 s: {left}, directory exists: {not gone}"
+            time.sleep(0.02)
+        if killed == "host and server":
+            PythonSandbox(limits=LIMITS, isolation="rlimits").start().close()
+            assert not Path(directory).exists(), "the next sandbox did not remove the abandoned directory"
+    finally:
+        host.kill()
+        host.wait()
+        if bystander:
+            os.kill(bystander, signal.SIGKILL)
+
+
+def test_only_the_directories_of_dead_servers_are_removed():
+    """What a new sandbox removes: a directory whose socket refuses connections (its server was
+    killed by SIGKILL); not one whose server listens, nor one whose server is still starting."""
+    made = [Path(tempfile.mkdtemp(prefix="etagent-sandbox-")) for _ in range(3)]
+    dead, live, starting = made
+    with socket.socket(socket.AF_UNIX) as gone:
+        gone.bind(str(dead / "zygote.sock"))
+    (dead / "root").mkdir()
+    listening = socket.socket(socket.AF_UNIX)
+    listening.bind(str(live / "zygote.sock"))
+    listening.listen()
+    try:
+        PythonSandbox(limits=LIMITS, isolation="rlimits").start().close()
+        assert not dead.exists()
+        assert (live / "zygote.sock").exists() and starting.exists()
+    finally:
+        listening.close()
+        for path in made:
+            shutil.rmtree(path, ignore_errors=True)
+
+
 @pytest.fixture
 def world_writable_dir():
-    import shutil
-    import tempfile
-
     path = Path(tempfile.mkdtemp(prefix="etagent-test-", dir="/tmp"))
     os.chmod(path, 0o777)
     yield path
@@ -292,8 +396,6 @@ def test_the_sandbox_runs_as_an_unprivileged_host_user(world_writable_dir):
     and the system Python, which nobody can read)."""
     if os.getuid() != 0 or not Path("/usr/bin/setpriv").exists() or not Path("/usr/bin/python3").exists():
         pytest.skip("needs root, setpriv and /usr/bin/python3 to start an unprivileged user")
-    import shutil
-
     work = world_writable_dir
     # a copy nobody can read (the checkout itself may be private, e.g. a fresh clone in a 0700 dir)
     zygote = work / "zygote.py"
@@ -301,9 +403,10 @@ def test_the_sandbox_runs_as_an_unprivileged_host_user(world_writable_dir):
     os.chmod(zygote, 0o644)
     client = f"""
 import json, os, socket, struct, subprocess, sys, time
-sock_path, root = {str(work)!r} + "/z.sock", {str(work)!r} + "/root"
-os.mkdir(root)
-z = subprocess.Popen([sys.executable, "-I", {str(zygote)!r}, "--socket", sock_path, "--root", root, "--isolation", "namespaces"], stdin=subprocess.PIPE, stdout=subprocess.PIPE)
+server_dir = {str(work)!r} + "/server"
+sock_path = server_dir + "/zygote.sock"
+os.mkdir(server_dir)
+z = subprocess.Popen([sys.executable, "-I", {str(zygote)!r}, "--dir", server_dir, "--isolation", "namespaces"], stdin=subprocess.PIPE, stdout=subprocess.PIPE)
 ready = json.loads(z.stdout.readline())
 assert ready["isolation"] == "namespaces", ready
 def call(code):
@@ -320,6 +423,7 @@ def call(code):
 print(json.dumps([call("import os; print(os.getuid(), os.getpid())"), call("open({str(zygote)!r}, 'a')"), call("import os\\nwhile True:\\n  try: os.fork()\\n  except OSError: pass"), call("import socket; socket.create_connection(('127.0.0.1', 22), timeout=1)")]))
 z.stdin.close()
 z.wait()
+assert not os.path.exists(server_dir), "the server left its directory"
 """
     result = subprocess.run(
         ["setpriv", "--reuid=65534", "--regid=65534", "--clear-groups", "/usr/bin/python3", "-c", client],

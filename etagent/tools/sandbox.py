@@ -32,8 +32,15 @@ Where namespaces are unavailable (``isolation="rlimits"``, chosen by ``auto`` wh
 fails, for instance in an unprivileged container): resource limits, a new session, a temporary
 working directory removed afterwards and, when running as root, the ``nobody`` identity still
 apply, but there is **no network isolation**, the host filesystem is visible (writable wherever
-the identity may write), and a process that leaves the session (``setsid``) can outlive the call.
-The reason is logged once and exposed as :attr:`PythonSandbox.isolation_note`.
+the identity may write), and a process that leaves the session (``setsid``) can outlive the call,
+and the host. The reason is logged once and exposed as :attr:`PythonSandbox.isolation_note`.
+
+Lifetime: the server and every process of every call die with the host process (the one that
+started the sandbox), ``kill -9`` included, within milliseconds, and the server removes its
+directory (``$TMPDIR/etagent-sandbox-*``: its socket and, with ``rlimits``, the calls' working
+directories) first; ``zygote.py``'s docstring says how, and what is not covered. A directory is
+left only when the server is killed by SIGKILL too (with its host's whole cgroup, say): the next
+sandbox started on the machine removes it (:func:`_remove_abandoned_directories`).
 
 :class:`SandboxFusion` is a second backend with the same interface: a SandboxFusion server (the
 service verl uses) over HTTP. :class:`PythonTool` turns either backend's result into the text
@@ -48,11 +55,13 @@ import logging
 import math
 import os
 import shutil
+import socket
 import struct
 import subprocess
 import sys
 import tempfile
 import threading
+import weakref
 from dataclasses import asdict, dataclass
 from pathlib import Path
 
@@ -145,6 +154,29 @@ class SandboxError(RuntimeError):
     pass
 
 
+def _remove_abandoned_directories() -> None:
+    """Remove the directories of sandbox servers that are gone.
+
+    The second line of clean-up: a server removes its own directory when it exits, so this finds
+    those of servers killed by SIGKILL. A directory is abandoned when its socket refuses
+    connections: a listening socket exists exactly as long as some process holds it, whatever the
+    PID namespace of that process (a /tmp may be shared between containers) and however PIDs have
+    been reused since, which a test of the owner's PID could not tell. A server creates
+    ``zygote.sock`` only once it listens, so one still starting is not taken for a dead one.
+    """
+    for path in Path(tempfile.gettempdir()).glob("etagent-sandbox-*"):
+        probe = socket.socket(socket.AF_UNIX, socket.SOCK_STREAM)
+        probe.setblocking(False)  # a server with a full backlog answers EAGAIN, not a wait
+        try:
+            probe.connect(str(path / "zygote.sock"))
+        except ConnectionRefusedError:
+            shutil.rmtree(path, ignore_errors=True)
+        except OSError:  # no socket (a server starting, or not a server's directory), not ours, busy
+            pass
+        finally:
+            probe.close()
+
+
 class PythonSandbox:
     """Runs Python code through the fork server; safe to share across coroutines and threads.
 
@@ -180,6 +212,7 @@ class PythonSandbox:
         self._socket_path: str | None = None
         self._lock = threading.Lock()
         self._semaphores: dict[asyncio.AbstractEventLoop, asyncio.Semaphore] = {}
+        _sandboxes.add(self)
 
     # -- lifecycle --------------------------------------------------------------------------
 
@@ -188,19 +221,18 @@ class PythonSandbox:
             if self._ready():
                 return self
             self._socket_path = None
+            self._stop_server()  # one that died, leaving its directory to us
+            _remove_abandoned_directories()
+            # the server owns this directory from now on: it removes it when it exits, since it
+            # outlives a host killed by SIGKILL, which cannot (see zygote.py)
             self._dir = tempfile.mkdtemp(prefix="etagent-sandbox-")
-            root = os.path.join(self._dir, "root")
-            os.mkdir(root)
-            socket_path = os.path.join(self._dir, "zygote.sock")
             env = dict(SANDBOX_ENVIRONMENT, HOME=self._dir, TMPDIR=self._dir)
             command = [
                 self.python,
                 "-I",
                 str(Path(__file__).with_name("zygote.py")),
-                "--socket",
-                socket_path,
-                "--root",
-                root,
+                "--dir",
+                self._dir,
                 "--isolation",
                 self.requested_isolation,
                 "--preload",
@@ -212,12 +244,14 @@ class PythonSandbox:
                 ready = json.loads(line)
             except ValueError:
                 self._process.kill()
-                raise SandboxError(f"the sandbox server did not start (exit {self._process.wait()}): {line[:300]!r}") from None
+                error = f"the sandbox server did not start (exit {self._process.wait()}): {line[:300]!r}"
+                self._stop_server()
+                raise SandboxError(error) from None
             if not ready.get("ready"):
-                self._process.kill()
+                self._stop_server()
                 raise SandboxError(f"the sandbox cannot provide isolation={self.requested_isolation}: {ready.get('error')}")
             self.isolation, self.isolation_note, self.zygote_pid = ready["isolation"], ready["note"], ready["pid"]
-            self._socket_path = socket_path
+            self._socket_path = os.path.join(self._dir, "zygote.sock")
             if self.isolation != "namespaces":
                 log.warning("python sandbox: isolation is %s only: %s", self.isolation, self.isolation_note)
             return self
@@ -228,18 +262,34 @@ class PythonSandbox:
     def close(self) -> None:
         with self._lock:
             self._socket_path = None
-            if self._process is not None:
-                self._process.stdin.close()  # the server exits on EOF
-                try:
-                    self._process.wait(timeout=5)
-                except subprocess.TimeoutExpired:
-                    self._process.kill()
-                    self._process.wait()
-                self._process.stdout.close()
-                self._process = None
-            if self._dir:
-                shutil.rmtree(self._dir, ignore_errors=True)
-                self._dir = None
+            self._stop_server()
+
+    def _stop_server(self) -> None:
+        """Stop the server and remove its directory; the caller holds the lock."""
+        if self._process is not None:
+            self._process.stdin.close()  # the server stops its calls and exits on EOF
+            try:
+                self._process.wait(timeout=5)
+            except subprocess.TimeoutExpired:
+                self._process.kill()
+                self._process.wait()
+            self._process.stdout.close()
+            self._process = None
+        if self._dir:
+            shutil.rmtree(self._dir, ignore_errors=True)  # the server removed it, unless it was killed
+            self._dir = None
+
+    def _forget_in_forked_child(self) -> None:
+        """In a process forked from the host: the server is the parent's. Close the inherited end
+        of its stdin pipe (held here, it would keep the server and its calls alive after the
+        parent dies) and leave its directory alone; a call made here starts a server of its own."""
+        self._lock = threading.Lock()  # another thread of the parent may have held it
+        self._semaphores = {}
+        self._socket_path = None
+        if self._process is not None:
+            self._process.stdin.close()
+            self._process.stdout.close()
+        self._process = self._dir = self.zygote_pid = None
 
     def __enter__(self) -> PythonSandbox:
         return self.start()
@@ -295,6 +345,19 @@ class PythonSandbox:
 
     def run_sync(self, code: str, timeout_s: float | None = None) -> ExecutionResult:
         return asyncio.run(self.run(code, timeout_s))
+
+
+# Every PythonSandbox, for _forget_in_forked_child: a process forked from the host (a DataLoader
+# worker, a multiprocessing pool) must not hold the parent's servers.
+_sandboxes: weakref.WeakSet[PythonSandbox] = weakref.WeakSet()
+
+
+def _after_fork_in_child() -> None:
+    for sandbox in list(_sandboxes):
+        sandbox._forget_in_forked_child()
+
+
+os.register_at_fork(after_in_child=_after_fork_in_child)
 
 
 class SandboxFusion:
@@ -371,7 +434,7 @@ class PythonTool:
         result = await self.backend.run(code)
         details = asdict(result)
         if result.error is not None:
-            return ToolOutput(f"Tool execute failed: {result.error}", ok=False, details=details)
+            return ToolOutput(f"Tool execute failed: {result.error}", ok=False, details=details, failure="sandbox failure")
         if result.timed_out:
             limit = self.backend.limits.timeout_s
             return ToolOutput(f"Execution Timeout: the code ran for more than {limit:g} s and was stopped.", ok=False, details=details)

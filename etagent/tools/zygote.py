@@ -1,6 +1,6 @@
 """Fork server that runs model-written Python in isolated, throw-away processes.
 
-Started by ``etagent.tools.sandbox.PythonSandbox`` as ``python zygote.py --socket PATH ...``; not
+Started by ``etagent.tools.sandbox.PythonSandbox`` as ``python zygote.py --dir DIR ...``; not
 meant to be run by hand. It uses only the standard library so that any interpreter a user points
 the sandbox at (Python >= 3.8) can run it.
 
@@ -20,14 +20,44 @@ runner, and answers with one JSON message.
 
 Where namespaces cannot be created (some containers forbid unshare), ``--isolation rlimits``
 runs the same steps without them: see the host module's docstring for what is lost.
+
+Lifetime: everything a call starts dies with the host (the process that started this server),
+however the host dies, ``kill -9`` included, and nothing is left on disk:
+
+- the server follows the host through its stdin: EOF means the host has exited or closed the
+  sandbox (the host closes that pipe in the processes it forks, which would otherwise keep it
+  open). It does not use a parent-death signal towards the host, since the kernel sends that
+  when the *thread* that forked it exits, and the host may start it from a short-lived thread
+  (``asyncio.to_thread``). It runs in its own session so that a signal to the host's process
+  group (Ctrl-C, ``kill -9 -PGID``) does not take it down before it has cleaned up;
+- on that EOF or SIGTERM it sends SIGTERM to its handlers (its process group), waits for them,
+  removes ``DIR`` (the socket, the minimal root's mount point and, with ``rlimits``, the calls'
+  working directories) and exits. A killed host cannot remove anything, which is why the server,
+  which outlives it by a few milliseconds, owns that directory;
+- a handler gets SIGTERM as its parent-death signal too (the server killed by SIGKILL): it kills
+  its runner (PID 1 of the call's PID namespace, so the kernel kills every process of the call;
+  with ``rlimits`` the runner's process group), removes its working directory and exits;
+- a runner gets SIGKILL as its parent-death signal, for a handler killed by SIGKILL.
+
+Each parent-death signal is set right after fork (again after a change of credentials, which
+clears it) and followed by a check that the parent is still there, for a parent that died before.
+Not covered: with ``rlimits``, processes that left the runner's process group (``setsid``,
+``setpgid``) outlive the call, and when a handler itself is killed by SIGKILL (by someone else:
+the server sends SIGTERM), the runner dies but the rest of its process group is left; code that
+clears its own parent-death signal outlives a handler killed by SIGKILL. If the server is killed
+by SIGKILL together with the host (a whole cgroup killed, say), the processes die but ``DIR`` is
+left, for the next sandbox started on the machine to remove
+(``sandbox._remove_abandoned_directories``).
 """
 
 import ast
+import contextlib
 import ctypes
 import gc
 import json
 import os
 import resource
+import select
 import selectors
 import shutil
 import signal
@@ -75,6 +105,26 @@ def _unshare(flags):
 def _write(path, text):
     with open(path, "w") as f:
         f.write(text)
+
+
+def _die_with_parent(sig, parent_alive):
+    """Have the kernel send sig to this process when its parent dies.
+
+    The kernel sends it when the parent's *thread* that forked us exits (the server and the
+    handlers are single-threaded, so that is their death), and clears it when our credentials
+    change: call it right after fork and again after any setuid or new user namespace. A parent
+    that died before the prctl is caught by parent_alive().
+    """
+    _check(_libc.prctl(PR_SET_PDEATHSIG, int(sig), 0, 0, 0), "PR_SET_PDEATHSIG")
+    if not parent_alive():
+        os._exit(1)
+
+
+def _pipe_reader_alive(fd):
+    """Whether some process still holds the read end of the pipe whose write end is fd."""
+    poller = select.poll()
+    poller.register(fd, 0)  # no events asked: only POLLERR (no reader left) is reported
+    return not poller.poll(0)
 
 
 def _map_identity(outside_uid, outside_gid):
@@ -263,6 +313,9 @@ def runner(code, limits, isolated, stdout_fd, stderr_fd):
     """Child side of a call. Never returns."""
     status = 70
     try:
+        # Killed with the handler. Whether the handler is still there is read from the stdout
+        # pipe, whose read end only it holds: in its own PID namespace, getppid() reads 0.
+        _die_with_parent(signal.SIGKILL, lambda: _pipe_reader_alive(stdout_fd))
         os.setsid()
         if isolated:
             _mount("proc", "/proc", "proc", MS_NOSUID | MS_NODEV | MS_NOEXEC)
@@ -323,22 +376,39 @@ def _send(conn, message):
     conn.sendall(struct.pack(">I", len(data)) + data)
 
 
-def handle(conn, isolation):
+# The call this handler process runs, for _end_call.
+_call = {"runner": None, "isolated": True, "workdir": None}
+
+
+def _end_call(*_):
+    """SIGTERM in a handler: the server is shutting down or was killed (the parent-death signal).
+    Nobody is left to answer: stop the call, remove its working directory, exit."""
+    if _call["runner"] is not None:
+        _kill_runner(_call["runner"], _call["isolated"])
+    if _call["workdir"] is not None:
+        shutil.rmtree(_call["workdir"], ignore_errors=True)
+    os._exit(1)
+
+
+def handle(conn, isolation, work_parent, server_alive):
     start = time.monotonic()
     request = _recv(conn)
     limits = request["limits"]
     isolated = isolation == "namespaces"
+    _call["isolated"] = isolated
     workdir = None
     if isolated:
         enter_call_namespaces()
+        _die_with_parent(signal.SIGTERM, server_alive)  # again: the new credentials cleared it
     else:
-        workdir = tempfile.mkdtemp(prefix="etagent-sandbox-")
+        workdir = _call["workdir"] = tempfile.mkdtemp(prefix="etagent-sandbox-", dir=work_parent)
         if os.getuid() == 0 and not _IN_OWN_USERNS:
             os.chown(workdir, NOBODY, NOBODY)
     out_r, out_w = os.pipe()
     err_r, err_w = os.pipe()
     pid = os.fork()
     if pid == 0:
+        signal.signal(signal.SIGTERM, signal.SIG_DFL)
         conn.close()
         os.close(out_r)
         os.close(err_r)
@@ -349,6 +419,7 @@ def handle(conn, isolation):
                 os.setresgid(NOBODY, NOBODY, NOBODY)
                 os.setresuid(NOBODY, NOBODY, NOBODY)
         runner(request["code"], limits, isolated, out_w, err_w)
+    _call["runner"] = pid
     os.close(out_w)
     os.close(err_w)
     cap = request["max_output_bytes"]
@@ -422,16 +493,45 @@ def _reap(*_):
         pass
 
 
-def main():
-    import argparse
+def _stop(*_):
+    raise SystemExit(0)  # SIGTERM in the server: shut down as on EOF
 
-    parser = argparse.ArgumentParser()
-    parser.add_argument("--socket", required=True)
-    parser.add_argument("--root", required=True, help="empty directory to build the minimal root in")
-    parser.add_argument("--isolation", choices=["auto", "namespaces", "rlimits"], default="auto")
-    parser.add_argument("--preload", default="")
-    args = parser.parse_args()
 
+def _remove_tree(dir_fd, name):
+    """``rm -rf name`` relative to dir_fd: after pivot_root this process no longer sees the path."""
+    try:
+        os.unlink(name, dir_fd=dir_fd)
+    except IsADirectoryError:
+        fd = os.open(name, os.O_RDONLY | os.O_DIRECTORY | os.O_NOFOLLOW, dir_fd=dir_fd)
+        try:
+            for entry in os.listdir(fd):
+                with contextlib.suppress(OSError):
+                    _remove_tree(fd, entry)
+        finally:
+            os.close(fd)
+        os.rmdir(name, dir_fd=dir_fd)
+    except FileNotFoundError:
+        pass
+
+
+def _shut_down(parent_fd, name):
+    """Stop the calls in flight, then remove this server's directory (see the module docstring)."""
+    signal.signal(signal.SIGCHLD, signal.SIG_DFL)
+    signal.signal(signal.SIGTERM, signal.SIG_IGN)
+    # the handlers are in this server's process group (their runners start their own sessions)
+    os.killpg(0, signal.SIGTERM)
+    deadline = time.monotonic() + 2.0
+    while time.monotonic() < deadline:
+        try:
+            if os.waitpid(-1, os.WNOHANG)[0] == 0:
+                time.sleep(0.01)
+        except ChildProcessError:
+            break
+    with contextlib.suppress(OSError):
+        _remove_tree(parent_fd, name)
+
+
+def serve(args, own_dir, parent_fd, server_pid):
     gc.disable()
     for name in filter(None, args.preload.split(",")):
         try:
@@ -442,17 +542,26 @@ def main():
     # child would touch every object and copy the whole heap page by page.
     gc.freeze()
     gc.enable()
-    # bound before entering the minimal root, where the host's socket path is not visible
+    # bound before entering the minimal root, where the host's socket path is not visible; bound
+    # under another name and renamed once listening, so that a zygote.sock that refuses
+    # connections always means a dead server (see sandbox._remove_abandoned_directories)
     listener = socket.socket(socket.AF_UNIX, socket.SOCK_STREAM)
-    listener.bind(args.socket)
+    listener.bind(os.path.join(own_dir, "zygote.sock.new"))
     listener.listen(256)
+    os.rename(os.path.join(own_dir, "zygote.sock.new"), os.path.join(own_dir, "zygote.sock"))
+    # the calls' working directories (rlimits) go in this server's directory, removed with it;
+    # inside the minimal root that path is out of sight, and /tmp is this server's own tmpfs
+    work_parent = own_dir
     isolation, note = "rlimits", ""
     if args.isolation in ("auto", "namespaces"):
+        root = os.path.join(own_dir, "root")
+        os.mkdir(root)
         try:
-            enter_minimal_root(args.root)
+            enter_minimal_root(root)
         except OSError as exc:
             note = f"no mount namespace ({exc}): the sandbox sees the host filesystem"
         else:
+            work_parent = "/tmp"
             if _namespaces_work():
                 isolation = "namespaces"
             else:
@@ -461,8 +570,11 @@ def main():
             sys.stdout.write(json.dumps({"ready": False, "error": note}) + "\n")
             sys.exit(1)
     signal.signal(signal.SIGCHLD, _reap)
-    sys.stdout.write(json.dumps({"ready": True, "isolation": isolation, "note": note, "pid": os.getpid()}) + "\n")
+    sys.stdout.write(json.dumps({"ready": True, "isolation": isolation, "note": note, "pid": server_pid}) + "\n")
     sys.stdout.flush()
+
+    def server_alive():
+        return os.getppid() == server_pid
 
     selector = selectors.DefaultSelector()
     selector.register(listener, selectors.EVENT_READ, "accept")
@@ -476,19 +588,46 @@ def main():
             conn, _ = listener.accept()
             pid = os.fork()
             if pid == 0:
-                signal.signal(signal.SIGCHLD, signal.SIG_DFL)
-                listener.close()
-                status = 0
+                status = 1
                 try:
-                    handle(conn, isolation)
+                    signal.signal(signal.SIGTERM, _end_call)
+                    signal.signal(signal.SIGCHLD, signal.SIG_DFL)
+                    listener.close()
+                    os.close(parent_fd)  # a descriptor of a host directory must not reach the sandbox
+                    _die_with_parent(signal.SIGTERM, server_alive)
+                    handle(conn, isolation, work_parent, server_alive)
+                    status = 0
                 except BaseException:
-                    status = 1
                     try:
                         _send(conn, {"error": "sandbox failure: " + traceback.format_exc(limit=3)})
                     except OSError:
                         pass
-                os._exit(status)
+                finally:
+                    os._exit(status)
             conn.close()
+
+
+def main():
+    import argparse
+
+    parser = argparse.ArgumentParser()
+    parser.add_argument("--dir", required=True, help="an empty directory for the socket and the minimal root; removed on exit")
+    parser.add_argument("--isolation", choices=["auto", "namespaces", "rlimits"], default="auto")
+    parser.add_argument("--preload", default="")
+    args = parser.parse_args()
+
+    server_pid = os.getpid()
+    if os.getpgrp() != server_pid:
+        os.setsid()  # see the module docstring; a process group leader already has its own group
+    own_dir = os.path.abspath(args.dir)
+    # kept open to remove the directory from inside the minimal root
+    parent_fd = os.open(os.path.dirname(own_dir), os.O_RDONLY | os.O_DIRECTORY)
+    signal.signal(signal.SIGTERM, _stop)
+    try:
+        serve(args, own_dir, parent_fd, server_pid)
+    finally:
+        if os.getpid() == server_pid:  # not in a child that a signal caught before it reset its handlers
+            _shut_down(parent_fd, os.path.basename(own_dir))
 
 
 if __name__ == "__main__":
