@@ -32,6 +32,7 @@ import numpy as np
 from omegaconf import DictConfig, OmegaConf
 from tqdm import tqdm
 
+from etagent.errors import MissingInput, exit_on_user_error
 from etagent.records import RecordError, iter_jsonl, write_manifest
 
 log = logging.getLogger("retriever.build")
@@ -187,7 +188,7 @@ def build(cfg: DictConfig) -> dict:
     out.mkdir(parents=True, exist_ok=True)
     corpus = Path(cfg.corpus)
     if not corpus.exists():
-        raise FileNotFoundError(f"{corpus}: corpus not found (set corpus=...)")
+        raise MissingInput(f"{corpus}: corpus not found (set corpus=...)")
     db = open_store(out / "docs.sqlite")
     signature = json.dumps(
         {"corpus": str(corpus.resolve()), "encoder": OmegaConf.to_container(cfg.encoder), "chunk_size": cfg.build.chunk_size},
@@ -232,6 +233,7 @@ def build(cfg: DictConfig) -> dict:
     return metrics
 
 
+@exit_on_user_error
 def main(argv: list[str] | None = None) -> None:
     from etagent.config import parse_stage_args
 

@@ -17,15 +17,30 @@ Routes (both contracts users already have clients for):
 ``method`` is ``dense`` (faiss over the encoder's vectors), ``bm25`` or ``hybrid`` (reciprocal
 rank fusion of both, k=60); the default is ``serve.default_method``.
 
-Concurrency: queries from concurrent requests are coalesced into micro-batches (up to
-``serve.max_batch`` queries, waiting at most ``serve.max_wait_ms`` for company) and encoded and
-searched together in a worker thread; nothing blocks the event loop. Each response carries its
-batch's timings in ``X-Encode-Ms``, ``X-Search-Ms`` and ``Server-Timing``.
+Concurrency: a request's queries are worked on in chunks of ``serve.max_batch``, one chunk at a
+time: the chunk is queued for the micro-batcher (which coalesces the queries waiting from all
+requests into batches of up to ``serve.max_batch``, waiting at most ``serve.max_wait_ms`` for
+company) and encoded and searched in one worker thread, and the request's next chunk is queued only
+once its last one is answered. So batches from different requests interleave: a query arriving
+while a request of thousands is worked on waits for the batch in progress and at most one chunk of
+each other request, not for the whole of them. BM25 runs chunk by chunk too, in the default thread
+pool. Nothing blocks the event loop. Each response carries its chunks' summed timings in
+``X-Encode-Ms``, ``X-Search-Ms`` and ``Server-Timing``.
+
+Clients that leave: between chunks the request checks whether its client is still connected; if
+not, the rest of its queries are abandoned (no more encoding or searching for them), one line is
+logged and the route answers 499 to nobody. The chunk in progress when the client left (and a
+request of a single chunk) is finished, not interrupted.
+
+Limits: what one request may cost is bounded by ``serve.max_queries`` (queries per request: the
+searches, document lookups and size of the answer) and ``serve.max_query_chars`` (the characters
+of all its queries together: what is tokenized and encoded), with ``serve.max_topk`` hits per
+query. ``serve.max_body_bytes`` only bounds what is read before the body is parsed; it is set above
+anything the other limits admit. A request over a limit gets HTTP 422 naming the limit, its key
+and the request's value; so do other malformed requests (a missing field, an unknown method).
 
 Safety: binds 127.0.0.1 unless ``serve.host`` says otherwise; with ``serve.token_env`` set, POST
-routes need ``Authorization: Bearer <token>``; malformed requests get HTTP 422 with a reason
-(topk out of range, more than ``serve.max_queries`` queries, a body over
-``serve.max_body_bytes``, a missing field). What real training runs send is answered as
+routes need ``Authorization: Bearer <token>``. What real training runs send is answered as
 Search-R1's server answers it: an empty list of queries gets an empty result, and an empty or
 blank query gets no hits while the others in its request are searched. Nothing is unpickled and
 nothing is written.
@@ -46,10 +61,12 @@ from pathlib import Path
 from types import SimpleNamespace
 from typing import Literal
 
-from fastapi import FastAPI, HTTPException
-from fastapi.responses import JSONResponse
+from fastapi import FastAPI, HTTPException, Request
+from fastapi.responses import JSONResponse, Response
 from omegaconf import DictConfig, OmegaConf
 from pydantic import BaseModel
+
+from etagent.errors import MissingInput
 
 log = logging.getLogger("retriever.server")
 METHODS = ("dense", "bm25", "hybrid")
@@ -66,7 +83,7 @@ class Index:
 
         self.dir = Path(cfg.index_dir)
         if not (self.dir / "index.faiss").exists():
-            raise FileNotFoundError(f"{self.dir}: no index.faiss (build it first: python -m retriever.build index_dir={self.dir})")
+            raise MissingInput(f"{self.dir}: no index.faiss (build it first: python -m retriever.build index_dir={self.dir})")
         self.faiss = faiss.read_index(str(self.dir / "index.faiss"))
         self.index_type = type(self.faiss).__name__
         if hasattr(self.faiss, "nprobe"):
@@ -154,7 +171,9 @@ class MicroBatcher:
     ``max_batch``, then waiting at most ``max_wait_ms`` for more), runs encode, search and the
     document lookup for the whole batch in a single worker thread, and resolves each query's
     future with its hits and the batch's timings. While a batch runs the next one gathers, so
-    under load batches grow by themselves and a lone request is not delayed.
+    under load batches grow by themselves and a lone request is not delayed. The queue is first
+    come, first served: fairness between requests comes from each request queueing one chunk at a
+    time (``create_app``), so that a large request never holds the queue.
     """
 
     def __init__(self, index: Index, max_batch: int, max_wait_ms: float):
@@ -236,6 +255,10 @@ class BatchSearchRequest(BaseModel):
     return_score: bool = False
 
 
+class ClientLeft(Exception):
+    """The client disconnected while its request was worked on; the message says how far it got."""
+
+
 class Guard:
     """ASGI middleware in front of every route: checks the bearer token of POST requests (401),
     refuses a body over max_bytes, chunked or not, before the app reads it (422), and counts
@@ -258,7 +281,9 @@ class Guard:
             return await self._refuse(send, 401, "missing or wrong bearer token")
         length = headers.get(b"content-length", b"")
         if length.isdigit() and int(length) > self.max_bytes:
-            return await self._refuse(send, 422, f"request body of {length.decode()} bytes is over the limit of {self.max_bytes}")
+            return await self._refuse(
+                send, 422, f"request body of {length.decode()} bytes is over the limit of {self.max_bytes} (serve.max_body_bytes)"
+            )
         body, more = b"", True
         while more:
             message = await receive()
@@ -268,7 +293,9 @@ class Guard:
             more = message.get("more_body", False)
             if len(body) > self.max_bytes:
                 return await self._refuse(
-                    send, 422, f"request body of more than {self.max_bytes} bytes is over the limit of {self.max_bytes}"
+                    send,
+                    422,
+                    f"request body of more than {self.max_bytes} bytes is over the limit of {self.max_bytes} (serve.max_body_bytes)",
                 )
         delivered = False
 
@@ -317,24 +344,36 @@ def create_app(cfg: DictConfig, index: Index | None = None) -> FastAPI:
 
     def check(queries: list[str], k: int) -> None:
         if len(queries) > serve.max_queries:
-            raise HTTPException(422, f"{len(queries)} queries in one request; the limit is {serve.max_queries}")
+            raise HTTPException(422, f"{len(queries)} queries in one request; the limit is {serve.max_queries} (serve.max_queries)")
+        chars = sum(len(q) for q in queries)
+        if chars > serve.max_query_chars:
+            raise HTTPException(
+                422, f"{chars} characters of queries in one request; the limit is {serve.max_query_chars} (serve.max_query_chars)"
+            )
         if not 1 <= k <= serve.max_topk:
-            raise HTTPException(422, f"topk must be between 1 and {serve.max_topk}, got {k}")
+            raise HTTPException(422, f"topk must be between 1 and {serve.max_topk} (serve.max_topk), got {k}")
 
-    async def run(queries: list[str], k: int, method: str) -> tuple[list[list[tuple[dict, float]]], dict]:
-        """Hits per query. An empty or blank query has no hits (a model wrote ``<search></search>``);
-        the others are searched as usual, whatever their number (the dense micro-batcher encodes
-        them ``serve.max_batch`` at a time)."""
+    async def run(http: Request, queries: list[str], k: int, method: str) -> tuple[list[list[tuple[dict, float]]], dict]:
+        """Hits per query, searched ``serve.max_batch`` at a time, with the chunks' summed timings.
+        An empty or blank query has no hits (a model wrote ``<search></search>``); the others are
+        searched as usual. Raises ClientLeft when the client disconnects before the last chunk."""
         index: Index = state["index"]
         if method not in index.methods():
             raise HTTPException(422, f"method {method!r} is not available (this index has: {', '.join(index.methods())})")
         asked = [i for i, q in enumerate(queries) if q.strip()]
         rows: list[list[tuple[dict, float]]] = [[] for _ in queries]
-        if not asked:
-            return rows, {"encode_ms": 0.0, "search_ms": 0.0}
-        found, timing = await search_non_blank([queries[i] for i in asked], k, method)
-        for i, row in zip(asked, found):
-            rows[i] = row
+        timing = {"encode_ms": 0.0, "search_ms": 0.0}
+        for start in range(0, len(asked), serve.max_batch):
+            # Starlette's check is a receive() cancelled before it can wait: it sees only a disconnect
+            # uvicorn has already recorded, never blocks, and costs microseconds per chunk
+            if start and await http.is_disconnected():
+                raise ClientLeft(f"{start} of {len(asked)} queries searched, {len(asked) - start} abandoned")
+            chunk = asked[start : start + serve.max_batch]
+            found, chunk_timing = await search_non_blank([queries[i] for i in chunk], k, method)
+            for i, row in zip(chunk, found):
+                rows[i] = row
+            for key in timing:
+                timing[key] += chunk_timing[key]
         return rows, timing
 
     async def search_non_blank(queries: list[str], k: int, method: str) -> tuple[list[list[tuple[dict, float]]], dict]:
@@ -363,10 +402,17 @@ def create_app(cfg: DictConfig, index: Index | None = None) -> FastAPI:
         }
         return JSONResponse(body, headers=headers)
 
+    @app.exception_handler(ClientLeft)
+    async def client_left(http: Request, exc: ClientLeft) -> Response:
+        client = f"{http.client.host}:{http.client.port}" if http.client else "?"
+        log.info("client %s left %s before its answer: %s", client, http.url.path, exc)
+        # 499 (nginx's "client closed request"): nobody reads it, but uvicorn wants a response
+        return Response(status_code=499)
+
     @app.post("/retrieve")
-    async def retrieve(request: RetrieveRequest):
+    async def retrieve(request: RetrieveRequest, http: Request):
         check(request.queries, request.topk)
-        rows, timing = await run(request.queries, request.topk, request.method or serve.default_method)
+        rows, timing = await run(http, request.queries, request.topk, request.method or serve.default_method)
         if request.return_scores:
             result = [[{"document": doc, "score": score} for doc, score in row] for row in rows]
         else:
@@ -374,16 +420,16 @@ def create_app(cfg: DictConfig, index: Index | None = None) -> FastAPI:
         return respond({"result": result}, timing)
 
     @app.post("/search")
-    async def search(request: SearchRequest):
+    async def search(request: SearchRequest, http: Request):
         check([request.query], request.top_n)
-        [row], timing = await run([request.query], request.top_n, serve.default_method)
+        [row], timing = await run(http, [request.query], request.top_n, serve.default_method)
         docs = [doc for doc, _ in row]
         return respond([docs, [s for _, s in row]] if request.return_score else docs, timing)
 
     @app.post("/batch_search")
-    async def batch_search(request: BatchSearchRequest):
+    async def batch_search(request: BatchSearchRequest, http: Request):
         check(request.query, request.top_n)
-        rows, timing = await run(request.query, request.top_n, serve.default_method)
+        rows, timing = await run(http, request.query, request.top_n, serve.default_method)
         docs = [[doc for doc, _ in row] for row in rows]
         return respond([docs, [[s for _, s in row] for row in rows]] if request.return_score else docs, timing)
 

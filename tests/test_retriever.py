@@ -1,13 +1,15 @@
 """The retriever service for real: an index built from the toy corpus, the server started as a
-subprocess on 127.0.0.1, both API contracts, validation, disconnects, load, and a build killed
-with kill -9 and resumed."""
+subprocess on 127.0.0.1, both API contracts, validation, the limits on one request's work,
+clients that leave mid-request, load, and a build killed with kill -9 and resumed."""
 
 from __future__ import annotations
 
 import asyncio
 import hashlib
 import json
+import os
 import random
+import re
 import signal
 import socket
 import sqlite3
@@ -23,6 +25,7 @@ from etagent.config import load_config
 from etagent.records import read_questions
 from etagent.tools.search import RetrieverClient, SearchTool
 from tests.conftest import TOKEN, build_index
+from tests.servers import free_port
 
 
 def post(url, path, body, token=TOKEN, timeout=30, **kw):
@@ -82,13 +85,13 @@ def test_search_tool_through_the_real_server(server, toy):
 @pytest.mark.parametrize(
     "path, body, reason",
     [
-        ("/retrieve", {"queries": ["a"], "topk": 0}, "topk must be between 1 and 100, got 0"),
-        ("/retrieve", {"queries": ["a"], "topk": 101}, "topk must be between 1 and 100, got 101"),
-        ("/retrieve", {"queries": ["a"] * 16385, "topk": 1}, "16385 queries in one request; the limit is 16384"),
+        ("/retrieve", {"queries": ["a"], "topk": 0}, "topk must be between 1 and 100 (serve.max_topk), got 0"),
+        ("/retrieve", {"queries": ["a"], "topk": 101}, "topk must be between 1 and 100 (serve.max_topk), got 101"),
+        ("/retrieve", {"queries": ["a"] * 16385, "topk": 1}, "16385 queries in one request; the limit is 16384 (serve.max_queries)"),
         ("/retrieve", {"queries": ["a"], "method": "magic"}, "method"),
         ("/retrieve", {"topk": 3}, "queries"),
         ("/batch_search", {"query": ["x"], "top_n": 1000}, "topk must be between 1 and 100"),
-        ("/retrieve", {"queries": ["x" * 250_000]}, "over the limit of 200000"),
+        ("/retrieve", {"queries": ["x" * 250_000]}, "over the limit of 200000 (serve.max_body_bytes)"),
     ],
 )
 def test_bad_requests_get_422_with_a_reason(server, path, body, reason):
@@ -165,6 +168,85 @@ def test_survives_clients_that_disconnect_mid_request(server):
     response = post(server, "/retrieve", {"queries": ["Quellport"], "topk": 1})
     assert response.status_code == 200 and len(response.json()["result"][0]) == 1
     assert httpx.get(f"{server}/health").json()["status"] == "ok"
+
+
+@pytest.fixture(scope="module")
+def logged_server(index_dir, tmp_path_factory):
+    """The retriever with the default limits (no token) and its log in a file: (URL, log path)."""
+    port, log = free_port(), tmp_path_factory.mktemp("logged_server") / "server.log"
+    with log.open("w") as stderr:
+        proc = subprocess.Popen(
+            [sys.executable, "-m", "retriever.server", f"index_dir={index_dir}", f"serve.port={port}"],
+            env={k: v for k, v in os.environ.items() if k != "RETRIEVER_TOKEN"},
+            stdout=subprocess.DEVNULL,
+            stderr=stderr,
+        )
+    url = f"http://127.0.0.1:{port}"
+    deadline = time.monotonic() + 120
+    while True:
+        try:
+            if httpx.get(f"{url}/health", timeout=1).json()["status"] == "ok":
+                break
+        except (httpx.HTTPError, ValueError):
+            pass
+        assert proc.poll() is None, log.read_text()[-2000:]
+        assert time.monotonic() < deadline, "the retriever did not start"
+        time.sleep(0.3)
+    yield url, log
+    proc.send_signal(signal.SIGTERM)
+    proc.wait(timeout=30)
+
+
+def long_queries(count: int, chars: int) -> list[str]:
+    words = "where was the glassblower of Quellport born and which harbour did the salt ships from Zorvak use".split()
+    rng = random.Random(0)
+    out = []
+    for _ in range(count):
+        text = ""
+        while len(text) < chars:
+            text += rng.choice(words) + " "
+        out.append(text[:chars])
+    return out
+
+
+def test_the_issues_request_is_refused_naming_the_limit(logged_server):
+    """16,384 queries of 457 characters (7.5 MB, under serve.max_body_bytes): minutes of encoding
+    before serve.max_query_chars; refused at once now."""
+    url, _ = logged_server
+    response = post(url, "/retrieve", {"queries": long_queries(16384, 457), "topk": 3}, token=None)
+    assert response.status_code == 422
+    assert response.json()["detail"] == "7487488 characters of queries in one request; the limit is 1000000 (serve.max_query_chars)"
+    assert post(url, "/retrieve", {"queries": ["Quellport"], "topk": 1}, token=None).status_code == 200
+
+
+def test_a_client_that_leaves_is_abandoned_and_does_not_starve_others(logged_server):
+    """A request within the limits (2200 queries of 450 characters: half a minute of encoding on
+    2 CPU cores) sent on a raw socket: a small request sent meanwhile is answered while it is still
+    unanswered, and once its client closes the server abandons the rest and logs it."""
+    url, log = logged_server
+    port = int(url.rsplit(":", 1)[1])
+    body = json.dumps({"queries": long_queries(2200, 450), "topk": 3}).encode()
+    head = f"POST /retrieve HTTP/1.1\r\nHost: x\r\nContent-Type: application/json\r\nContent-Length: {len(body)}\r\n\r\n".encode()
+    heavy = socket.create_connection(("127.0.0.1", port))
+    heavy.sendall(head + body)
+    # closing before the server has read the body would be a disconnect before the request, not
+    # during it; the server reads it within milliseconds
+    time.sleep(1)
+
+    small = post(url, "/retrieve", {"queries": ["Quellport"], "topk": 1}, token=None, timeout=60)
+    assert small.status_code == 200 and len(small.json()["result"][0]) == 1
+    heavy.setblocking(False)
+    with pytest.raises(BlockingIOError):  # no answer yet to the heavy request
+        heavy.recv(1)
+    heavy.close()
+
+    deadline = time.monotonic() + 60
+    while not (left := re.search(r"left /retrieve before its answer: (\d+) of (\d+) queries searched, (\d+) abandoned", log.read_text())):
+        assert time.monotonic() < deadline, "the server did not log abandoning the request:\n" + log.read_text()[-2000:]
+        time.sleep(0.1)
+    searched, total, abandoned = map(int, left.groups())
+    assert total == 2200 and abandoned == total - searched and abandoned > 0
+    assert post(url, "/retrieve", {"queries": ["Quellport"], "topk": 1}, token=None).status_code == 200
 
 
 def test_2000_requests_at_concurrency_32(server, toy, capsys):
