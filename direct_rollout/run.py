@@ -32,8 +32,10 @@ from collections.abc import Sequence
 from omegaconf import DictConfig, open_dict
 
 from etagent import scoring
+from etagent.errors import DegradedRun, exit_on_user_error
 from etagent.records import Judgement
 from etagent.sampling import run_sampling
+from etagent.tools.executor import describe_failures
 
 log = logging.getLogger("direct_rollout")
 
@@ -57,6 +59,7 @@ def run(cfg: DictConfig) -> dict:
     return run_sampling(cfg, judge=chain_judgement, token_arrays=False)
 
 
+@exit_on_user_error
 def main(argv: list[str] | None = None) -> None:
     from etagent.config import parse_stage_args
 
@@ -68,8 +71,14 @@ def main(argv: list[str] | None = None) -> None:
     print(
         f"direct rollout for RL stage {cfg.rl_stage}: {m['trajectories']} chains of {m['questions']} questions in {cfg.out_dir}\n"
         f"  correctness {m['mean_score']:.3f} ({kinds}); tool calls {m['mean_tool_calls_executed']:.2f} executed, "
-        f"{m['mean_tool_calls_written']:.2f} written; {m['mean_generated_tokens']:.0f} generated tokens; finish {m['finish_reasons']}"
+        f"{m['mean_tool_calls_written']:.2f} written; {m['mean_generated_tokens']:.0f} generated tokens; finish {m['finish_reasons']}\n"
+        f"  tool failures: {describe_failures(m['tool_failures'])}"
     )
+    if m["degraded"]:
+        raise DegradedRun(
+            f"{describe_failures(m['tool_failures'])}, over tools.max_failure_share={cfg.tools.max_failure_share}: "
+            f"the records in {cfg.out_dir} are written but not to be trusted; fix the tools and rerun into a new out_dir"
+        )
 
 
 if __name__ == "__main__":

@@ -110,6 +110,27 @@ class AgentConfig:
         )
 
 
+def check_agent_settings(cfg, prefix: str = "agent") -> None:
+    """The ``agent`` group's budgets and sampling in their ranges."""
+    from omegaconf import OmegaConf
+
+    from etagent.config import require_int, require_number
+
+    root = OmegaConf.create({prefix: cfg})
+    for key in ("max_python_calls", "max_search_calls", "max_budget_messages", "top_k"):
+        require_int(root, f"{prefix}.{key}", minimum=0)
+    require_int(root, f"{prefix}.max_tool_calls", minimum=0, optional=True)
+    for key in ("max_response_tokens", "max_segment_tokens", "entropy_window"):
+        require_int(root, f"{prefix}.{key}")
+    require_int(root, f"{prefix}.logprobs", minimum=0)
+    require_number(root, f"{prefix}.temperature", minimum=0)
+    require_number(root, f"{prefix}.top_p", above=0, maximum=1)
+    require_number(root, f"{prefix}.min_p", 0, 1)
+    require_number(root, f"{prefix}.repetition_penalty", above=0)
+    if cfg.timeout_s is not None:
+        require_number(root, f"{prefix}.timeout_s", above=0)
+
+
 @dataclass(frozen=True)
 class SegmentStart:
     """Where a generated segment began: response length, tool calls and budget messages so far."""

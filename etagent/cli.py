@@ -22,38 +22,37 @@ from __future__ import annotations
 
 import argparse
 import json
+import os
 import sys
 from typing import IO
 
 from etagent import scoring
+from etagent.errors import MissingInput, exit_on_user_error
 
 
-def _score_lines(source: IO[str], name: str, out: IO[str], judge: scoring.LLMJudge | None) -> int:
+def _score_lines(source: IO[bytes], name: str, out: IO[str], judge: scoring.LLMJudge | None) -> int:
     """Score every JSON line of source, writing one line per input as soon as it is scored."""
     from etagent.records import RecordError, iter_json_objects
 
     rows = []
-    try:
-        for number, item in iter_json_objects(source, name):
-            golds = item.get("answers", item.get("answer"))
-            for field, value in (("prediction", item.get("prediction")), ("answers", golds)):
-                if value is None:
-                    sys.exit(f"{name}:{number}: field '{field}': missing")
-            golds = golds if isinstance(golds, list) else [golds]
-            kind = item.get("kind", "qa")
-            if kind not in ("math", "qa"):
-                sys.exit(f"{name}:{number}: field 'kind': must be 'math' or 'qa', got {kind!r}")
-            if judge is not None and "question" not in item:
-                sys.exit(f"{name}:{number}: field 'question': missing (the LLM judge needs it)")
-            metrics = scoring.score_prediction(str(item["prediction"]), golds)
-            metrics["correctness"] = scoring.rule_correctness(str(item["prediction"]), golds, kind)
-            if judge is None:
-                out.write(json.dumps({**item, **metrics}, ensure_ascii=False) + "\n")
-                out.flush()
-            else:
-                rows.append((item, golds, metrics))
-    except RecordError as exc:
-        sys.exit(str(exc))
+    for number, item in iter_json_objects(source, name):
+        golds = item.get("answers", item.get("answer"))
+        for field, value in (("prediction", item.get("prediction")), ("answers", golds)):
+            if value is None:
+                raise RecordError(name, number, field, "missing")
+        golds = golds if isinstance(golds, list) else [golds]
+        kind = item.get("kind", "qa")
+        if kind not in ("math", "qa"):
+            raise RecordError(name, number, "kind", f"must be 'math' or 'qa', got {kind!r}")
+        if judge is not None and "question" not in item:
+            raise RecordError(name, number, "question", "missing (the LLM judge needs it)")
+        metrics = scoring.score_prediction(str(item["prediction"]), golds)
+        metrics["correctness"] = scoring.rule_correctness(str(item["prediction"]), golds, kind)
+        if judge is None:
+            out.write(json.dumps({**item, **metrics}, ensure_ascii=False) + "\n")
+            out.flush()
+        else:
+            rows.append((item, golds, metrics))
     if judge is not None:  # judged together, concurrently
         judge.judge_into([(metrics, item["question"], golds, str(item["prediction"])) for item, golds, metrics in rows])
         for item, _, metrics in rows:
@@ -62,6 +61,7 @@ def _score_lines(source: IO[str], name: str, out: IO[str], judge: scoring.LLMJud
     return 0
 
 
+@exit_on_user_error
 def score_main(argv: list[str]) -> int:
     parser = argparse.ArgumentParser(
         prog="etagent score",
@@ -80,11 +80,14 @@ def score_main(argv: list[str]) -> int:
             parser.error("--judge-url needs --judge-model")
         judge = scoring.LLMJudge.connect(args.judge_url, args.judge_model, api_key_env=args.judge_api_key_env)
     if args.file:
-        with open(args.file) as f:
+        if not os.path.isfile(args.file):
+            raise MissingInput(f"{args.file}: no such file")
+        with open(args.file, "rb") as f:
             return _score_lines(f, args.file, sys.stdout, judge)
-    return _score_lines(sys.stdin, "<stdin>", sys.stdout, judge)
+    return _score_lines(sys.stdin.buffer, "<stdin>", sys.stdout, judge)
 
 
+@exit_on_user_error
 def tool_main(argv: list[str]) -> int:
     """`etagent tool python|search`: one call through the configured tool, one JSON line out."""
     parser = argparse.ArgumentParser(

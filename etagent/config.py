@@ -24,12 +24,14 @@ from pathlib import Path
 
 from omegaconf import DictConfig
 
+from etagent.errors import MissingInput, SettingError, UserError
+
 
 def config_dir() -> Path:
     """The ``configs/`` folder: ``$ETAGENT_CONFIG_DIR`` or the one beside the installed sources."""
     path = Path(os.environ.get("ETAGENT_CONFIG_DIR", Path(__file__).resolve().parents[1] / "configs"))
     if not path.is_dir():
-        raise FileNotFoundError(
+        raise MissingInput(
             f"no configs directory at {path}: install the toolkit from its repository (pip install -e .) or set ETAGENT_CONFIG_DIR"
         )
     return path
@@ -52,15 +54,20 @@ def load_config(stage: str, preset: str = "tiny", overrides: Sequence[str] = ())
 
     root = config_dir()
     if preset not in presets(stage):
-        raise FileNotFoundError(f"no preset {preset!r} for stage {stage!r} in {root / stage} (have: {', '.join(presets(stage)) or 'none'})")
+        raise UserError(f"no preset {preset!r} for stage {stage!r} in {root / stage} (have: {', '.join(presets(stage)) or 'none'})")
+    from hydra.errors import HydraException
     from omegaconf import OmegaConf
+    from omegaconf.errors import OmegaConfBaseException
 
     GlobalHydra.instance().clear()
-    with initialize_config_dir(config_dir=str(root), version_base=None):
-        cfg = compose(config_name=f"{stage}/{preset}", overrides=list(overrides))
+    try:
+        with initialize_config_dir(config_dir=str(root), version_base=None):
+            cfg = compose(config_name=f"{stage}/{preset}", overrides=list(overrides))
+    except (HydraException, OmegaConfBaseException) as exc:  # a misspelt key, a bad override
+        raise UserError(f"{root / stage / preset}.yaml with overrides {' '.join(overrides) or '(none)'}: {exc}") from None
     missing = sorted(OmegaConf.missing_keys(cfg))
     if missing:
-        raise ValueError(
+        raise UserError(
             f"{root / stage / preset}.yaml leaves {', '.join(missing)} unset (??? in _base.yaml, no default): "
             "set them in the preset or on the command line"
         )
@@ -122,3 +129,79 @@ def configs_main(argv: list[str]) -> int:
         print("run `etagent configs` to rewrite them", flush=True)
         return 1
     return 0
+
+
+# ---------------------------------------------------------------------------------------------
+# Checking settings before work starts. Each stage's ``check_settings`` calls these for the keys
+# it reads, so a count of 0, a learning rate of "fast" or a model path that does not exist is
+# refused at start, naming the key, instead of failing (or silently doing nothing) later.
+
+
+def _value(cfg: DictConfig, key: str):
+    from omegaconf import OmegaConf
+
+    return OmegaConf.select(cfg, key, throw_on_missing=True)
+
+
+def require_int(cfg: DictConfig, key: str, minimum: int = 1, *, optional: bool = False) -> int | None:
+    """``key`` is an integer >= minimum (or null, when ``optional``)."""
+    value = _value(cfg, key)
+    if value is None and optional:
+        return None
+    if isinstance(value, bool) or not isinstance(value, int) or value < minimum:
+        null = " or null" if optional else ""
+        raise SettingError(key, f"must be an integer >= {minimum}{null}, got {value!r}")
+    return value
+
+
+def require_number(
+    cfg: DictConfig, key: str, minimum: float | None = None, maximum: float | None = None, *, above: float | None = None
+) -> float:
+    """``key`` is a number in [minimum, maximum], or > above."""
+    value = _value(cfg, key)
+    bounds = [
+        f">= {minimum}" if minimum is not None else "",
+        f"> {above}" if above is not None else "",
+        f"<= {maximum}" if maximum is not None else "",
+    ]
+    wanted = "a number " + " and ".join(b for b in bounds if b) if any(bounds) else "a number"
+    if isinstance(value, bool) or not isinstance(value, (int, float)):
+        raise SettingError(key, f"must be {wanted}, got {value!r}")
+    if (minimum is not None and value < minimum) or (maximum is not None and value > maximum) or (above is not None and value <= above):
+        raise SettingError(key, f"must be {wanted}, got {value!r}")
+    return float(value)
+
+
+def require_choice(cfg: DictConfig, key: str, choices: Sequence[str]) -> str:
+    value = _value(cfg, key)
+    if value not in choices:
+        raise SettingError(key, f"must be one of {', '.join(map(str, choices))}, got {value!r}")
+    return value
+
+
+def require_file(cfg: DictConfig, key: str) -> Path:
+    """``key`` names an existing file (or directory, for a parquet dataset)."""
+    value = _value(cfg, key)
+    if not value or not Path(value).exists():
+        raise SettingError(key, f"no file at {value!r}")
+    return Path(value)
+
+
+def require_model(cfg: DictConfig, key: str) -> str:
+    """``key`` names a model: a local directory with config.json, or a Hugging Face repo id
+    (``org/name``) for machines that may download. A value that reads as a local path (it starts
+    with ``/`` or ``.``, has more than one ``/``, or its first part is a local directory, as
+    ``runs/toy/model`` is) must exist, so a typo is refused here rather than inside transformers
+    with a message about repo ids, and before any output is written."""
+    value = _value(cfg, key)
+    if isinstance(value, str) and (Path(value) / "config.json").is_file():
+        return value
+    parts = str(value).split("/") if value else []
+    hub_id = len(parts) == 2 and all(parts) and not str(value).startswith((".", "/")) and not Path(parts[0]).is_dir()
+    if not hub_id:
+        raise SettingError(
+            key,
+            f"no model at {value!r} (a directory with config.json); build the toy model with `etagent toy build` "
+            "or give the path of a local checkpoint",
+        )
+    return value

@@ -18,7 +18,13 @@ import httpx
 
 
 class ExternalCallError(RuntimeError):
-    """An external call that failed after its retries (or failed in a way retrying cannot fix)."""
+    """An external call that failed after its retries (or failed in a way retrying cannot fix).
+    ``cause`` is the short kind of failure the stages count (``ConnectError``, ``timeout``,
+    ``HTTP 503``, ``invalid response``)."""
+
+    def __init__(self, message: str, cause: str = "invalid response"):
+        super().__init__(message)
+        self.cause = cause
 
 
 def _retryable(status: int) -> bool:
@@ -37,25 +43,28 @@ async def _request_json(
     attempts: int,
     backoff: float,
 ) -> Any:
-    last_error = "no attempt made"
+    last_error, cause = "no attempt made", "invalid response"
     for attempt in range(1, attempts + 1):
         try:
             response = await client.request(method, url, json=json, params=params, headers=headers, timeout=timeout)
         except httpx.HTTPError as exc:  # connection refused, reset, timeout, ...
             last_error = f"{type(exc).__name__}: {exc}"
+            cause = "timeout" if isinstance(exc, httpx.TimeoutException) else type(exc).__name__
         else:
             if response.status_code < 400:
                 try:
                     return response.json()
                 except ValueError as exc:
-                    last_error = f"invalid JSON in the response: {exc}"
+                    last_error, cause = f"invalid JSON in the response: {exc}", "invalid response"
             elif not _retryable(response.status_code):
-                raise ExternalCallError(f"{method} {url} -> HTTP {response.status_code}: {response.text[:300]}")
+                raise ExternalCallError(
+                    f"{method} {url} -> HTTP {response.status_code}: {response.text[:300]}", f"HTTP {response.status_code}"
+                )
             else:
-                last_error = f"HTTP {response.status_code}: {response.text[:300]}"
+                last_error, cause = f"HTTP {response.status_code}: {response.text[:300]}", f"HTTP {response.status_code}"
         if attempt < attempts:
             await asyncio.sleep(min(backoff * 2 ** (attempt - 1), 30.0))
-    raise ExternalCallError(f"{method} {url} failed after {attempts} attempts: {last_error}")
+    raise ExternalCallError(f"{method} {url} failed after {attempts} attempts: {last_error}", cause)
 
 
 async def post_json(

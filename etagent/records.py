@@ -36,9 +36,10 @@ from enum import IntEnum
 from pathlib import Path
 from typing import IO, Any, Literal, TypeVar
 
-from pydantic import BaseModel, ConfigDict, Field, ValidationError, field_validator, model_validator
+from pydantic import BaseModel, ConfigDict, Field, NonNegativeInt, ValidationError, field_validator, model_validator
 
 from etagent import protocol
+from etagent.errors import MissingInput, UserError
 
 log = logging.getLogger(__name__)
 
@@ -55,7 +56,7 @@ def kind_for_source(source: str) -> Literal["math", "qa"]:
     return "math" if source in MATH_SOURCES else "qa"
 
 
-class RecordError(ValueError):
+class RecordError(UserError, ValueError):
     """A record that cannot be read: names the file, the line (or parquet row) and the field."""
 
     def __init__(self, path: str | os.PathLike, line: int | None, field: str, message: str):
@@ -87,7 +88,10 @@ def _gold_answers(value: Any) -> Any:
     if isinstance(value, (list, tuple)):
         if not value:
             raise ValueError("empty list of gold answers")
-        return [str(v) for v in value]
+        answers = [str(v) for v in value]
+        if not any(a.strip() for a in answers):
+            raise ValueError("empty gold answer")
+        return answers
     return value
 
 
@@ -112,6 +116,13 @@ class Question(Record):
     _id_as_str = field_validator("id", mode="before")(_as_str)
     _answers_as_strings = field_validator("answer", mode="before")(_gold_answers)
 
+    @field_validator("question")
+    @classmethod
+    def _question_not_blank(cls, value: str) -> str:
+        if not value.strip():
+            raise ValueError("empty question")
+        return value
+
 
 # ---------------------------------------------------------------------------------------------
 # Trajectories
@@ -120,7 +131,9 @@ class Question(Record):
 class ToolCallRecord(Record):
     """One tool call of a trajectory, as the tools executor reports it. ``rebuilt`` marks a record
     read back from trajectory text (a prefix given as text only): its ``ok`` and ``seconds`` are
-    not known and are left at True and 0."""
+    not known and are left at True and 0. ``failure`` is the cause when the tool itself failed
+    (``ConnectError``, ``timeout``, ``sandbox failure``...), None when it did its job, even if the
+    call's code raised."""
 
     tool: str
     input: str
@@ -130,6 +143,7 @@ class ToolCallRecord(Record):
     cached: bool = False
     budget_exhausted: bool = False
     rebuilt: bool = False
+    failure: str | None = None
 
 
 class TokenOrigin(IntEnum):
@@ -289,8 +303,8 @@ class SFTExample(Record):
     segments: list[Segment]
     # The token ids and mask (1: trained) of the rollout this example came from, when it came
     # from the agent loop: SFT then trains on exactly those ids (if they decode to the text).
-    response_ids: list[int] | None = None
-    response_mask: list[int] | None = None
+    response_ids: list[NonNegativeInt] | None = None
+    response_mask: list[Literal[0, 1]] | None = None
 
     @model_validator(mode="after")
     def _segments_match_assistant(self) -> SFTExample:
@@ -400,6 +414,8 @@ class RewardModel(Record):
     ground_truth: list[str]
     style: str = "rule"
 
+    _answers_as_strings = field_validator("ground_truth", mode="before")(_gold_answers)
+
 
 class ExtraInfo(Record):
     """``question_id`` is ours (the question's id in its questions file); the paper's files lack it.
@@ -504,11 +520,13 @@ def parse_record(model: type[R], data: Any, path: str | os.PathLike = "<memory>"
         raise _validation_error(path, line, error) from None
 
 
-def iter_jsonl(path: str | os.PathLike) -> Iterator[tuple[int, Any]]:
+def iter_jsonl(path: str | os.PathLike, partial_ok: bool = False) -> Iterator[tuple[int, Any]]:
     """Yield (line number, decoded object) for every non-blank line of a JSONL file, streaming.
 
-    A last line with no newline that does not decode is a record a writer was killed in the
-    middle of: it is skipped with a warning. Any other undecodable line is an error.
+    A last line with no newline that does not decode is a record its writer was killed in the
+    middle of: the file is incomplete, and reading on would silently drop a record, so it is an
+    error naming the line unless ``partial_ok`` (then it is skipped with a warning). Any other
+    undecodable line is an error.
     """
     path = Path(path)
     with path.open("rb") as f:
@@ -519,20 +537,33 @@ def iter_jsonl(path: str | os.PathLike) -> Iterator[tuple[int, Any]]:
                 yield number, json.loads(raw)
             except ValueError as exc:
                 if not raw.endswith(b"\n"):  # the unterminated tail of an interrupted write
-                    log.warning("%s:%d: skipping an incomplete last line (%d bytes)", path, number, len(raw))
-                    return
+                    if partial_ok:
+                        log.warning("%s:%d: skipping an incomplete last line (%d bytes)", path, number, len(raw))
+                        return
+                    raise RecordError(
+                        path,
+                        number,
+                        "(line)",
+                        f"cut off: the last line ({len(raw)} bytes) is not valid JSON and has no newline, as when its writer "
+                        "is killed; finish or remove the line (stages that read questions skip it with partial_input_ok=true)",
+                    ) from None
                 raise RecordError(path, number, "(line)", f"not valid JSON: {exc}") from None
 
 
-def iter_json_objects(source: IO[str], name: str) -> Iterator[tuple[int, dict]]:
-    """Yield (line number, object) for every non-blank line of an open text stream (stdin or a
-    file) of JSON objects, for the commands that read one request per line; a line that is not
-    a JSON object raises :class:`RecordError` naming ``name`` and the line."""
+def iter_json_objects(source: IO[bytes], name: str) -> Iterator[tuple[int, dict]]:
+    """Yield (line number, object) for every non-blank line of an open binary stream (a file, or
+    ``sys.stdin.buffer``) of JSON objects, for the commands that read one request per line; a line
+    that is not UTF-8 or not a JSON object raises :class:`RecordError` naming ``name`` and the line.
+    (Bytes, so that a bad byte is reported with its line rather than by the text decoder.)"""
     for number, raw in enumerate(source, start=1):
         if not raw.strip():
             continue
         try:
-            item = json.loads(raw)
+            text = raw.decode("utf-8")
+        except UnicodeDecodeError as exc:
+            raise RecordError(name, number, "(line)", f"not UTF-8: byte {raw[exc.start]:#04x} at column {exc.start + 1}") from None
+        try:
+            item = json.loads(text)
         except ValueError as exc:
             raise RecordError(name, number, "(line)", f"not valid JSON: {exc}") from None
         if not isinstance(item, dict):
@@ -540,16 +571,16 @@ def iter_json_objects(source: IO[str], name: str) -> Iterator[tuple[int, dict]]:
         yield number, item
 
 
-def read_jsonl(path: str | os.PathLike, model: type[R]) -> list[R]:
-    """Read and validate every record of a JSONL file."""
-    return [parse_record(model, data, path, number) for number, data in iter_jsonl(path)]
+def read_jsonl(path: str | os.PathLike, model: type[R], partial_ok: bool = False) -> list[R]:
+    """Read and validate every record of a JSONL file (see :func:`iter_jsonl` for ``partial_ok``)."""
+    return [parse_record(model, data, path, number) for number, data in iter_jsonl(path, partial_ok)]
 
 
-def read_records(path: str | os.PathLike, model: type[R]) -> list[R]:
+def read_records(path: str | os.PathLike, model: type[R], partial_ok: bool = False) -> list[R]:
     """Read records from ``.jsonl``, ``.json`` (an array) or ``.parquet``, validated."""
     path = Path(path)
     if not path.exists():
-        raise FileNotFoundError(f"{path}: no such file")
+        raise MissingInput(f"{path}: no such file")
     if path.suffix == ".parquet":
         import pyarrow.parquet as pq
 
@@ -563,12 +594,18 @@ def read_records(path: str | os.PathLike, model: type[R]) -> list[R]:
         if not isinstance(rows, list):
             raise RecordError(path, None, "(file)", "expected a JSON array of records")
         return [parse_record(model, row, path, i) for i, row in enumerate(rows, start=1)]
-    return read_jsonl(path, model)
+    return read_jsonl(path, model, partial_ok)
 
 
-def read_questions(path: str | os.PathLike) -> list[Question]:
-    """Read a questions file (JSONL, JSON array or parquet), checking ids are unique."""
-    questions = read_records(path, Question)
+def read_questions(path: str | os.PathLike, partial_ok: bool = False) -> list[Question]:
+    """Read a questions file (JSONL, JSON array or parquet), checking ids are unique. An empty
+    file, or one whose last line is cut off, is refused unless ``partial_ok``: a run on it would
+    end with status 0 having done nothing, or less than asked."""
+    questions = read_records(path, Question, partial_ok)
+    if not questions and not partial_ok:
+        raise RecordError(
+            path, None, "(file)", "no questions in the file; give a questions file, or set partial_input_ok=true to run on none"
+        )
     seen: dict[str, int] = {}
     for number, question in enumerate(questions, start=1):
         if question.id in seen:

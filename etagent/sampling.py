@@ -28,7 +28,9 @@ from tqdm import tqdm
 
 from etagent.agent import AgentConfig, AgentLoop
 from etagent.records import JsonlAppender, Judgement, Question, TrajectoryGroup, read_questions, write_manifest
+from etagent.rundir import claim_output
 from etagent.scoring import rule_judgement
+from etagent.tools.executor import degraded, describe_failures, failure_counts
 
 log = logging.getLogger(__name__)
 
@@ -63,6 +65,8 @@ class Sampler:
                 if not self.token_arrays:
                     for name in TOKEN_ARRAYS:
                         setattr(record, name, None)
+            if len(records) != self.n:  # never write a question as done with fewer chains than asked
+                raise RuntimeError(f"question {q.id}: {len(records)} rollouts made, {self.n} asked")
             groups.append(TrajectoryGroup.for_question(q, records))
         return groups
 
@@ -120,15 +124,80 @@ def _ray(cfg: DictConfig, todo: list[Question], judge: Judge, token_arrays: bool
         yield [TrajectoryGroup.model_validate(g) for g in result]
 
 
+# The settings a resumed run may change: where the engine and tools run, how fast, and which
+# questions are sampled (``questions``, ``limit``: each record is one question's, complete in
+# itself, so a rerun may add questions). Every other setting changes what a record means, and a
+# rerun with a different value is refused (etagent/rundir.py).
+RESUME_FREE = (
+    "questions",
+    "limit",
+    "batch_questions",
+    "partial_input_ok",
+    "engine.max_batch_size",
+    "engine.openai.urls",
+    "engine.openai.concurrency",
+    "engine.openai.timeout_s",
+    "engine.openai.attempts",
+    "engine.openai.api_key_env",
+    "tools.max_failure_share",
+    "tools.*.concurrency",
+    "tools.search.timeout_s",
+    "tools.search.attempts",
+    "tools.search.local.url",
+    "tools.search.local.token_env",
+    "tools.search.web.api_key_env",
+    "tools.search.cache",
+)
+
+
+def check_sampling_settings(cfg: DictConfig) -> None:
+    """Everything a sampling run reads, in range and present, before any output is written."""
+    from etagent.agent import check_agent_settings
+    from etagent.config import require_file, require_int
+    from etagent.llm import check_engine_settings
+    from etagent.tools.executor import check_tool_settings
+
+    require_file(cfg, "questions")
+    require_int(cfg, "n")
+    require_int(cfg, "batch_questions")
+    require_int(cfg, "limit", optional=True)
+    require_int(cfg, "ray.workers", minimum=0)
+    require_int(cfg, "ray.num_cpus_per_worker")
+    check_engine_settings(cfg.engine)
+    check_agent_settings(cfg.agent)
+    check_tool_settings(cfg.tools)
+
+
 def run_sampling(cfg: DictConfig, judge: Judge = rule_judgement, token_arrays: bool = True) -> dict:
     """Sample every question of cfg.questions not yet in the output, judging each rollout with
-    ``judge``; return summary metrics. ``token_arrays=False`` leaves the per-token fields out."""
+    ``judge``; return summary metrics (``degraded`` when the tools failed on more than
+    ``tools.max_failure_share`` of the calls). ``token_arrays=False`` leaves the per-token fields
+    out."""
     started = time.time()
-    out = Path(cfg.out_dir)
-    out.mkdir(parents=True, exist_ok=True)
-    questions = read_questions(cfg.questions)
-    if cfg.limit:
+    check_sampling_settings(cfg)
+    config = OmegaConf.to_container(cfg, resolve=True)
+    questions = read_questions(cfg.questions, partial_ok=cfg.partial_input_ok)
+    if cfg.limit is not None:
         questions = questions[: cfg.limit]
+    with claim_output(cfg.out_dir, stage=cfg.stage, config=config, free=RESUME_FREE) as out:
+        metrics = _sample(cfg, out, questions, judge, token_arrays, started)
+        write_manifest(
+            out,
+            stage=cfg.stage,
+            config=config,
+            inputs=[cfg.questions],
+            counts={"questions": metrics["questions"], "trajectories": metrics["trajectories"]},
+            seed=cfg.agent.seed,
+            started_at=started,
+            metrics=metrics,
+            status="degraded" if metrics["degraded"] else "complete",
+        )
+    if metrics["tool_failures"]["failed"]:
+        (log.error if metrics["degraded"] else log.info)("%s: %s", out, describe_failures(metrics["tool_failures"]))
+    return metrics
+
+
+def _sample(cfg: DictConfig, out: Path, questions: list[Question], judge: Judge, token_arrays: bool, started: float) -> dict:
     with JsonlAppender(out / "trajectories.jsonl") as writer:
         todo = [q for q in questions if q.id not in writer.done]
         log.info("%d questions, %d already done, %d to sample x %d", len(questions), len(questions) - len(todo), len(todo), cfg.n)
@@ -149,21 +218,13 @@ def run_sampling(cfg: DictConfig, judge: Judge = rule_judgement, token_arrays: b
                 logged = time.time()
         progress.close()
     metrics = summarise(out / "trajectories.jsonl")
-    write_manifest(
-        out,
-        stage=cfg.stage,
-        config=OmegaConf.to_container(cfg, resolve=True),
-        inputs=[cfg.questions],
-        counts={"questions": metrics["questions"], "trajectories": metrics["trajectories"]},
-        seed=cfg.agent.seed,
-        started_at=started,
-        metrics=metrics,
-    )
+    metrics["degraded"] = degraded(metrics["tool_failures"], cfg.tools.max_failure_share)
     return metrics
 
 
 def summarise(path: Path) -> dict:
-    """Score, tool use, length and finish reasons over a trajectories file, overall and per kind."""
+    """Score, tool use, length, finish reasons and tool failures over a trajectories file,
+    overall and per kind."""
     from etagent.records import read_jsonl
 
     groups = read_jsonl(path, TrajectoryGroup)
@@ -185,5 +246,6 @@ def summarise(path: Path) -> dict:
         "questions": len(groups),
         **stats(trajectories),
         "finish_reasons": dict(Counter(t.finish_reason for t in trajectories)),
+        "tool_failures": failure_counts(call for t in trajectories for call in t.tool_calls),
         "per_kind": {kind: stats([t for g in groups if g.kind == kind for t in g.trajectories]) for kind in kinds},
     }

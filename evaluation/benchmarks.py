@@ -18,6 +18,7 @@ import json
 from dataclasses import dataclass
 from pathlib import Path
 
+from etagent.errors import MissingInput, SettingError
 from etagent.records import Question, RecordError, iter_jsonl
 
 
@@ -113,13 +114,14 @@ def benchmark_file(data_dir: str | Path, name: str) -> Path:
     return directory / "test.jsonl"
 
 
-def load_benchmark(name: str, path: str | Path, limit: int | None = None) -> list[Question]:
-    """The questions of one benchmark file (first ``limit`` only, as the paper's --counts)."""
+def load_benchmark(name: str, path: str | Path, limit: int | None = None, partial_ok: bool = False) -> list[Question]:
+    """The questions of one benchmark file (first ``limit`` only, as the paper's --counts). An
+    empty file or a cut-off last line is refused unless ``partial_ok``."""
     if name not in BENCHMARKS:
-        raise ValueError(f"unknown benchmark {name!r}; known: {', '.join(BENCHMARKS)}")
+        raise SettingError("datasets", f"unknown benchmark {name!r}; known: {', '.join(BENCHMARKS)}")
     path = Path(path)
     if not path.exists():
-        raise FileNotFoundError(f"{path}: no file for benchmark {name} (see evaluation/prepare.py)")
+        raise MissingInput(f"{path}: no file for benchmark {name} (see evaluation/prepare.py)")
     if path.suffix == ".parquet":
         import pyarrow.parquet as pq
 
@@ -127,7 +129,7 @@ def load_benchmark(name: str, path: str | Path, limit: int | None = None) -> lis
     elif path.suffix == ".json":
         rows = enumerate(json.loads(path.read_text()), start=1)
     else:
-        rows = iter_jsonl(path)
+        rows = iter_jsonl(path, partial_ok)
     questions, seen = [], set()
     for number, row in rows:
         if not isinstance(row, dict):
@@ -139,4 +141,8 @@ def load_benchmark(name: str, path: str | Path, limit: int | None = None) -> lis
         questions.append(question)
         if limit is not None and len(questions) >= limit:
             break
+    if not questions and not partial_ok:
+        raise RecordError(
+            path, None, "(file)", f"no questions for benchmark {name}; give a file with questions, or set partial_input_ok=true"
+        )
     return questions

@@ -19,6 +19,8 @@ import argparse
 import json
 from pathlib import Path
 
+from etagent.errors import exit_on_user_error
+
 # name: (hub id, config, split, how to map a row to the paper's fields)
 SOURCES = {
     "aime24": (
@@ -114,6 +116,7 @@ def prepare(name: str, out: Path, limit: int | None) -> int:
     return len(rows)
 
 
+@exit_on_user_error
 def main(argv: list[str] | None = None) -> None:
     parser = argparse.ArgumentParser(
         prog="python -m evaluation.prepare", description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter

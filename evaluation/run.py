@@ -33,9 +33,14 @@ from pathlib import Path
 from omegaconf import DictConfig, OmegaConf
 from tqdm import tqdm
 
+from etagent.config import require_int, require_number
+from etagent.errors import DegradedRun, SettingError, exit_on_user_error
 from etagent.records import JsonlAppender, TrajectoryGroup, iter_jsonl, read_jsonl, write_jsonl, write_manifest
+from etagent.rundir import claim_output
+from etagent.sampling import RESUME_FREE as SAMPLING_RESUME_FREE
 from etagent.sampling import run_sampling
 from etagent.scoring import sample_metrics
+from etagent.tools.executor import degraded, describe_failures
 from evaluation.benchmarks import BENCHMARKS, benchmark_file, load_benchmark
 from evaluation.metrics import aggregate, behaviour
 from evaluation.table import summary_rows, write_table
@@ -57,6 +62,7 @@ def sampling_config(cfg: DictConfig, name: str, questions_path: Path, out: Path)
             "ray": OmegaConf.to_container(cfg.ray, resolve=True),
             "questions": str(questions_path),
             "limit": None,
+            "partial_input_ok": cfg.partial_input_ok,
             "out_dir": str(out),
             "n": cfg.n,
             "batch_questions": cfg.batch_questions,
@@ -130,59 +136,136 @@ def behaviour_table(results: dict[str, dict]) -> list[str]:
     return lines
 
 
+def check_settings(cfg: DictConfig) -> None:
+    """What the evaluation reads, in range and present, before any output is written (the
+    rollouts' engine, agent and tools are checked with them, by etagent.sampling)."""
+    from etagent.agent import check_agent_settings
+    from etagent.llm import check_engine_settings
+    from etagent.tools.executor import check_tool_settings
+
+    if not cfg.datasets:
+        raise SettingError("datasets", "is empty: name at least one benchmark")
+    for name in cfg.datasets:
+        if name not in BENCHMARKS:
+            raise SettingError("datasets", f"unknown benchmark {name!r}; known: {', '.join(BENCHMARKS)}")
+    for key in (
+        "n",
+        "batch_questions",
+        "bootstrap_rounds",
+        "judge.batch_questions",
+        "judge.concurrency",
+        "judge.attempts",
+        "judge.max_tokens",
+    ):
+        require_int(cfg, key)
+    require_int(cfg, "limit", optional=True)
+    require_number(cfg, "judge.timeout_s", above=0)
+    check_engine_settings(cfg.engine)
+    check_agent_settings(cfg.agent)
+    check_tool_settings(cfg.tools)
+
+
+# What a rerun may change besides what the rollouts allow (etagent.sampling.RESUME_FREE): the
+# datasets (each has its own folder and manifest), the judge's address and pace, the bootstrap.
+RESUME_FREE = (
+    *SAMPLING_RESUME_FREE,
+    "datasets",
+    "files",
+    "data_dir",
+    "judge.url",
+    "judge.api_key_env",
+    "judge.timeout_s",
+    "judge.attempts",
+    "judge.concurrency",
+    "judge.batch_questions",
+    "bootstrap_rounds",
+    "seed",
+    "web_search",
+)
+
+
 def evaluate_dataset(cfg: DictConfig, name: str, judge) -> dict:
     out = Path(cfg.out_dir) / name
     out.mkdir(parents=True, exist_ok=True)
     path = Path(cfg.files[name]) if name in cfg.files else benchmark_file(cfg.data_dir, name)
-    questions = load_benchmark(name, path, cfg.limit)
+    questions = load_benchmark(name, path, cfg.limit, cfg.partial_input_ok)
     write_jsonl(out / "questions.jsonl", questions)
-    run_sampling(sampling_config(cfg, name, out / "questions.jsonl", out))
+    rollouts = run_sampling(sampling_config(cfg, name, out / "questions.jsonl", out))
     score(cfg, out, judge)
     wanted = {q.id for q in questions}
     scored = [row for _, row in iter_jsonl(out / "scored.jsonl") if row["id"] in wanted]
     metrics = {"dataset": name, "file": str(path), "kinds": sorted({row["kind"] for row in scored})}
     metrics.update(aggregate([(row["kind"], row["samples"]) for row in scored], cfg.bootstrap_rounds, cfg.seed))
     metrics["behaviour"] = behaviour(scored)
+    metrics["tool_failures"] = rollouts["tool_failures"]
     (out / "metrics.json").write_text(json.dumps(metrics, indent=2) + "\n")
     return metrics
 
 
 def run(cfg: DictConfig) -> dict:
     started = time.time()
-    out = Path(cfg.out_dir)
-    out.mkdir(parents=True, exist_ok=True)
+    check_settings(cfg)
+    config = OmegaConf.to_container(cfg, resolve=True)
+    with claim_output(cfg.out_dir, stage="evaluation", config=config, free=RESUME_FREE) as out:
+        return _evaluate(cfg, out, config, started)
+
+
+def _evaluate(cfg: DictConfig, out: Path, config: dict, started: float) -> dict:
     judge = make_judge(cfg)
     results = {}
     for name in cfg.datasets:
         log.info("evaluating %s", name)
         results[name] = evaluate_dataset(cfg, name, judge)
-    summary = {"run": cfg.run_name or out.name, "datasets": results}
+    failures = {name: r["tool_failures"] for name, r in results.items()}
+    degraded_datasets = [name for name, counts in failures.items() if degraded(counts, cfg.tools.max_failure_share)]
+    summary = {"run": cfg.run_name or out.name, "datasets": results, "degraded": degraded_datasets}
     (out / "summary.json").write_text(json.dumps(summary, indent=2) + "\n")
     md_path, _ = write_table(summary_rows([out]), out / "summary")
     behaviour_lines = behaviour_table(results)
-    if behaviour_lines:
-        md_path.write_text(md_path.read_text() + "\n" + "\n".join(behaviour_lines) + "\n")
+    failure_lines = [f"Tool failures on {name}: {describe_failures(counts)}" for name, counts in failures.items() if counts["failed"]]
+    if degraded_datasets:
+        failure_lines.append(
+            f"DEGRADED: on {', '.join(degraded_datasets)} the tools failed on more than tools.max_failure_share="
+            f"{cfg.tools.max_failure_share} of the calls; these scores measure the tools' outage, not the policy."
+        )
+    extra = behaviour_lines + ([""] if behaviour_lines and failure_lines else []) + failure_lines
+    if extra:
+        md_path.write_text(md_path.read_text() + "\n" + "\n".join(extra) + "\n")
     write_manifest(
         out,
         stage="evaluation",
-        config=OmegaConf.to_container(cfg, resolve=True),
+        config=config,
         inputs=[str(Path(cfg.out_dir) / name / "questions.jsonl") for name in cfg.datasets],
         counts={name: r["samples"] for name, r in results.items()},
         seed=cfg.seed,
         started_at=started,
-        metrics={name: {k: r.get(k) for k in ("correctness", "efficiency", "judge_failures", "behaviour")} for name, r in results.items()},
+        metrics={
+            name: {k: r.get(k) for k in ("correctness", "efficiency", "judge_failures", "behaviour", "tool_failures")}
+            for name, r in results.items()
+        },
+        status="degraded" if degraded_datasets else "complete",
     )
     for name, r in results.items():
-        failures = f", {r['judge_failures']} judge failures" if r.get("judge_failures") else ""
+        if not r["samples"]:
+            print(f"{name}: no questions (partial_input_ok=true on an empty file)")
+            continue
+        judged = f", {r['judge_failures']} judge failures" if r.get("judge_failures") else ""
         print(
-            f"{name}: correctness {r['correctness']:.1f}, efficiency {r['efficiency']:.1f}, {r['tool_calls']:.2f} tool calls, {r['samples']} samples{failures}"
+            f"{name}: correctness {r['correctness']:.1f}, efficiency {r['efficiency']:.1f}, {r['tool_calls']:.2f} tool calls, "
+            f"{r['samples']} samples{judged}; tool failures: {describe_failures(r['tool_failures'])}"
         )
     if behaviour_lines:
         print("\n".join(behaviour_lines))
     print(f"table: {out / 'summary.md'}")
+    if degraded_datasets:
+        raise DegradedRun(
+            "; ".join(f"{name}: {describe_failures(failures[name])}" for name in degraded_datasets)
+            + f", over tools.max_failure_share={cfg.tools.max_failure_share} (summary.md says so): fix the tools and rerun into a new out_dir"
+        )
     return summary
 
 
+@exit_on_user_error
 def main(argv: list[str] | None = None) -> None:
     from etagent.config import parse_stage_args
 

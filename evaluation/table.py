@@ -20,17 +20,22 @@ import csv
 import json
 from pathlib import Path
 
+from etagent.errors import MissingInput, exit_on_user_error
 from evaluation.benchmarks import PAPER_TABLE
 
 
 def summary_rows(run_dirs: list[Path]) -> list[dict]:
     rows = []
     for run_dir in run_dirs:
-        summary = json.loads((Path(run_dir) / "summary.json").read_text())
+        path = Path(run_dir) / "summary.json"
+        if not path.is_file():
+            raise MissingInput(f"{path}: no such file (is {run_dir} an evaluation output directory?)")
+        summary = json.loads(path.read_text())
         rows.append(
             {
                 "run": summary["run"],
-                "datasets": {name: (d["correctness"], d["efficiency"]) for name, d in summary["datasets"].items()},
+                # a dataset with no samples (an empty file run with partial_input_ok) has no cell
+                "datasets": {name: (d["correctness"], d["efficiency"]) for name, d in summary["datasets"].items() if d.get("samples")},
                 "behaviour": {name: d["behaviour"] for name, d in summary["datasets"].items() if d.get("behaviour")},
             }
         )
@@ -102,6 +107,7 @@ def write_table(rows: list[dict], out: Path) -> tuple[Path, Path]:
     return md_path, csv_path
 
 
+@exit_on_user_error
 def main(argv: list[str] | None = None) -> None:
     parser = argparse.ArgumentParser(
         prog="python -m evaluation.table", description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter

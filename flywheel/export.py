@@ -38,6 +38,7 @@ from pathlib import Path
 from omegaconf import DictConfig
 
 from etagent import protocol
+from etagent.errors import exit_on_user_error
 from etagent.records import SFTExample, Trajectory, TrajectoryGroup, export_llamafactory, read_jsonl, read_records, write_jsonl
 
 log = logging.getLogger("flywheel.export")
@@ -142,6 +143,7 @@ def seed_examples(path: Path, questions: set[str]) -> list[SFTExample]:
     return [x for x in read_records(path, SFTExample) if x.id.rsplit("/", 1)[0] in questions]
 
 
+@exit_on_user_error
 def main(argv: list[str] | None = None) -> None:
     from etagent.config import parse_stage_args
 

@@ -41,11 +41,16 @@ from omegaconf import DictConfig, OmegaConf
 from tqdm import tqdm
 
 from etagent import scoring
-from etagent.agent import AgentLoop
+from etagent.agent import AgentLoop, check_agent_settings
+from etagent.config import require_file, require_int, require_number
+from etagent.errors import DegradedRun, SettingError, exit_on_user_error
+from etagent.llm import check_engine_settings
 from etagent.records import JsonlAppender, Question, TrajectoryGroup, read_jsonl, read_questions, write_manifest
+from etagent.rundir import claim_output
+from etagent.sampling import RESUME_FREE as SAMPLING_RESUME_FREE
 from etagent.sampling import agent_config
 from etagent.tools import ToolOutput
-from etagent.tools.executor import build_executor
+from etagent.tools.executor import build_executor, check_tool_settings, degraded, describe_failures, failure_counts
 from flywheel import prompts
 from flywheel.evolve import OPERATIONS, STAT_FIELDS, Flywheel, FlywheelSettings, QuestionRun
 from flywheel.roles import TextModel, build_engine, derived_seed
@@ -119,18 +124,68 @@ async def evolve_all(cfg: DictConfig, flywheel: Flywheel, todo: list[Question], 
     progress.close()
 
 
+# What a rerun may change besides what rollouts allow (etagent.sampling.RESUME_FREE): the pace,
+# the log's reply length, the export (a later step), the editor's address and batch size.
+RESUME_FREE = (
+    *SAMPLING_RESUME_FREE,
+    "flywheel.concurrency",
+    "flywheel.reply_chars",
+    "export",
+    "editor.engine.max_batch_size",
+    "editor.engine.openai.urls",
+    "editor.engine.openai.concurrency",
+    "editor.engine.openai.timeout_s",
+    "editor.engine.openai.attempts",
+    "editor.engine.openai.api_key_env",
+)
+
+
+def check_settings(cfg: DictConfig) -> None:
+    """The roles, counts and limits in range and the models present, before any model loads."""
+    if cfg.editor.enabled and not cfg.editor.engine.model:
+        raise SettingError("editor.engine.model", "editor.enabled=true needs it (a model folder, hub id or .gguf file)")
+    if not cfg.editor.enabled and (cfg.judge.llm or cfg.summariser.enabled):
+        raise SettingError(
+            "editor.enabled", "judge.llm and summariser.enabled use the editor's model: set editor.enabled=true and editor.engine.model"
+        )
+    require_file(cfg, "questions")
+    require_int(cfg, "limit", optional=True)
+    for key in ("flywheel.concurrency", "judge.attempts", "judge.max_tokens", "reflector.sampling.max_tokens"):
+        require_int(cfg, key)
+    for key in ("flywheel.rounds", "flywheel.continuation_python_calls", "flywheel.continuation_search_calls"):
+        require_int(cfg, key, minimum=0)
+    require_number(cfg, "flywheel.qa_threshold", 0, 1)
+    require_number(cfg, "flywheel.question_timeout_s", above=0)
+    check_engine_settings(cfg.engine)
+    check_agent_settings(cfg.agent)
+    check_tool_settings(cfg.tools)
+
+
 def run(cfg: DictConfig) -> dict:
     started = time.time()
-    # the roles' settings are checked before any model is loaded
-    if cfg.editor.enabled and not cfg.editor.engine.model:
-        raise ValueError("editor.enabled=true needs editor.engine.model (a model folder, hub id or .gguf file)")
-    if not cfg.editor.enabled and (cfg.judge.llm or cfg.summariser.enabled):
-        raise ValueError("judge.llm and summariser.enabled use the editor's model: set editor.enabled=true and editor.engine.model")
-    out = Path(cfg.out_dir)
-    out.mkdir(parents=True, exist_ok=True)
-    questions = read_questions(cfg.questions)
-    if cfg.limit:
+    check_settings(cfg)  # before any model is loaded or output written
+    config = OmegaConf.to_container(cfg, resolve=True)
+    questions = read_questions(cfg.questions, partial_ok=cfg.partial_input_ok)
+    if cfg.limit is not None:
         questions = questions[: cfg.limit]
+    with claim_output(cfg.out_dir, stage="flywheel", config=config, free=RESUME_FREE) as out:
+        metrics = evolve(cfg, out, questions)
+        write_manifest(
+            out,
+            stage="flywheel",
+            config=config,
+            inputs=[cfg.questions],
+            counts={"questions": metrics["questions"], "trajectories": metrics["trajectories"]},
+            seed=cfg.flywheel.seed,
+            started_at=started,
+            metrics=metrics,
+            status="degraded" if metrics["degraded"] else "complete",
+        )
+    return metrics
+
+
+def evolve(cfg: DictConfig, out: Path, questions: list[Question]) -> dict:
+    """Evolve every question not yet in out/trajectories.jsonl; the summary of the whole file."""
     policy = build_engine(cfg.engine)
     editor = judge = None
     if cfg.editor.enabled:
@@ -150,16 +205,7 @@ def run(cfg: DictConfig) -> dict:
         log.info("%d questions, %d already done, %d to evolve", len(questions), len(questions) - len(todo), len(todo))
         asyncio.run(evolve_all(cfg, flywheel, todo, writer, editor is not None))
     metrics = summarise(out / "trajectories.jsonl")
-    write_manifest(
-        out,
-        stage="flywheel",
-        config=OmegaConf.to_container(cfg, resolve=True),
-        inputs=[cfg.questions],
-        counts={"questions": metrics["questions"], "trajectories": metrics["trajectories"]},
-        seed=cfg.flywheel.seed,
-        started_at=started,
-        metrics=metrics,
-    )
+    metrics["degraded"] = degraded(metrics["tool_failures"], cfg.tools.max_failure_share)
     return metrics
 
 
@@ -184,9 +230,11 @@ def summarise(path: Path) -> dict:
         "trajectories_per_question": round(len(trajectories) / n_questions, 3),
         "tool_calls_of_correct": dict(sorted(Counter(t.tool_calls_written or 0 for t in correct).items())),
         "operations": {op: {**dict.fromkeys(STAT_FIELDS, 0), **counts} for op, counts in operations.items()},
+        "tool_failures": failure_counts(call for t in trajectories for call in t.tool_calls),
     }
 
 
+@exit_on_user_error
 def main(argv: list[str] | None = None) -> None:
     from etagent.config import parse_stage_args
 
@@ -203,6 +251,12 @@ def main(argv: list[str] | None = None) -> None:
     for op, counts in m["operations"].items():
         other = ", ".join(f"{k} {v}" for k, v in counts.items() if k not in STAT_FIELDS)
         print(f"  {op:<20}" + "".join(f"{counts[f]:>11}" for f in STAT_FIELDS) + f"   {other}")
+    print(f"  tool failures: {describe_failures(m['tool_failures'])}")
+    if m["degraded"]:
+        raise DegradedRun(
+            f"{describe_failures(m['tool_failures'])}, over tools.max_failure_share={cfg.tools.max_failure_share}: "
+            f"the trajectories in {cfg.out_dir} are written but not to be trusted; fix the tools and rerun into a new out_dir"
+        )
 
 
 if __name__ == "__main__":

@@ -42,7 +42,10 @@ from pathlib import Path
 import numpy as np
 from omegaconf import DictConfig, OmegaConf
 
+from etagent.config import require_int, require_number
+from etagent.errors import MissingInput, SettingError, UserError, exit_on_user_error
 from etagent.records import Question, RecordError, RLRow, iter_jsonl, parse_record, write_jsonl, write_manifest, write_rl_parquet
+from etagent.rundir import claim_output
 from pareto.selection import Chains, mixed_outcome, objectives, select
 
 log = logging.getLogger("pareto")
@@ -168,16 +171,36 @@ def draw_scatter(path: Path, points: np.ndarray, status: list[str], names: list[
     tmp.replace(path)
 
 
+def check_settings(cfg: DictConfig) -> None:
+    require_int(cfg, "count")
+    require_number(cfg, "mixed_outcome.math_threshold", 0, 1)
+    require_number(cfg, "mixed_outcome.qa_threshold", 0, 1)
+    if not cfg.objectives:
+        raise SettingError("objectives", "is empty: name at least one objective")
+
+
 def run(cfg: DictConfig) -> dict:
+    check_settings(cfg)
+    config = OmegaConf.to_container(cfg, resolve=True)
+    # every run recomputes the selection from the rollouts, so nothing is resumed
+    with claim_output(cfg.out_dir, stage=f"pareto/stage{cfg.rl_stage}", config=config, resumes=False) as out:
+        return choose(cfg, out, config)
+
+
+def choose(cfg: DictConfig, out: Path, config: dict) -> dict:
     started = time.time()
     names = list(cfg.objectives)
-    out = Path(cfg.out_dir)
-    out.mkdir(parents=True, exist_ok=True)
     rollouts = Path(cfg.rollouts)
     if rollouts.is_dir():
         rollouts = rollouts / "trajectories.jsonl"
     if not rollouts.exists():
-        raise FileNotFoundError(f"rollouts: no {rollouts} (run direct_rollout first)")
+        raise MissingInput(f"rollouts: no {rollouts} (run direct_rollout first)")
+    manifest = rollouts.parent / "manifest.json"
+    status = json.loads(manifest.read_text()).get("status") if manifest.exists() else None
+    if status == "running":
+        raise UserError(f"{manifest}: the direct rollout has not finished (status running); rerun it to complete, then select")
+    if status == "degraded":
+        raise UserError(f"{manifest}: the direct rollout is degraded (its tools failed too often); redo it before selecting")
 
     questions, arrays, left_out = read_rollouts(rollouts)
     chains = Chains(**arrays, n_questions=len(questions))
@@ -265,7 +288,7 @@ def run(cfg: DictConfig) -> dict:
     write_manifest(
         out,
         stage=f"pareto/stage{cfg.rl_stage}",
-        config=OmegaConf.to_container(cfg, resolve=True),
+        config=config,
         inputs=[rollouts],
         counts={"questions": len(questions), "eligible": int(len(eligible)), "selected": int(len(chosen))},
         seed=int(cfg.seed),
@@ -275,6 +298,7 @@ def run(cfg: DictConfig) -> dict:
     return report
 
 
+@exit_on_user_error
 def main(argv: list[str] | None = None) -> None:
     from etagent.config import parse_stage_args
 

@@ -31,7 +31,10 @@ from pathlib import Path
 
 from omegaconf import DictConfig, OmegaConf
 
+from etagent.config import require_choice, require_int, require_model
+from etagent.errors import MissingInput, SettingError, UserError, exit_on_user_error
 from etagent.records import JsonlAppender, TrajectoryGroup, iter_jsonl, read_jsonl, write_manifest
+from etagent.rundir import claim_output
 from etagent.scoring import correctness
 from radar.chart import AXES, draw
 from radar.metrics import REDUNDANCY_PROMPT, execution, majority_redundant, parse_redundancy, reasoning_tokens, toy_redundant
@@ -105,9 +108,16 @@ def conciseness(cfg: DictConfig, groups: list[TrajectoryGroup], out: Path) -> di
 
 
 def dataset_metrics(cfg: DictConfig, run_dir: Path, dataset: str, out: Path, tokenizer) -> dict:
+    metrics_path = run_dir / dataset / "metrics.json"
+    if not metrics_path.is_file():
+        raise MissingInput(f"{metrics_path}: no such file (was {dataset} evaluated in {run_dir}?)")
+    table = json.loads(metrics_path.read_text())
+    if not table.get("samples"):
+        raise UserError(
+            f"{metrics_path}: no samples (the evaluation ran on no questions): nothing to measure; leave {dataset} out with datasets=[...]"
+        )
     groups = read_jsonl(run_dir / dataset / "trajectories.jsonl", TrajectoryGroup)
     scored = {row["id"]: row for _, row in iter_jsonl(run_dir / dataset / "scored.jsonl")}
-    table = json.loads((run_dir / dataset / "metrics.json").read_text())
     out.mkdir(parents=True, exist_ok=True)
     redundant = conciseness(cfg, groups, out)
     rows = []
@@ -157,12 +167,49 @@ def tool_use_rates(per_dataset: dict[str, dict]) -> tuple[float, float] | None:
     return mean("redundant_rate"), mean("insufficient_rate")
 
 
+# What a rerun may change: which runs and datasets are drawn (each has its own cached verdicts) and
+# where and how fast the judge runs.
+RESUME_FREE = (
+    "runs",
+    "labels",
+    "datasets",
+    "judge.urls",
+    "judge.api_key_env",
+    "judge.timeout_s",
+    "judge.attempts",
+    "judge.concurrency",
+    "judge.batch",
+)
+
+
+def check_settings(cfg: DictConfig) -> None:
+    if not cfg.runs:
+        raise SettingError("runs", "is empty: give the evaluation output directories to compare")
+    for run_dir in cfg.runs:
+        if not (Path(run_dir) / "summary.json").is_file():
+            raise SettingError(
+                "runs", f"{run_dir} has no summary.json: not a finished evaluation (python -m evaluation.run out_dir={run_dir})"
+            )
+    if cfg.labels and len(cfg.labels) != len(cfg.runs):
+        raise SettingError("labels", f"{len(cfg.labels)} labels for {len(cfg.runs)} runs")
+    require_model(cfg, "tokenizer")
+    require_choice(cfg, "execution_rule", ("paper", "corrected"))
+    require_choice(cfg, "judge.mode", ("toy_oracle", "llm"))
+    for key in ("judge.rounds", "judge.max_tokens", "judge.max_trajectory_chars", "judge.attempts", "judge.concurrency", "judge.batch"):
+        require_int(cfg, key)
+
+
 def run(cfg: DictConfig) -> dict:
+    check_settings(cfg)
+    config = OmegaConf.to_container(cfg, resolve=True)
+    with claim_output(cfg.out_dir, stage="radar", config=config, free=RESUME_FREE) as out:
+        return measure(cfg, out, config)
+
+
+def measure(cfg: DictConfig, out: Path, config: dict) -> dict:
     from transformers import AutoTokenizer
 
     started = time.time()
-    out = Path(cfg.out_dir)
-    out.mkdir(parents=True, exist_ok=True)
     tokenizer = AutoTokenizer.from_pretrained(cfg.tokenizer)
     # A run is labelled with the name it was evaluated under (evaluation's run_name).
     labels = list(cfg.labels) if cfg.labels else [json.loads((Path(r) / "summary.json").read_text())["run"] for r in cfg.runs]
@@ -185,7 +232,7 @@ def run(cfg: DictConfig) -> dict:
     write_manifest(
         out,
         stage="radar",
-        config=OmegaConf.to_container(cfg, resolve=True),
+        config=config,
         inputs=[str(Path(r) / "summary.json") for r in cfg.runs],
         counts={label: sum(d["trajectories"] for d in r["datasets"].values()) for label, r in result.items()},
         seed=None,
@@ -198,6 +245,7 @@ def run(cfg: DictConfig) -> dict:
     return result
 
 
+@exit_on_user_error
 def main(argv: list[str] | None = None) -> None:
     from etagent.config import parse_stage_args
 

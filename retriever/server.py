@@ -66,7 +66,7 @@ from fastapi.responses import JSONResponse, Response
 from omegaconf import DictConfig, OmegaConf
 from pydantic import BaseModel
 
-from etagent.errors import MissingInput
+from etagent.errors import MissingInput, exit_on_user_error
 
 log = logging.getLogger("retriever.server")
 METHODS = ("dense", "bm25", "hybrid")
@@ -450,6 +450,7 @@ def create_app(cfg: DictConfig, index: Index | None = None) -> FastAPI:
     return app
 
 
+@exit_on_user_error
 def main(argv: list[str] | None = None) -> None:
     import uvicorn
 

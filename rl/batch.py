@@ -19,6 +19,7 @@ from dataclasses import dataclass
 import torch
 
 from etagent.agent import TrajectoryState
+from etagent.errors import SettingError
 from etagent.records import TokenOrigin
 
 
@@ -133,17 +134,18 @@ def batch_plan(prompts_per_step: int, n: int, mini_batch_prompts: int, world: in
     evenly is an error naming the key."""
     for key, value in (("data.prompts_per_step", prompts_per_step), ("rollout.n", n), ("train.mini_batch_prompts", mini_batch_prompts)):
         if value < 1:
-            raise ValueError(f"{key} must be at least 1, got {value}")
+            raise SettingError(key, f"must be at least 1, got {value}")
     if prompts_per_step % world:
-        raise ValueError(f"data.prompts_per_step ({prompts_per_step}) must be a multiple of the number of processes ({world})")
+        raise SettingError("data.prompts_per_step", f"{prompts_per_step} is not a multiple of the number of processes ({world})")
     if prompts_per_step % mini_batch_prompts:
-        raise ValueError(
-            f"data.prompts_per_step ({prompts_per_step}) must be a multiple of train.mini_batch_prompts ({mini_batch_prompts})"
+        raise SettingError(
+            "data.prompts_per_step", f"{prompts_per_step} is not a multiple of train.mini_batch_prompts ({mini_batch_prompts})"
         )
     if mini_batch_prompts * n % world:
-        raise ValueError(
+        raise SettingError(
+            "train.mini_batch_prompts",
             f"a mini-batch of train.mini_batch_prompts x rollout.n = {mini_batch_prompts} x {n} sequences "
-            f"does not split evenly over {world} processes"
+            f"does not split evenly over {world} processes",
         )
     return BatchPlan(
         prompts_per_rank=prompts_per_step // world,

@@ -36,6 +36,7 @@ from __future__ import annotations
 
 import argparse
 import json
+import os
 import sys
 from collections.abc import Sequence
 from dataclasses import asdict, dataclass
@@ -44,6 +45,7 @@ from typing import IO
 import numpy as np
 
 from etagent import protocol, scoring
+from etagent.errors import MissingInput, exit_on_user_error
 
 MODES = ("paper", "default")
 DATA_SOURCES = {"math_effi_rl": "math", "qa_effi_rl": "qa"}
@@ -197,42 +199,50 @@ FIELDS = {
 }
 
 
-def reward_lines(source: IO[str], name: str, out: IO[str]) -> None:
+def group_problems(group: dict) -> dict[str, str]:
+    """What is wrong with one group's fields, by field (empty when nothing is). The sigmas may be
+    0 (the end of a stage's decay) but not negative: a negative sigma rewards the longer answer
+    with more tool calls, the opposite of the reward's purpose."""
+    lengths, responses = group["lengths"], group["responses"]
+    problems = {
+        "data_source": group["data_source"] not in DATA_SOURCES and f"must be one of {', '.join(DATA_SOURCES)}",
+        "mode": group.get("mode", "default") not in MODES and f"must be one of {', '.join(MODES)}",
+        "responses": not responses and "empty: a group has at least one response",
+        "ground_truth": not any(str(g).strip() for g in group["ground_truth"]) and "no gold answer",
+        "lengths": (len(lengths) != len(responses) and f"{len(lengths)} lengths for {len(responses)} responses")
+        or (any(isinstance(n, bool) or not isinstance(n, int) or n < 0 for n in lengths) and "must be integers >= 0"),
+        "sigma_tool": group["sigma_tool"] < 0 and f"must be >= 0, got {group['sigma_tool']}",
+        "sigma_length": group["sigma_length"] < 0 and f"must be >= 0, got {group['sigma_length']}",
+    }
+    return {field: problem for field, problem in problems.items() if problem}
+
+
+def reward_lines(source: IO[bytes], name: str, out: IO[str]) -> None:
     """One group per JSON line in, one line of rewards and terms out, written as each is done."""
     from etagent.records import RecordError, iter_json_objects
 
-    try:
-        for number, group in iter_json_objects(source, name):
-            for field, (types, expected) in FIELDS.items():
-                if field not in group:
-                    sys.exit(f"{name}:{number}: field '{field}': missing")
-                if not isinstance(group[field], types) or isinstance(group[field], bool):
-                    sys.exit(f"{name}:{number}: field '{field}': expected {expected}")
-            mode = group.get("mode", "default")
-            problems = {
-                "data_source": group["data_source"] not in DATA_SOURCES and f"must be one of {', '.join(DATA_SOURCES)}",
-                "mode": mode not in MODES and f"must be one of {', '.join(MODES)}",
-                "lengths": len(group["lengths"]) != len(group["responses"])
-                and f"{len(group['lengths'])} lengths for {len(group['responses'])} responses",
-            }
-            for field, problem in problems.items():
-                if problem:
-                    sys.exit(f"{name}:{number}: field '{field}': {problem}")
-            result = efficiency_reward(
-                group["data_source"],
-                [str(g) for g in group["ground_truth"]],
-                [str(r) for r in group["responses"]],
-                [int(n) for n in group["lengths"]],
-                float(group["sigma_tool"]),
-                float(group["sigma_length"]),
-                mode,
-            )
-            out.write(json.dumps(result.to_json()) + "\n")
-            out.flush()
-    except RecordError as exc:
-        sys.exit(str(exc))
+    for number, group in iter_json_objects(source, name):
+        for field, (types, expected) in FIELDS.items():
+            if field not in group:
+                raise RecordError(name, number, field, "missing")
+            if not isinstance(group[field], types) or isinstance(group[field], bool):
+                raise RecordError(name, number, field, f"expected {expected}")
+        for field, problem in group_problems(group).items():
+            raise RecordError(name, number, field, problem)
+        result = efficiency_reward(
+            group["data_source"],
+            [str(g) for g in group["ground_truth"]],
+            [str(r) for r in group["responses"]],
+            [int(n) for n in group["lengths"]],
+            float(group["sigma_tool"]),
+            float(group["sigma_length"]),
+            group.get("mode", "default"),
+        )
+        out.write(json.dumps(result.to_json()) + "\n")
+        out.flush()
 
 
+@exit_on_user_error
 def main(argv: list[str] | None = None) -> None:
     parser = argparse.ArgumentParser(
         prog="etagent reward",
@@ -243,7 +253,9 @@ def main(argv: list[str] | None = None) -> None:
     parser.add_argument("file", nargs="?", help="JSONL input (default: stdin)")
     args = parser.parse_args(argv)
     if args.file:
-        with open(args.file) as f:
+        if not os.path.isfile(args.file):
+            raise MissingInput(f"{args.file}: no such file")
+        with open(args.file, "rb") as f:
             reward_lines(f, args.file, sys.stdout)
     else:
-        reward_lines(sys.stdin, "<stdin>", sys.stdout)
+        reward_lines(sys.stdin.buffer, "<stdin>", sys.stdout)

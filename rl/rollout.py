@@ -50,6 +50,8 @@ def read_prompts(path: str | Path, tokenizer=None, max_prompt_tokens: int | None
     prompts, seen = [], set()
     for row_number, row in enumerate(read_records(path, RLRow), start=1):
         roles = [m.role for m in row.prompt]
+        if roles == ["system", "user"] and not row.prompt[1].content.strip():
+            raise RecordError(path, row_number, "prompt.1.content", "empty question")
         if roles != ["system", "user"]:
             raise RecordError(path, row_number, "prompt", f"expected a system and a user turn, got {roles}")
         if row.prompt[0].content != protocol.SYSTEM_PROMPT:

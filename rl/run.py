@@ -65,9 +65,14 @@ import torch
 import torch.distributed as dist
 from omegaconf import DictConfig, OmegaConf
 
-from etagent.agent import AgentConfig, AgentLoop, TrajectoryState
+from etagent.agent import AgentConfig, AgentLoop, TrajectoryState, check_agent_settings
+from etagent.config import require_choice, require_file, require_int, require_model, require_number
+from etagent.errors import SettingError, exit_on_user_error
 from etagent.records import write_manifest
+from etagent.rundir import claim_output
+from etagent.sampling import RESUME_FREE as SAMPLING_RESUME_FREE
 from etagent.timing import phase
+from etagent.tools.executor import check_tool_settings
 from rl.actor import response_logprobs, update
 from rl.algorithm import grpo_advantages, logprob_mismatch
 from rl.batch import Batch, BatchPlan, batch_plan, pack
@@ -112,30 +117,61 @@ class Trainer:
 
 
 def check_settings(cfg: DictConfig) -> None:
-    """Before anything starts: the engine, the counts and sizes in their ranges."""
-    if cfg.engine.kind not in ("hf", "vllm"):
-        raise ValueError(f"engine.kind must be hf or vllm for RL, got {cfg.engine.kind!r}")
+    """Before anything starts: the model and data present, the engine, the counts, sizes and
+    rates in their ranges. (RL trains ``model``; the engine group's ``model`` is not read.)"""
+    require_choice(cfg, "engine.kind", ("hf", "vllm"))
     if cfg.engine.kind == "vllm" and "RANK" not in os.environ:
-        raise ValueError("engine.kind=vllm runs one engine per rank under torchrun: launch with scripts/rl.sh or torchrun -m rl.run")
+        raise SettingError("engine.kind", "vllm runs one engine per rank under torchrun: launch with scripts/rl.sh or torchrun -m rl.run")
+    require_model(cfg, "model")
+    require_file(cfg, "data.train")
+    if cfg.data.validation:
+        require_file(cfg, "data.validation")
     for key in (
+        "data.prompts_per_step",
+        "data.epochs",
+        "rollout.n",
+        "train.mini_batch_prompts",
         "train.micro_batch_tokens",
         "train.logprob_chunk_tokens",
         "train.weight_bucket_mb",
         "train.save_every",
         "train.keep_checkpoints",
         "train.validate_every",
-        "data.epochs",
     ):
-        if OmegaConf.select(cfg, key) < 1:
-            raise ValueError(f"{key} must be at least 1, got {OmegaConf.select(cfg, key)}")
-    for key in ("train.max_steps", "train.export_every"):
-        value = OmegaConf.select(cfg, key)
-        if value is not None and value < 1:
-            raise ValueError(f"{key} must be at least 1 or null, got {value}")
+        require_int(cfg, key)
+    for key in ("train.max_steps", "train.export_every", "data.max_prompt_tokens"):
+        require_int(cfg, key, optional=True)
+    require_number(cfg, "optim.lr", above=0)
+    require_number(cfg, "optim.weight_decay", minimum=0)
+    require_number(cfg, "optim.grad_clip", above=0)
+    require_number(cfg, "optim.eps", above=0)
+    require_number(cfg, "reward.sigma_tool", above=0)
+    require_number(cfg, "reward.sigma_length", above=0)
+    require_number(cfg, "algorithm.kl_coef", minimum=0)
+    check_agent_settings(cfg.agent)
+    check_tool_settings(cfg.tools)
+
+
+# What a resumed run may change: the step budget and cadences, memory-only sizes, where the tools
+# run and how fast, wandb. The rest changes what the next steps compute and is refused.
+RESUME_FREE = (
+    *(key for key in SAMPLING_RESUME_FREE if key.startswith("tools.")),
+    "train.max_steps",
+    "train.save_every",
+    "train.keep_checkpoints",
+    "train.validate_every",
+    "train.export_every",
+    "train.micro_batch_tokens",
+    "train.logprob_chunk_tokens",
+    "train.weight_bucket_mb",
+    "train.gradient_checkpointing",
+    "engine.max_batch_size",
+    "engine.vllm.gpu_memory_utilization",
+    "wandb",
+)
 
 
 def setup(cfg: DictConfig) -> Trainer:
-    check_settings(cfg)
     device = training_device(cfg.train.device)
     rank, world = init_distributed(device)
     plan = batch_plan(int(cfg.data.prompts_per_step), int(cfg.rollout.n), int(cfg.train.mini_batch_prompts), world)
@@ -172,7 +208,7 @@ def setup(cfg: DictConfig) -> Trainer:
     validation = read_prompts(cfg.data.validation, tokenizer, cfg.data.max_prompt_tokens) if cfg.data.validation else []
     per_step = int(cfg.data.prompts_per_step)
     if len(prompts) < per_step:
-        raise ValueError(f"{cfg.data.train} has {len(prompts)} prompts, fewer than data.prompts_per_step ({per_step})")
+        raise SettingError("data.prompts_per_step", f"{per_step}, more than the {len(prompts)} prompts of {cfg.data.train}")
     total = int(cfg.train.max_steps or len(prompts) // per_step * cfg.data.epochs)
 
     engine = build_rollout_engine(cfg, policy, tokenizer)
@@ -405,6 +441,15 @@ def restore_metrics_log(trainer: Trainer) -> Path:
 
 def run(cfg: DictConfig) -> list[dict]:
     """Train from the last checkpoint in cfg.out_dir (or cfg.model); return the metrics of the steps run."""
+    check_settings(cfg)
+    if int(os.environ.get("RANK", "0")) != 0:  # under torchrun, rank 0 holds the output directory
+        return train(cfg)
+    config = OmegaConf.to_container(cfg, resolve=True)
+    with claim_output(cfg.out_dir, stage=f"rl/stage{cfg.rl_stage}", config=config, free=RESUME_FREE):
+        return train(cfg)
+
+
+def train(cfg: DictConfig) -> list[dict]:
     from tqdm import tqdm
 
     from etagent.tools.executor import build_executor
@@ -481,6 +526,7 @@ def run(cfg: DictConfig) -> list[dict]:
     return history
 
 
+@exit_on_user_error
 def main(argv: list[str] | None = None) -> None:
     from etagent.config import parse_stage_args
 

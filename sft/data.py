@@ -26,6 +26,7 @@ from dataclasses import dataclass
 from pathlib import Path
 
 from etagent import protocol
+from etagent.errors import MissingInput, SettingError
 from etagent.records import Message, RecordError, Segment, SFTExample, read_records
 
 log = logging.getLogger(__name__)
@@ -166,11 +167,11 @@ def load_examples(path: str | Path, fmt: str) -> list[SFTExample]:
     """SFT examples from ``etagent`` JSONL (SFTExample lines), ``alpaca`` or ``sharegpt`` JSON."""
     path = Path(path)
     if not path.exists():
-        raise FileNotFoundError(f"{path}: SFT data not found")
+        raise MissingInput(f"{path}: SFT data not found")
     if fmt == "etagent":
         return read_records(path, SFTExample)
     if fmt == "alpaca":
         return load_alpaca(path)
     if fmt == "sharegpt":
         return load_sharegpt(path)
-    raise ValueError(f"data.format must be etagent, alpaca or sharegpt, got {fmt!r}")
+    raise SettingError("data.format", f"must be etagent, alpaca or sharegpt, got {fmt!r}")

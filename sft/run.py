@@ -31,7 +31,10 @@ from pathlib import Path
 import torch
 from omegaconf import DictConfig, OmegaConf
 
+from etagent.config import require_choice, require_file, require_int, require_model, require_number
+from etagent.errors import SettingError, UserError, exit_on_user_error
 from etagent.records import write_manifest
+from etagent.rundir import claim_output
 from sft.data import IGNORE, build_dataset, load_examples
 
 log = logging.getLogger("sft")
@@ -121,26 +124,58 @@ def load_model(cfg: DictConfig):
     return model
 
 
+# What a resumed run may change: logging, checkpoint cadence, threads, the progress bar, wandb.
+RESUME_FREE = ("threads", "train.logging_steps", "train.save_steps", "train.save_total_limit", "train.progress_bar", "wandb")
+
+
+def check_settings(cfg: DictConfig) -> None:
+    """The model, the data and the training numbers, before anything loads."""
+    require_model(cfg, "model")
+    require_file(cfg, "data.path")
+    require_choice(cfg, "data.format", ("etagent", "alpaca", "sharegpt"))
+    require_int(cfg, "threads", minimum=0)
+    for key in ("cutoff_len", "train.batch_size", "train.gradient_accumulation_steps", "train.logging_steps", "train.save_steps"):
+        require_int(cfg, key)
+    # transformers reads max_steps -1 as "train for train.epochs"
+    if require_int(cfg, "train.max_steps", minimum=-1) == 0:
+        raise SettingError("train.max_steps", "must be at least 1, or -1 to train for train.epochs; got 0")
+    require_int(cfg, "train.save_total_limit", optional=True)
+    require_number(cfg, "train.learning_rate", above=0)
+    require_number(cfg, "train.epochs", above=0)
+    require_number(cfg, "train.warmup_ratio", minimum=0)
+    require_number(cfg, "train.weight_decay", minimum=0)
+    require_number(cfg, "train.max_grad_norm", above=0)
+    if cfg.train.packing and cfg.attn_implementation != "flash_attention_2":
+        raise SettingError(
+            "train.packing",
+            "needs attn_implementation=flash_attention_2 (only it keeps packed examples apart); on CPU use train.sampling=group_by_length",
+        )
+
+
 def run(cfg: DictConfig) -> dict:
+    check_settings(cfg)
+    config = OmegaConf.to_container(cfg, resolve=True)
+    if int(os.environ.get("RANK", "0")) != 0:  # under torchrun, rank 0 holds the output directory
+        return train(cfg, Path(cfg.out_dir), config)
+    with claim_output(cfg.out_dir, stage="sft", config=config, free=RESUME_FREE) as out:
+        return train(cfg, out, config)
+
+
+def train(cfg: DictConfig, out: Path, config: dict) -> dict:
     from transformers import AutoTokenizer, Trainer
     from transformers.trainer_utils import get_last_checkpoint
 
     started = time.time()
-    out = Path(cfg.out_dir)
     out.mkdir(parents=True, exist_ok=True)
     if cfg.threads:
         torch.set_num_threads(cfg.threads)
     tokenizer = AutoTokenizer.from_pretrained(cfg.model)
-    if cfg.train.packing and cfg.attn_implementation != "flash_attention_2":
-        raise ValueError(
-            "train.packing needs attn_implementation=flash_attention_2 (only it keeps packed examples apart); on CPU use train.sampling=group_by_length"
-        )
 
     # -- setup ------------------------------------------------------------------------------
     examples = load_examples(cfg.data.path, cfg.data.format)
     rows, data_report = build_dataset(examples, tokenizer, cfg.cutoff_len)
     if not rows:
-        raise ValueError(f"{cfg.data.path}: no example left to train on ({data_report})")
+        raise UserError(f"{cfg.data.path}: no example left to train on ({data_report})")
     dataset = [{"input_ids": r.input_ids, "labels": r.labels, "length": len(r)} for r in rows]
     log.info("data: %s", data_report)
     # The arguments first: with a ZeRO-3 config they register DeepSpeed with transformers, and
@@ -184,7 +219,7 @@ def run(cfg: DictConfig) -> dict:
         write_manifest(
             out,
             stage="sft",
-            config=OmegaConf.to_container(cfg, resolve=True),
+            config=config,
             inputs=[cfg.data.path],
             counts={"examples": data_report["kept"], "steps": trainer.state.global_step},
             seed=cfg.seed,
@@ -195,6 +230,7 @@ def run(cfg: DictConfig) -> dict:
     return metrics
 
 
+@exit_on_user_error
 def main(argv: list[str] | None = None) -> None:
     from etagent.config import parse_stage_args
 

@@ -13,6 +13,7 @@ import pytest
 import yaml
 
 from etagent.config import config_dir, load_config, presets, stages
+from etagent.errors import UserError
 
 ROOT = Path(__file__).parents[1]
 
@@ -41,7 +42,7 @@ def test_a_preset_that_leaves_a_value_open_is_refused_naming_it(tmp_path, monkey
     preset = (configs / "sft" / "paper.yaml").read_text().replace("  epochs: 3\n", "")
     (configs / "sft" / "forgetful.yaml").write_text(preset)
     monkeypatch.setenv("ETAGENT_CONFIG_DIR", str(configs))
-    with pytest.raises(ValueError, match=r"sft/forgetful.yaml leaves train.epochs unset"):
+    with pytest.raises(UserError, match=r"sft/forgetful.yaml leaves train.epochs unset"):
         load_config("sft", "forgetful")
     result = subprocess.run([sys.executable, "-m", "sft.run", "--preset", "forgetful"], capture_output=True, text=True, cwd=ROOT)
     assert result.returncode != 0 and "leaves train.epochs unset" in result.stderr

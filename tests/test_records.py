@@ -113,10 +113,23 @@ def test_parquet_rows_are_named_in_errors(tmp_path):
         read_questions(tmp_path / "q.parquet")
 
 
-def test_incomplete_last_line_is_skipped_by_readers(tmp_path):
+def test_incomplete_last_line_is_refused_unless_partial_input_is_allowed(tmp_path):
     path = tmp_path / "q.jsonl"
     path.write_text(json.dumps(q(0).to_json()) + "\n" + json.dumps(q(1).to_json())[:20])
-    assert [x.id for x in read_questions(path)] == ["q0"]
+    with pytest.raises(RecordError, match=r"q.jsonl:2: field '\(line\)': cut off"):
+        read_questions(path)
+    assert [x.id for x in read_questions(path, partial_ok=True)] == ["q0"]
+
+
+def test_an_empty_questions_file_or_question_is_refused(tmp_path):
+    path = tmp_path / "q.jsonl"
+    path.write_text("\n")
+    with pytest.raises(RecordError, match="no questions in the file"):
+        read_questions(path)
+    assert read_questions(path, partial_ok=True) == []
+    path.write_text(json.dumps({**q(0).to_json(), "question": "  "}) + "\n")
+    with pytest.raises(RecordError, match=r"q.jsonl:1: field 'question': Value error, empty question"):
+        read_questions(path)
 
 
 # --- trajectories -------------------------------------------------------------------------------

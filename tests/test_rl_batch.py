@@ -149,7 +149,7 @@ def test_the_presets_batch_plan_on_1_to_16_ranks(preset):
     per_step, n, mini = cfg.data.prompts_per_step, cfg.rollout.n, cfg.train.mini_batch_prompts
     for world in range(1, 17):
         if per_step % world:
-            with pytest.raises(ValueError, match=r"data.prompts_per_step \(\d+\) must be a multiple of the number of processes"):
+            with pytest.raises(ValueError, match=r"data.prompts_per_step: \d+ is not a multiple of the number of processes"):
                 batch_plan(per_step, n, mini, world)
             continue
         plan = batch_plan(per_step, n, mini, world)
@@ -167,5 +167,5 @@ def test_a_mini_batch_that_does_not_split_over_the_ranks_is_refused():
         batch_plan(8, 2, 1, 4)
     with pytest.raises(ValueError, match=r"multiple of train.mini_batch_prompts \(3\)"):
         batch_plan(8, 2, 3, 1)
-    with pytest.raises(ValueError, match=r"data.prompts_per_step must be at least 1"):
+    with pytest.raises(ValueError, match=r"data.prompts_per_step: must be at least 1"):
         batch_plan(0, 2, 1, 1)

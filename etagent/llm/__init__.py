@@ -194,6 +194,31 @@ def exact_segment_entropy(entropy: list[float] | None, vocab_size: int, window: 
     return sum(entropy[:window]) / math.log(vocab_size)
 
 
+def check_engine_settings(cfg, prefix: str = "engine") -> None:
+    """The ``engine`` group's choices and counts in range, and its model present (a local
+    directory, or a hub id where downloads are possible: see etagent.config.require_model)."""
+    from omegaconf import OmegaConf
+
+    from etagent.config import require_choice, require_int, require_model, require_number
+
+    root = OmegaConf.create({prefix: cfg})
+    kind = require_choice(root, f"{prefix}.kind", ("hf", "vllm", "openai"))
+    require_model(root, f"{prefix}.model")
+    require_int(root, f"{prefix}.max_batch_size")
+    if kind == "vllm":
+        require_int(root, f"{prefix}.vllm.max_model_len")
+        require_number(root, f"{prefix}.vllm.gpu_memory_utilization", above=0, maximum=1)
+        require_int(root, f"{prefix}.vllm.tensor_parallel_size")
+    if kind == "openai":
+        if not cfg.openai.urls:
+            from etagent.errors import SettingError
+
+            raise SettingError(f"{prefix}.openai.urls", "is empty: give the served policy's URL(s), e.g. [http://127.0.0.1:8011/v1]")
+        require_int(root, f"{prefix}.openai.concurrency")
+        require_int(root, f"{prefix}.openai.attempts")
+        require_number(root, f"{prefix}.openai.timeout_s", above=0)
+
+
 def make_engine(cfg):
     """An engine from the ``engine`` config group (configs/engine/*.yaml)."""
     if cfg.kind == "hf":

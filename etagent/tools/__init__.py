@@ -14,12 +14,15 @@ from dataclasses import dataclass, field
 @dataclass
 class ToolOutput:
     """A tool's answer: the text inserted in <result>, whether the call worked, and whether it
-    came from the cache."""
+    came from the cache. ``failure`` is set when the tool itself failed (the retriever did not
+    answer, the sandbox broke), as opposed to a call whose input failed (code that raised, an
+    empty query): a short cause, counted by the stages to tell a degraded run from a bad model."""
 
     text: str
     ok: bool
     cached: bool = False
     details: dict = field(default_factory=dict)
+    failure: str | None = None
 
 
 def truncate(text: str, max_chars: int) -> str:

@@ -26,6 +26,8 @@ import time
 from pathlib import Path
 from typing import Any
 
+from etagent.errors import MissingInput
+
 SCHEMA = """
 CREATE TABLE IF NOT EXISTS results (
     key TEXT PRIMARY KEY,
@@ -63,7 +65,7 @@ class ToolCache:
         self.mode = mode
         self.path.parent.mkdir(parents=True, exist_ok=True)
         if mode == "replay" and not self.path.exists():
-            raise FileNotFoundError(f"{self.path}: replay mode needs an existing cache file")
+            raise MissingInput(f"{self.path}: replay mode needs an existing cache file")
         self._lock = threading.Lock()
         self._db = sqlite3.connect(self.path, timeout=busy_timeout_s, check_same_thread=False, isolation_level=None)
         self._db.execute("PRAGMA journal_mode=WAL")

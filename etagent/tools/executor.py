@@ -18,9 +18,11 @@ from __future__ import annotations
 import asyncio
 import os
 import time
-from collections.abc import Callable, Sequence
+from collections import Counter
+from collections.abc import Callable, Iterable, Sequence
 from typing import Any
 
+from etagent.errors import SettingError
 from etagent.protocol import ToolCall
 from etagent.records import ToolCallRecord
 from etagent.tools import ToolOutput
@@ -62,12 +64,20 @@ class ToolExecutor:
                     output = await asyncio.wait_for(tool(call.input), self.timeout_s[call.tool])
             except asyncio.TimeoutError:
                 output = ToolOutput(
-                    f"Tool execute failed: {call.tool} did not answer within {self.timeout_s[call.tool]:g} seconds", ok=False
+                    f"Tool execute failed: {call.tool} did not answer within {self.timeout_s[call.tool]:g} seconds",
+                    ok=False,
+                    failure="timeout",
                 )
             except Exception as exc:  # a tool must never take the agent loop down with it
-                output = ToolOutput(f"Tool execute failed: {type(exc).__name__}: {exc}", ok=False)
+                output = ToolOutput(f"Tool execute failed: {type(exc).__name__}: {exc}", ok=False, failure=type(exc).__name__)
         return ToolCallRecord(
-            tool=call.tool, input=call.input, output=output.text, ok=output.ok, seconds=time.perf_counter() - start, cached=output.cached
+            tool=call.tool,
+            input=call.input,
+            output=output.text,
+            ok=output.ok,
+            seconds=time.perf_counter() - start,
+            cached=output.cached,
+            failure=output.failure,
         )
 
     async def run(self, calls: Sequence[ToolCall]) -> list[ToolCallRecord]:
@@ -98,6 +108,32 @@ def budget_exhausted_record(call: ToolCall, used: int, limit: int, scope: str) -
     return ToolCallRecord(tool=call.tool, input=call.input, output=text, ok=False, seconds=0.0, budget_exhausted=True)
 
 
+def check_tool_settings(cfg, prefix: str = "tools") -> None:
+    """The ``tools`` group's counts, limits and choices in their ranges (``prefix``: where the
+    group sits in the stage's config, for the messages)."""
+    from omegaconf import OmegaConf
+
+    from etagent.config import require_choice, require_int, require_number
+
+    root = OmegaConf.create({prefix: cfg})
+    require_number(root, f"{prefix}.max_failure_share", 0.0, 1.0)
+    require_choice(root, f"{prefix}.python.backend", ("sandbox", "sandbox_fusion"))
+    require_choice(root, f"{prefix}.search.backend", ("local", "serper", "brightdata", "bing"))
+    for key in ("python.memory_mb", "python.file_size_mb", "python.open_files", "python.processes", "python.tmpfs_mb"):
+        require_int(root, f"{prefix}.{key}")
+    for key in (
+        "python.max_output_chars",
+        "python.concurrency",
+        "search.top_k",
+        "search.max_doc_chars",
+        "search.attempts",
+        "search.concurrency",
+    ):
+        require_int(root, f"{prefix}.{key}")
+    for key in ("python.timeout_s", "search.timeout_s"):
+        require_number(root, f"{prefix}.{key}", above=0)
+
+
 def build_executor(cfg) -> ToolExecutor:
     """The tools described by a ``tools`` config (see configs/tools/tiny.yaml)."""
     from etagent.tools.cache import ToolCache
@@ -120,7 +156,7 @@ def build_executor(cfg) -> ToolExecutor:
     elif py.backend == "sandbox_fusion":
         backend = SandboxFusion(py.sandbox_fusion_url, limits=limits)
     else:
-        raise ValueError(f"tools.python.backend must be sandbox or sandbox_fusion, got {py.backend!r}")
+        raise SettingError("tools.python.backend", f"must be sandbox or sandbox_fusion, got {py.backend!r}")
     python_tool = PythonTool(backend, max_output_chars=py.max_output_chars)
 
     se = cfg.search
@@ -149,7 +185,7 @@ def build_executor(cfg) -> ToolExecutor:
             zone=web.zone,
         )
     else:
-        raise ValueError(f"tools.search.backend must be local, serper, brightdata or bing, got {se.backend!r}")
+        raise SettingError("tools.search.backend", f"must be local, serper, brightdata or bing, got {se.backend!r}")
     cache = ToolCache(se.cache.path, mode=se.cache.mode) if se.cache.path else None
     search_tool = SearchTool(search_backend, cache)
     return ToolExecutor(
@@ -159,3 +195,35 @@ def build_executor(cfg) -> ToolExecutor:
         timeout_s={"python": py.timeout_s + 30, "search": se.timeout_s * se.attempts + 10},
         on_close=[backend.close] + ([cache.close] if cache else []),
     )
+
+
+def failure_counts(calls: Iterable[ToolCallRecord]) -> dict:
+    """How many calls the tools themselves failed (``failure`` set), by tool and cause:
+    ``{"calls": 223, "failed": 155, "share": 0.695, "by_tool": {"search": {"ConnectError": 150,
+    "timeout": 5}}}``. Calls over their budget never reached a tool and are not counted."""
+    counted = failed = 0
+    by_tool: dict[str, Counter] = {}
+    for call in calls:
+        if call.budget_exhausted:
+            continue
+        counted += 1
+        if call.failure:
+            failed += 1
+            by_tool.setdefault(call.tool, Counter())[call.failure] += 1
+    return {
+        "calls": counted,
+        "failed": failed,
+        "share": round(failed / counted, 4) if counted else 0.0,
+        "by_tool": {tool: dict(causes.most_common()) for tool, causes in sorted(by_tool.items())},
+    }
+
+
+def describe_failures(counts: dict) -> str:
+    """``155 of 223 tool calls failed (69.5%): search ConnectError 150, search timeout 5``."""
+    causes = ", ".join(f"{tool} {cause} {n}" for tool, by_cause in counts["by_tool"].items() for cause, n in by_cause.items())
+    return f"{counts['failed']} of {counts['calls']} tool calls failed ({100 * counts['share']:.1f}%)" + (f": {causes}" if causes else "")
+
+
+def degraded(counts: dict, max_share: float) -> bool:
+    """Whether the tools failed on more than ``max_share`` of the calls (``tools.max_failure_share``)."""
+    return counts["share"] > max_share

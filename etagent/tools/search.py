@@ -315,7 +315,7 @@ class SearchTool:
         try:
             result = await self.backend.search(query)
         except ExternalCallError as exc:
-            return ToolOutput(f"Search failed: {exc}", ok=False)
+            return ToolOutput(f"Search failed: {exc}", ok=False, failure=exc.cause)
         if self.cache is not None:
             await asyncio.to_thread(self.cache.put, "search", name, query, params, {"text": result.text, "documents": result.documents})
         return ToolOutput(result.text, ok=True, details={"documents": result.documents})

@@ -33,6 +33,7 @@ from pathlib import Path
 from omegaconf import DictConfig, OmegaConf
 
 from etagent import protocol
+from etagent.errors import exit_on_user_error
 from etagent.records import SFTExample, TrajectoryGroup, write_jsonl, write_manifest
 from etagent.toy.model import DIGIT_CHUNKS, build_model, save_policy, train_tokenizer
 from etagent.toy.seeds import BEHAVIOURS, ToySearch, write_trajectory
@@ -223,6 +224,7 @@ def run(cfg: DictConfig, force: bool = False) -> dict:
     return summary
 
 
+@exit_on_user_error
 def main(argv: list[str] | None = None) -> None:
     import argparse
 
