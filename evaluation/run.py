@@ -184,11 +184,14 @@ RESUME_FREE = (
 )
 
 
-def evaluate_dataset(cfg: DictConfig, name: str, judge) -> dict:
+def benchmark_path(cfg: DictConfig, name: str) -> Path:
+    return Path(cfg.files[name]) if name in cfg.files else benchmark_file(cfg.data_dir, name)
+
+
+def evaluate_dataset(cfg: DictConfig, name: str, questions: list, judge) -> dict:
     out = Path(cfg.out_dir) / name
     out.mkdir(parents=True, exist_ok=True)
-    path = Path(cfg.files[name]) if name in cfg.files else benchmark_file(cfg.data_dir, name)
-    questions = load_benchmark(name, path, cfg.limit, cfg.partial_input_ok)
+    path = benchmark_path(cfg, name)
     write_jsonl(out / "questions.jsonl", questions)
     rollouts = run_sampling(sampling_config(cfg, name, out / "questions.jsonl", out))
     score(cfg, out, judge)
@@ -206,16 +209,18 @@ def run(cfg: DictConfig) -> dict:
     started = time.time()
     check_settings(cfg)
     config = OmegaConf.to_container(cfg, resolve=True)
+    # every benchmark read (and so checked) before anything is written
+    questions = {name: load_benchmark(name, benchmark_path(cfg, name), cfg.limit, cfg.partial_input_ok) for name in cfg.datasets}
     with claim_output(cfg.out_dir, stage="evaluation", config=config, free=RESUME_FREE) as out:
-        return _evaluate(cfg, out, config, started)
+        return _evaluate(cfg, out, config, questions, started)
 
 
-def _evaluate(cfg: DictConfig, out: Path, config: dict, started: float) -> dict:
+def _evaluate(cfg: DictConfig, out: Path, config: dict, questions: dict[str, list], started: float) -> dict:
     judge = make_judge(cfg)
     results = {}
     for name in cfg.datasets:
         log.info("evaluating %s", name)
-        results[name] = evaluate_dataset(cfg, name, judge)
+        results[name] = evaluate_dataset(cfg, name, questions[name], judge)
     failures = {name: r["tool_failures"] for name, r in results.items()}
     degraded_datasets = [name for name, counts in failures.items() if degraded(counts, cfg.tools.max_failure_share)]
     summary = {"run": cfg.run_name or out.name, "datasets": results, "degraded": degraded_datasets}
