@@ -7,15 +7,13 @@ import os
 import signal
 import subprocess
 import sys
-import time
 from pathlib import Path
 
-import httpx
 import pytest
 
 from etagent.config import load_config
 from etagent.toy.build import run
-from tests.servers import free_port
+from tests.servers import free_port, wait_until_healthy
 
 
 @pytest.fixture(scope="session")
@@ -74,16 +72,7 @@ def serve_index(index_dir: Path):
         stderr=subprocess.PIPE,
     )
     url = f"http://127.0.0.1:{port}"
-    deadline = time.monotonic() + 120
-    while True:
-        try:
-            if httpx.get(f"{url}/health", timeout=1).json()["status"] == "ok":
-                break
-        except (httpx.HTTPError, ValueError):
-            pass
-        assert proc.poll() is None, proc.stderr.read().decode()[-2000:]
-        assert time.monotonic() < deadline, "the retriever did not start"
-        time.sleep(0.3)
+    wait_until_healthy(url, proc, lambda: proc.stderr.read().decode())
     yield url
     proc.send_signal(signal.SIGTERM)
     proc.wait(timeout=30)

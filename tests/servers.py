@@ -1,12 +1,16 @@
-"""Run a real ASGI app (FastAPI) with uvicorn on 127.0.0.1 in a background thread, for tests."""
+"""Run a real ASGI app (FastAPI) with uvicorn on 127.0.0.1 in a background thread, for tests;
+wait for a server started in a subprocess to answer its health check."""
 
 from __future__ import annotations
 
 import contextlib
 import socket
+import subprocess
 import threading
 import time
+from collections.abc import Callable
 
+import httpx
 import uvicorn
 
 
@@ -33,3 +37,17 @@ def serve(app, port: int | None = None):
     finally:
         server.should_exit = True
         thread.join(timeout=10)
+
+
+def wait_until_healthy(url: str, proc: subprocess.Popen, log_tail: Callable[[], str], timeout_s: float = 120) -> None:
+    """Poll ``url/health`` until it answers ok; fail with the server's log if it exits or never does."""
+    deadline = time.monotonic() + timeout_s
+    while True:
+        try:
+            if httpx.get(f"{url}/health", timeout=1).json()["status"] == "ok":
+                return
+        except (httpx.HTTPError, ValueError):
+            pass
+        assert proc.poll() is None, log_tail()[-2000:]
+        assert time.monotonic() < deadline, "the retriever did not start"
+        time.sleep(0.3)

@@ -25,7 +25,7 @@ from etagent.config import load_config
 from etagent.records import read_questions
 from etagent.tools.search import RetrieverClient, SearchTool
 from tests.conftest import TOKEN, build_index
-from tests.servers import free_port
+from tests.servers import free_port, wait_until_healthy
 
 
 def post(url, path, body, token=TOKEN, timeout=30, **kw):
@@ -182,16 +182,7 @@ def logged_server(index_dir, tmp_path_factory):
             stderr=stderr,
         )
     url = f"http://127.0.0.1:{port}"
-    deadline = time.monotonic() + 120
-    while True:
-        try:
-            if httpx.get(f"{url}/health", timeout=1).json()["status"] == "ok":
-                break
-        except (httpx.HTTPError, ValueError):
-            pass
-        assert proc.poll() is None, log.read_text()[-2000:]
-        assert time.monotonic() < deadline, "the retriever did not start"
-        time.sleep(0.3)
+    wait_until_healthy(url, proc, log.read_text)
     yield url, log
     proc.send_signal(signal.SIGTERM)
     proc.wait(timeout=30)
