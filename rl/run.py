@@ -67,12 +67,12 @@ from omegaconf import DictConfig, OmegaConf
 
 from etagent.agent import AgentConfig, AgentLoop, TrajectoryState, check_agent_settings
 from etagent.config import require_choice, require_file, require_int, require_model, require_number
-from etagent.errors import SettingError, exit_on_user_error
+from etagent.errors import DegradedRun, SettingError, exit_on_user_error
 from etagent.records import write_manifest
 from etagent.rundir import claim_output
 from etagent.sampling import RESUME_FREE as SAMPLING_RESUME_FREE
 from etagent.timing import phase
-from etagent.tools.executor import check_tool_settings
+from etagent.tools.executor import check_tool_settings, degraded, describe_failures, failure_counts, merge_failure_counts
 from rl.actor import response_logprobs, update
 from rl.algorithm import grpo_advantages, logprob_mismatch
 from rl.batch import Batch, BatchPlan, batch_plan, pack
@@ -277,6 +277,7 @@ def train_step(trainer: Trainer, step: int, loop: AgentLoop, greedy: AgentLoop, 
         # vLLM frees its GPU memory for the trainer: level 2 drops the weights too (the sync
         # brings new ones), a no-op elsewhere
         trainer.engine.sleep(level=2)
+    metrics.update(check_tool_failures(trainer, step, rollouts.groups))
     with phase("reward", metrics):
         factor = sigma_factor(step, trainer.total) if cfg.reward.decay else 1.0
         rows = rewards_of(rollouts.groups, chosen, cfg, factor, loop)
@@ -311,6 +312,19 @@ def train_step(trainer: Trainer, step: int, loop: AgentLoop, greedy: AgentLoop, 
         save(trainer, step, rows, metrics)
     metrics["timing_s/step"] = time.perf_counter() - started
     return metrics
+
+
+def check_tool_failures(trainer: Trainer, step: int, groups: list[list[TrajectoryState]]) -> dict:
+    """The step's tool failures over every rank, as metrics; over ``tools.max_failure_share`` the
+    run stops before updating: rollouts whose searches failed would teach the policy that tools
+    do not work. The last checkpoint stays, and a rerun resumes from it once the tools are back."""
+    counts = merge_failure_counts(gather_objects(failure_counts(call for group in groups for t in group for call in t.tool_calls)))
+    if degraded(counts, trainer.cfg.tools.max_failure_share):
+        raise DegradedRun(
+            f"step {step}: {describe_failures(counts)}, over tools.max_failure_share={trainer.cfg.tools.max_failure_share}: "
+            f"stopped before updating on these rollouts; fix the tools and rerun to resume from the last checkpoint in {trainer.out}"
+        )
+    return {"tools/calls": counts["calls"], "tools/failed": counts["failed"], "tools/failure_share": counts["share"]}
 
 
 def step_prompts(prompts: list[Prompt], step: int, per_step: int, seed: int) -> list[Prompt]:

@@ -317,3 +317,24 @@ def test_pareto_refuses_an_unfinished_direct_rollout(tmp_path):
     (rollouts / "manifest.json").write_text(json.dumps({"status": "running", "config": {}}))
     result = etagent("pareto", f"rollouts={rollouts}", f"out_dir={tmp_path / 'rl_data'}")
     refused(result, "the direct rollout has not finished (status running)")
+
+
+def test_rl_stops_before_updating_on_rollouts_whose_tools_failed(sft_model, toy, tmp_path):
+    questions = read_questions(toy / "questions" / "test.jsonl")[:4]
+    parquet = write_rl_parquet([RLRow.for_question(q, i, "train") for i, q in enumerate(questions)], tmp_path / "rl.parquet")
+    out = tmp_path / "rl"
+    result = etagent(
+        "rl",
+        f"model={sft_model / 'model'}",
+        f"data.train={parquet}",
+        f"out_dir={out}",
+        "tools.search.local.url=http://127.0.0.1:9",
+        "tools.search.attempts=1",
+        "data.prompts_per_step=4",
+        "rollout.kind=group",
+        "rollout.n=2",
+        "agent.max_response_tokens=256",
+    )
+    refused(result, "step 1: ", status=DEGRADED)
+    assert "search ConnectError" in result.stderr and "stopped before updating on these rollouts" in result.stderr
+    assert not (out / "model").exists() and json.loads((out / "manifest.json").read_text())["status"] == "running"

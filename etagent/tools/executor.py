@@ -210,10 +210,24 @@ def failure_counts(calls: Iterable[ToolCallRecord]) -> dict:
         if call.failure:
             failed += 1
             by_tool.setdefault(call.tool, Counter())[call.failure] += 1
+    return _failure_summary(counted, failed, by_tool)
+
+
+def merge_failure_counts(parts: Sequence[dict]) -> dict:
+    """The :func:`failure_counts` of several parts (ranks, workers) as one."""
+    calls, failed = sum(p["calls"] for p in parts), sum(p["failed"] for p in parts)
+    by_tool: dict[str, Counter] = {}
+    for part in parts:
+        for tool, causes in part["by_tool"].items():
+            by_tool.setdefault(tool, Counter()).update(causes)
+    return _failure_summary(calls, failed, by_tool)
+
+
+def _failure_summary(calls: int, failed: int, by_tool: dict[str, Counter]) -> dict:
     return {
-        "calls": counted,
+        "calls": calls,
         "failed": failed,
-        "share": round(failed / counted, 4) if counted else 0.0,
+        "share": round(failed / calls, 4) if calls else 0.0,
         "by_tool": {tool: dict(causes.most_common()) for tool, causes in sorted(by_tool.items())},
     }
 
