@@ -23,7 +23,6 @@ import logging
 import os
 import shutil
 import sqlite3
-import sys
 import time
 from collections.abc import Iterator
 from pathlib import Path
@@ -32,7 +31,7 @@ import numpy as np
 from omegaconf import DictConfig, OmegaConf
 from tqdm import tqdm
 
-from etagent.errors import MissingInput, exit_on_user_error
+from etagent.errors import MissingInput, UserError, exit_on_user_error
 from etagent.records import RecordError, iter_jsonl, write_manifest
 
 log = logging.getLogger("retriever.build")
@@ -196,7 +195,7 @@ def build(cfg: DictConfig) -> dict:
     )
     previous = db.execute("SELECT value FROM meta WHERE key = 'signature'").fetchone()
     if previous and previous[0] != signature:
-        sys.exit(f"{out} holds vectors from another corpus or encoder; use a new index_dir")
+        raise UserError(f"{out} holds vectors from another corpus or encoder; use a new index_dir")
     db.execute("INSERT OR REPLACE INTO meta VALUES ('signature', ?)", (signature,))
     t0 = time.time()
     n = encode_corpus(cfg, out, db)

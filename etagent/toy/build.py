@@ -25,7 +25,6 @@ from __future__ import annotations
 
 import json
 import random
-import sys
 import time
 from collections import Counter
 from pathlib import Path
@@ -33,7 +32,7 @@ from pathlib import Path
 from omegaconf import DictConfig, OmegaConf
 
 from etagent import protocol
-from etagent.errors import exit_on_user_error
+from etagent.errors import UserError, exit_on_user_error
 from etagent.records import SFTExample, TrajectoryGroup, write_jsonl, write_manifest
 from etagent.toy.model import DIGIT_CHUNKS, build_model, save_policy, train_tokenizer
 from etagent.toy.seeds import BEHAVIOURS, ToySearch, write_trajectory
@@ -210,7 +209,7 @@ def run(cfg: DictConfig, force: bool = False) -> dict:
             print_summary(manifest["metrics"], out_dir)
             return manifest["metrics"]
         if manifest.get("config") != resolved:
-            sys.exit(f"{out_dir} holds a toy world built with a different config; use another --out or --force")
+            raise UserError(f"{out_dir} holds a toy world built with a different config; use another --out or --force")
     out_dir.mkdir(parents=True, exist_ok=True)
     summary = build(cfg, out_dir)
     example = None
