@@ -75,7 +75,7 @@ def paper_normalize(text: str) -> str:
     return normalize_answer(text, remove_articles=True, remove_punctuation=False)
 
 
-def _token_f1(pred_tokens: list[str], gold_tokens: list[str]) -> float:
+def token_f1(pred_tokens: list[str], gold_tokens: list[str]) -> float:
     common = sum((Counter(pred_tokens) & Counter(gold_tokens)).values())
     if common == 0:
         return 0.0
@@ -83,15 +83,15 @@ def _token_f1(pred_tokens: list[str], gold_tokens: list[str]) -> float:
     return 2 * precision * recall / (precision + recall)
 
 
-_YES_NO = {"yes", "no", "noanswer"}
+YES_NO = {"yes", "no", "noanswer"}
 
 
 def f1(prediction: str, gold: str) -> float:
     """Token F1 after SQuAD normalisation, with the yes/no/noanswer exact-match rule."""
     pred, ref = squad_normalize(prediction), squad_normalize(gold)
-    if (pred in _YES_NO or ref in _YES_NO) and pred != ref:
+    if (pred in YES_NO or ref in YES_NO) and pred != ref:
         return 0.0
-    return _token_f1(pred.split(), ref.split())
+    return token_f1(pred.split(), ref.split())
 
 
 def em(prediction: str, gold: str) -> float:
@@ -106,7 +106,7 @@ def acc(prediction: str, gold: str) -> float:
 
 def f1_paper(prediction: str, gold: str) -> float:
     """Token F1 as the paper's evaluation computes it (articles removed, punctuation kept)."""
-    return _token_f1(paper_normalize(prediction).split(), paper_normalize(gold).split())
+    return token_f1(paper_normalize(prediction).split(), paper_normalize(gold).split())
 
 
 def em_paper(prediction: str, gold: str) -> float:
@@ -121,7 +121,7 @@ def acc_paper(prediction: str, gold: str) -> float:
 
 def f1_raw_whitespace(prediction: str, gold: str) -> float:
     """The flywheel judge's F1: lower case and whitespace split only (the reference's variant)."""
-    return _token_f1(str(prediction).lower().split(), str(gold).lower().split())
+    return token_f1(str(prediction).lower().split(), str(gold).lower().split())
 
 
 def best_over_golds(metric: Callable[[str, str], float], prediction: str, golds: Sequence[str]) -> float:

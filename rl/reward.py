@@ -66,8 +66,15 @@ def answer_block(response: str) -> str | None:
 
 
 def paper_qa_f1(prediction: str, gold: str) -> float:
-    """The paper's training QA score: F1 after the deepsearch strip (which deletes spaces)."""
-    return scoring.f1(scoring.strip_string(prediction, deepsearch=True), scoring.strip_string(gold, deepsearch=True))
+    """The paper's training QA score (its ``get_f1_score``): SQuAD normalisation first (lower
+    case, no punctuation, no articles), then the deepsearch strip, which deletes every space, so
+    each side is one token and the "F1" is exact match without spaces: "Kess River" scores 1
+    against "the Kess river", "theKess river" 0. yes/no/noanswer must match exactly."""
+    pred = scoring.strip_string(scoring.squad_normalize(prediction), deepsearch=True)
+    ref = scoring.strip_string(scoring.squad_normalize(gold), deepsearch=True)
+    if (pred in scoring.YES_NO or ref in scoring.YES_NO) and pred != ref:
+        return 0.0
+    return scoring.token_f1(pred.split(), ref.split())
 
 
 def raw_correctness(response: str, ground_truth: Sequence[str], data_source: str, mode: str = "default") -> float:

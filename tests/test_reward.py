@@ -57,11 +57,13 @@ def test_paper_mode_qa_is_exact_match_without_spaces():
     # default: token F1 after SQuAD normalisation
     assert raw_correctness(response("Kess River"), gold, "qa_effi_rl", "default") == 1.0
     assert raw_correctness(response("river Kess bank"), ["Kess river"], "qa_effi_rl", "default") == pytest.approx(0.8)
-    # paper: the deepsearch strip deletes spaces before the F1, and the article with them
-    assert raw_correctness(response("Kess River"), gold, "qa_effi_rl", "paper") == 0.0
-    assert raw_correctness(response("theKess river"), gold, "qa_effi_rl", "paper") == 1.0
+    # paper: SQuAD normalisation (the article goes), then the deepsearch strip deletes the spaces
+    assert raw_correctness(response("Kess River"), gold, "qa_effi_rl", "paper") == 1.0
+    assert raw_correctness(response("theKess river"), gold, "qa_effi_rl", "paper") == 0.0
     assert raw_correctness(response("river Kess bank"), ["Kess river"], "qa_effi_rl", "paper") == 0.0
-    assert raw_correctness(response("\\text{Kess} river"), ["Kess river"], "qa_effi_rl", "paper") == 1.0
+    # the normalisation has already removed the backslash and braces when the strip would unwrap \text{}
+    assert raw_correctness(response("\\text{Kess} river"), ["Kess river"], "qa_effi_rl", "paper") == 0.0
+    assert raw_correctness(response("yes"), ["no"], "qa_effi_rl", "paper") == 0.0
     # an answer without a box scores nothing in the paper, its text in the default mode
     unboxed = "<think>a</think><answer>Kess river</answer>"
     assert raw_correctness(unboxed, ["Kess river"], "qa_effi_rl", "paper") == 0.0
@@ -111,7 +113,7 @@ def test_etagent_reward_command(tmp_path):
     lines = [json.loads(line) for line in out.stdout.splitlines()]
     assert set(lines[0]) == {"rewards", "raw", "tool_calls", "f_tool", "f_length", "f_format"}
     assert lines[0] == efficiency_reward(**{k: v for k, v in groups[0].items()}).to_json()
-    assert lines[1]["raw"] == [0.0]  # paper mode: "kessriver" against "thekessriver"
+    assert lines[1]["raw"] == [1.0]  # paper mode: "kessriver" against "kessriver" (the article normalised away first)
     bad = json.dumps({**groups[0], "lengths": [1, 2]})
     failed = subprocess.run([sys.executable, "-m", "etagent.cli", "reward"], input=bad + "\n", capture_output=True, text=True)
     assert failed.returncode != 0 and "<stdin>:1: field 'lengths'" in failed.stderr
