@@ -160,6 +160,8 @@ class TrajectoryState:
     entropies: list[float] = field(default_factory=list)
     entropies_exact: list[float] = field(default_factory=list)
     budget_messages: int = 0
+    # tool-call records a fork copied from its source (those calls ran once, in the source)
+    forked_calls: int = 0
     # a call at the end of a prefix that has not run yet: it runs before the next generation
     trailing_call: protocol.ToolCall | None = None
     finish_reason: str | None = None
@@ -189,6 +191,11 @@ class TrajectoryState:
     def executed(self, tool: str | None = None) -> int:
         """Calls that ran (budget messages excluded, calls of a prefix included), of one tool or all."""
         return sum(1 for c in self.tool_calls if not c.budget_exhausted and (tool is None or c.tool == tool))
+
+    def executed_here(self) -> int:
+        """Calls this trajectory ran itself: :meth:`executed` less those a fork copied from its
+        source (what tree rollouts save over independent samples)."""
+        return sum(1 for c in self.tool_calls[self.forked_calls :] if not c.budget_exhausted)
 
     def append(self, ids: list[int], origin: TokenOrigin, logprobs: list[float] | None = None, tempered: list[float] | None = None) -> None:
         self.response_ids += ids
@@ -229,6 +236,7 @@ class TrajectoryState:
                 twin.segment_starts = twin.segment_starts[:at_segment]
                 twin.entropies, twin.entropies_exact = twin.entropies[:at_segment], twin.entropies_exact[:at_segment]
                 twin.finish_reason = twin.error = None
+        twin.forked_calls = len(twin.tool_calls)
         twin.provenance = self.provenance.model_copy(
             update=dict(
                 operation="fork",

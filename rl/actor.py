@@ -39,21 +39,28 @@ def update(
     ref: torch.Tensor | None,
     cfg: DictConfig,
     device: torch.device,
+    rollout_mismatch: bool = False,
 ) -> dict:
     """One optimizer step per mini-batch of the plan; the step's metrics (summed over ranks).
 
     Every rank takes the same number of optimizer steps and of micro-batches per step (each
     backward is a collective under FSDP2): a rank with fewer micro-batches runs its first one
-    again with the loss multiplied by zero."""
+    again with the loss multiplied by zero.
+
+    ``rollout_mismatch``: also report how far the rollout engine's log-probabilities are from the
+    trainer's (``rollout/logprob_mismatch``, mean absolute difference per policy token), measured
+    on the first mini-batch, before any optimizer step, when the trainer's weights are still those
+    that sampled: for an engine whose log-probabilities serve as the old ones (hf), at no extra
+    forward pass."""
     from torch.distributed.tensor import DTensor
 
     world = dist.get_world_size()
     size = plan.mini_batch_sequences_per_rank
     minis = [list(range(k * size, (k + 1) * size)) for k in range(plan.optimizer_steps)]
     assert minis[-1][-1] == batch.input_ids.shape[0] - 1, "a rank's rollouts are not the plan's"
-    sums = dict.fromkeys(("loss", "clipped_tokens", "dual_clipped_tokens", "entropy", "kl", "policy_tokens", "grad_norm"), 0.0)
+    sums = dict.fromkeys(("loss", "clipped_tokens", "dual_clipped_tokens", "entropy", "kl", "policy_tokens", "grad_norm", "mismatch"), 0.0)
     row_tokens = batch.tokens()
-    for mini in minis:
+    for number, mini in enumerate(minis):
         tokens = max(sum_all([float(batch.loss_mask[mini].sum())], device)[0], 1.0)
         parts = [[mini[i] for i in part] for part in micro_batches([row_tokens[i] for i in mini], cfg.train.micro_batch_tokens)]
         n_parts = int(max_all([len(parts)], device)[0])
@@ -61,6 +68,9 @@ def update(
             rows, weight = (parts[k], 1.0) if k < len(parts) else (parts[0], 0.0)
             micro = batch.select(rows)
             logprobs, entropy = token_logprobs(policy, micro, with_entropy=True)
+            if rollout_mismatch and number == 0:
+                gap = (logprobs.detach().float() - batch.rollout_logprobs[rows, : micro.response_width]).abs()
+                sums["mismatch"] += weight * float(masked_sum(gap, micro.loss_mask))
             micro_advantages = advantages[rows]
             if cfg.algorithm.entropy_aware_advantage:  # AEPO: standardised over this micro-batch's tokens, as the reference
                 micro_advantages = entropy_aware_advantages(micro_advantages, entropy, micro.loss_mask)
@@ -93,11 +103,15 @@ def update(
         optimizer.zero_grad(set_to_none=True)
         sums["policy_tokens"] += tokens
         sums["grad_norm"] += float(grad_norm) / len(minis)
-    loss_sum, clipped, dual, entropy, kl = sum_all(
-        [sums["loss"], sums["clipped_tokens"], sums["dual_clipped_tokens"], sums["entropy"], sums["kl"]], device
+    first_tokens = float(batch.loss_mask[minis[0]].sum())
+    loss_sum, clipped, dual, entropy, kl, mismatch, first_tokens = sum_all(
+        [sums["loss"], sums["clipped_tokens"], sums["dual_clipped_tokens"], sums["entropy"], sums["kl"], sums["mismatch"], first_tokens],
+        device,
     )
-    kl_metrics = {"actor/kl": kl / max(sums["policy_tokens"], 1.0)} if ref is not None else {}
-    return kl_metrics | {
+    extra = {"actor/kl": kl / max(sums["policy_tokens"], 1.0)} if ref is not None else {}
+    if rollout_mismatch:
+        extra["rollout/logprob_mismatch"] = mismatch / max(first_tokens, 1.0)
+    return extra | {
         "actor/loss": loss_sum / len(minis),
         "actor/clip_fraction": clipped / max(sums["policy_tokens"], 1.0),
         "actor/dual_clip_fraction": dual / max(sums["policy_tokens"], 1.0),

@@ -73,6 +73,9 @@ class Batch:
 
 
 def pack(trajectories: list[TrajectoryState], pad_id: int) -> Batch:
+    """The trajectories as one batch. ``rollout_logprobs`` are the engine's log-probabilities under
+    the sampling temperature (the hf engine's always; vLLM's at T = 1), else its raw ones
+    (:func:`tempered_rollouts` says which)."""
     prompt_width = max(len(t.prompt_ids) for t in trajectories)
     response_width = max(1, max(len(t.response_ids) for t in trajectories))
     rows = len(trajectories)
@@ -87,9 +90,16 @@ def pack(trajectories: list[TrajectoryState], pad_id: int) -> Batch:
         if r:
             input_ids[i, prompt_width : prompt_width + r] = torch.tensor(t.response_ids)
             loss_mask[i, :r] = torch.tensor([float(o == TokenOrigin.SAMPLED) for o in t.origin])
-            logprobs[i, :r] = torch.tensor(t.logprobs)
+            # of the distribution the tokens were drawn from (logits / T), where the engine gave them
+            logprobs[i, :r] = torch.tensor(t.tempered_logprobs if t.tempered_logprobs is not None else t.logprobs)
     position_ids = (attention.cumsum(dim=1) - 1).clamp(min=0)
     return Batch(input_ids, attention, position_ids, loss_mask, logprobs, prompt_width)
+
+
+def tempered_rollouts(trajectories: list[TrajectoryState]) -> bool:
+    """Whether every trajectory's log-probabilities are under its sampling temperature, so that
+    :func:`pack`'s ``rollout_logprobs`` compare with the trainer's."""
+    return all(t.tempered_logprobs is not None for t in trajectories)
 
 
 def token_logprobs(policy, batch: Batch, with_entropy: bool = False) -> tuple[torch.Tensor, torch.Tensor | None]:

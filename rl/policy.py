@@ -44,10 +44,15 @@ class Policy(nn.Module):
     tokens' log-probabilities. It is the FSDP2 root, so the output embedding, the final norm and
     the input embedding are gathered for exactly this forward and its backward."""
 
-    def __init__(self, lm: nn.Module, chunk_tokens: int):
+    def __init__(self, lm: nn.Module, chunk_tokens: int, temperature: float = 1.0):
         super().__init__()
+        if temperature <= 0:
+            raise ValueError(f"the policy's log-probabilities need a sampling temperature > 0, got {temperature}")
         self.lm = lm
         self.chunk_tokens = chunk_tokens
+        # the rollouts were sampled from softmax(logits / T): the ratio and the entropy are of that
+        # distribution, as verl's actor computes them
+        self.temperature = temperature
 
     def forward(
         self,
@@ -58,27 +63,33 @@ class Policy(nn.Module):
         with_entropy: bool = False,
     ) -> tuple[torch.Tensor, torch.Tensor | None]:
         """Log-probabilities (B, R) of the tokens after ``prompt_width`` (each predicted from the
-        position before it), and the entropy of each one's distribution when asked (no gradient).
-        Padding positions hold junk: mask them."""
+        position before it) under the sampling temperature, and the entropy of each one's
+        distribution when asked (no gradient). Padding positions hold junk: mask them."""
         hidden = self.lm.get_decoder()(
             input_ids=input_ids, attention_mask=attention_mask, position_ids=position_ids, use_cache=False
         ).last_hidden_state
         responses = hidden[:, prompt_width - 1 : -1]
         targets = input_ids[:, prompt_width:]
-        return response_logprobs(responses, self.lm.get_output_embeddings().weight, targets, self.chunk_tokens, with_entropy)
+        weight = self.lm.get_output_embeddings().weight
+        return response_logprobs(responses, weight, targets, self.chunk_tokens, with_entropy, self.temperature)
 
 
 def response_logprobs(
-    hidden: torch.Tensor, weight: torch.Tensor, targets: torch.Tensor, chunk_tokens: int, with_entropy: bool = False
+    hidden: torch.Tensor,
+    weight: torch.Tensor,
+    targets: torch.Tensor,
+    chunk_tokens: int,
+    with_entropy: bool = False,
+    temperature: float = 1.0,
 ) -> tuple[torch.Tensor, torch.Tensor | None]:
-    """``log softmax(hidden @ weight.T)[target]`` for (B, T, H) hidden states and (B, T) targets,
-    ``chunk_tokens`` positions at a time. With gradients on, each chunk is checkpointed: its
-    logits are freed after the forward and recomputed in the backward."""
+    """``log softmax(hidden @ weight.T / temperature)[target]`` for (B, T, H) hidden states and
+    (B, T) targets, ``chunk_tokens`` positions at a time. With gradients on, each chunk is
+    checkpointed: its logits are freed after the forward and recomputed in the backward."""
     batch, width, size = hidden.shape
     flat_hidden, flat_targets = hidden.reshape(-1, size), targets.reshape(-1)
     logprobs, entropies = [], []
     for start in range(0, flat_hidden.shape[0], chunk_tokens):
-        part = (flat_hidden[start : start + chunk_tokens], weight, flat_targets[start : start + chunk_tokens], with_entropy)
+        part = (flat_hidden[start : start + chunk_tokens], weight, flat_targets[start : start + chunk_tokens], with_entropy, temperature)
         if torch.is_grad_enabled():
             lp, entropy = checkpoint(_chunk_logprobs, *part, use_reentrant=False)
         else:
@@ -92,8 +103,10 @@ def response_logprobs(
     return result, (torch.cat(entropies).reshape(batch, width) if with_entropy else None)
 
 
-def _chunk_logprobs(hidden, weight, targets, with_entropy: bool):
+def _chunk_logprobs(hidden, weight, targets, with_entropy: bool, temperature: float):
     logits = F.linear(hidden, weight).float()  # the output embedding, then float32 as the loss wants
+    if temperature != 1.0:
+        logits = logits / temperature
     log_probs = torch.log_softmax(logits, dim=-1)
     del logits  # the log-softmax's backward needs only its output
     logprobs = log_probs.gather(-1, targets[:, None]).squeeze(-1)
@@ -113,11 +126,13 @@ def load_policy(
     gradient_checkpointing: bool = False,
     trainable: bool = True,
     weights: bool = True,
+    temperature: float = 1.0,
 ):
     """The policy in ``path`` (a save_pretrained folder), sharded with FSDP2 over every rank, with
     float32 parameters (the optimizer's copy) and ``compute_dtype`` for the forward and backward.
     ``weights=False`` leaves the shards unfilled for a resume to overwrite. A frozen copy
-    (``trainable=False``) serves as the KL reference. Returns (policy, tokenizer)."""
+    (``trainable=False``) serves as the KL reference. ``temperature`` is the rollouts' sampling
+    temperature (:class:`Policy`). Returns (policy, tokenizer)."""
     from accelerate import init_empty_weights
     from torch.distributed.checkpoint.state_dict import StateDictOptions, set_model_state_dict
     from torch.distributed.device_mesh import init_device_mesh
@@ -135,7 +150,7 @@ def load_policy(
         lm.requires_grad_(False).eval()
     elif gradient_checkpointing:
         lm.gradient_checkpointing_enable(gradient_checkpointing_kwargs={"use_reentrant": False})
-    policy = Policy(lm, chunk_tokens)
+    policy = Policy(lm, chunk_tokens, temperature)
     mesh = init_device_mesh(device.type, (dist.get_world_size(),))
     precision = MixedPrecisionPolicy(param_dtype=compute_dtype, reduce_dtype=torch.float32)
     for layer in lm.get_decoder().layers:

@@ -7,11 +7,19 @@ prompt, and the step's rollout metrics), chosen by ``rollout.kind``:
 
 - :class:`GroupRollout`: plain GRPO sampling, ``n`` independent rollouts per prompt;
 - :class:`TreeRollout`: ARPO's entropy branching (paper_rl.md §1.3), with AEPO's dynamic root
-  budget and consecutive-branch penalty as switches (§2.1, §2.2). Where the reference is wrong,
-  this follows what it intends: the entropy baseline belongs to each trajectory of this step
-  (the reference keys it by a slot number reused across steps, so from step 2 on a path is
-  compared with an unrelated one), a prompt whose paths have all ended gets all of its missing
-  rollouts at once (the reference adds one per round), the branch draws are seeded, and each
+  budget and consecutive-branch penalty as switches (§2.1, §2.2). Where the branch decision
+  looks (``rollout.delta_h``): ``after_result``, ARPO's paper (the default): after a tool result
+  the path generates its next segment, the entropy of that segment's first tokens against the
+  path's initial entropy (its first segment, from the prompt) decides whether it forks at that
+  result, and the copy samples its own continuation from there; ``lagged``, ARPO's released code
+  (and so the paper's runs): the entropy of the segment that made the call, against the path's
+  own first segment, decides whether it forks after the new result, so each path's first
+  decision has dH = 0 whatever the entropy. Where the reference is wrong, this follows what it
+  intends: the entropy baseline belongs to each trajectory of this step (the reference keys it
+  by a slot number reused across steps, so from step 2 on a path is compared with an unrelated
+  one), a prompt whose paths have all ended gets all of its missing rollouts at once (the
+  reference adds one per round), a path with no room left never forks (ARPO's length filter; the
+  copy would end at once, identical to its source), the branch draws are seeded, and each
   trajectory generates within its own token budget.
 
 Each step's seed is the run's plus the step, so a resumed step draws what the uninterrupted one
@@ -104,7 +112,11 @@ class GroupRollout:
             for k in range(self.n)
         ]
         asyncio.run(loop.run(states))
-        return StepRollouts([states[i * self.n : (i + 1) * self.n] for i in range(len(prompts))])
+        counts = {"tool_calls_executed": float(sum(t.executed_here() for t in states))}
+        return StepRollouts([states[i * self.n : (i + 1) * self.n] for i in range(len(prompts))], counts)
+
+
+DELTA_H = ("after_result", "lagged")
 
 
 @dataclass(frozen=True)
@@ -122,6 +134,9 @@ class TreeSettings:
     dynamic_roots: bool = False
     # AEPO: its branch rule, which damps prompts that branched in consecutive rounds (§2.2)
     branch_penalty: bool = False
+    # after_result: ARPO's paper, the segment right after each tool result decides a fork at that
+    # result; lagged: ARPO's released code, the segment that made the call decides (module docstring)
+    delta_h: str = "after_result"
 
     def __post_init__(self):
         if self.n < 1 or not 1 <= self.initial_rollouts <= self.n:
@@ -130,6 +145,8 @@ class TreeSettings:
             raise ValueError(f"rollout.beam_size must be >= 1, got {self.beam_size}")
         if self.entropy not in ("topk", "exact"):
             raise ValueError(f"rollout.entropy must be topk or exact, got {self.entropy!r}")
+        if self.delta_h not in DELTA_H:
+            raise ValueError(f"rollout.delta_h must be one of {', '.join(DELTA_H)}, got {self.delta_h!r}")
 
 
 def arpo_branch_probability(p: float, w: float, delta_h: float) -> float:
@@ -154,14 +171,14 @@ def dynamic_root_count(n: int, h_root: float, h_tool: float) -> int:
 
 
 class TreeRollout:
-    """ARPO's tree rollout: ``initial_rollouts`` roots per prompt out of a budget of ``n``; after
-    every tool round each active path may fork (a full copy, which then samples on
-    independently: the agent loop seeds each segment by trajectory id). A path's entropy change
-    dH is its newest segment's entropy minus its own first segment's (for a fork, the first one
-    it generated after the fork). Sources are visited in creation order, each forking at most
-    ``beam_size - 1`` times per round while the prompt's budget lasts; a prompt whose paths have
-    all ended is filled up with fresh rollouts from the prompt. Each group is the prompt's
-    trajectories in creation order: roots, then branches and fill-ins as they were made."""
+    """ARPO's tree rollout: ``initial_rollouts`` roots per prompt out of a budget of ``n``; at
+    tool results a path may fork (a copy that then samples on independently: the agent loop seeds
+    each segment by trajectory id), with probability clamp(p + w dH, 0, 1) where dH is read as
+    ``delta_h`` says (module docstring). Sources are visited in creation order, each forking at
+    most ``beam_size - 1`` times per decision while the prompt's budget lasts; a prompt whose
+    paths have all ended is filled up with fresh rollouts from the prompt. Each group is the
+    prompt's trajectories in creation order: roots, then branches and fill-ins as they were
+    made."""
 
     def __init__(self, settings: TreeSettings):
         self.s = settings
@@ -177,15 +194,30 @@ class TreeRollout:
             )
         return state.entropies_exact[segment]
 
-    def _delta_h(self, state: TrajectoryState) -> float:
-        own_first = state.provenance.branch_segment if state.provenance.operation == "fork" else 0
-        return self._entropy(state, state.segments - 1) - self._entropy(state, own_first)
+    def _candidates(self, loop: AgentLoop, group: list[TrajectoryState], stepped: dict[int, int]) -> list[tuple[TrajectoryState, int | None, float]]:
+        """This round's branch points of one prompt's paths: (source, the segment the copy resamples
+        (None: a copy of the whole path), dH)."""
+        candidates = []
+        for t in group:
+            if id(t) not in stepped:
+                continue
+            forked = t.provenance.operation == "fork"
+            if self.s.delta_h == "after_result":
+                # a segment generated in this round right after a tool result, other than the one a
+                # fork was made to resample (that result's decision was its source's)
+                k = t.segments - 1
+                if t.segments > stepped[id(t)] and k >= 1 and not (forked and k == t.provenance.branch_segment):
+                    candidates.append((t, k, self._entropy(t, k) - self._entropy(t, 0)))
+            elif not t.done and loop.room(t) > 0:
+                own_first = t.provenance.branch_segment if forked else 0
+                candidates.append((t, None, self._entropy(t, t.segments - 1) - self._entropy(t, own_first)))
+        return candidates
 
     def root_counts(self, loop: AgentLoop, prompts: list[Prompt], step: int, seed: int) -> tuple[list[int], dict[str, float]]:
         """Roots per prompt: ``initial_rollouts``, or AEPO's dynamic count from one probe
         trajectory per prompt (run to its end with tools, then discarded, as in AEPO): H_root is
-        its first segment's entropy, H_tool the mean over its segments after tool results
-        (H_root when it made no call)."""
+        its first segment's entropy, H_tool the mean over all of its segments, the first one
+        included, as AEPO's code takes it."""
         if not self.s.dynamic_roots:
             return [self.s.initial_rollouts] * len(prompts), {}
         probes = [loop.new(p.question, f"step{step}/{p.index}/probe", seed=seed + step, stage="rl", round=step) for p in prompts]
@@ -195,10 +227,10 @@ class TreeRollout:
             if not probe.segments:  # the engine failed it: no entropy to go by
                 counts.append(self.s.initial_rollouts)
                 continue
-            h_root = self._entropy(probe, 0)
-            after_tools = [self._entropy(probe, k) for k in range(1, probe.segments)]
-            counts.append(dynamic_root_count(self.s.n, h_root, sum(after_tools) / len(after_tools) if after_tools else h_root))
-        return counts, {"dynamic_prompts": float(len(counts)), "dynamic_roots": float(sum(counts))}
+            entropies = [self._entropy(probe, k) for k in range(probe.segments)]
+            counts.append(dynamic_root_count(self.s.n, entropies[0], sum(entropies) / len(entropies)))
+        probe_calls = float(sum(p.executed_here() for p in probes))
+        return counts, {"dynamic_prompts": float(len(counts)), "dynamic_roots": float(sum(counts)), "tool_calls_executed": probe_calls}
 
     def generate(self, loop: AgentLoop, prompts: list[Prompt], step: int, seed: int) -> StepRollouts:
         s = self.s
@@ -219,15 +251,15 @@ class TreeRollout:
         round_ = 0
         while any(not t.done for group in groups for t in group):
             round_ += 1
-            asyncio.run(loop.step([t for group in groups for t in group if not t.done]))
+            active = [t for group in groups for t in group if not t.done]
+            stepped = {id(t): t.segments for t in active}  # segments before this round
+            asyncio.run(loop.step(active))
             gained = [0] * len(prompts)
             for i, group in enumerate(groups):
-                active = [t for t in group if not t.done]
-                for source in active:
+                for source, at_segment, delta_h in self._candidates(loop, group, stepped):
                     for _ in range(s.beam_size - 1):
                         if len(group) >= s.n:
                             break
-                        delta_h = self._delta_h(source)
                         u = rng.random()
                         if s.branch_penalty:
                             branched = aepo_branches(u, s.branch_probability, s.entropy_weight, delta_h, consecutive[i])
@@ -235,10 +267,10 @@ class TreeRollout:
                             branched = u < arpo_branch_probability(s.branch_probability, s.entropy_weight, delta_h)
                         decisions.append((round_, int(branched), delta_h))
                         if branched:
-                            group.append(source.fork(f"step{step}/{prompts[i].index}/{len(group)}"))
+                            group.append(source.fork(f"step{step}/{prompts[i].index}/{len(group)}", at_segment=at_segment))
                             branches += 1
                             gained[i] += 1
-                if not active and len(group) < s.n:
+                if all(t.done for t in group) and len(group) < s.n:
                     while len(group) < s.n:
                         group.append(fresh(i))
                         fill_ins += 1
@@ -247,6 +279,7 @@ class TreeRollout:
                 consecutive = [c + 1 if g else 0 for c, g in zip(consecutive, gained)]
         counts["roots"] = float(sum(roots))
         counts["branches"], counts["fill_ins"], counts["rounds"] = float(branches), float(fill_ins), float(round_)
+        counts["tool_calls_executed"] = counts.get("tool_calls_executed", 0.0) + sum(t.executed_here() for g in groups for t in g)
         counts["delta_h_sum"] = sum(d for _, _, d in decisions)
         for r, branched, _ in decisions:
             counts[f"decisions_round{r}"] = counts.get(f"decisions_round{r}", 0.0) + 1
@@ -255,17 +288,19 @@ class TreeRollout:
 
 
 def rollout_metrics(parts: list[dict[str, float]]) -> dict[str, float]:
-    """The step's tree-rollout metrics from every rank's counts: roots, branches and fill-ins per
-    prompt group summed, the most rounds any rank ran, the mean dH over branch decisions, the
-    branch rate of each round, and AEPO's mean dynamic root count. Nothing for plain GRPO."""
+    """The step's rollout metrics from every rank's counts: the tool calls the rollouts executed
+    (a fork's copied calls counted once, in its source; AEPO's probes included), and for the tree
+    the roots, branches and fill-ins summed, the most rounds any rank ran, the mean dH over
+    branch decisions, the branch rate of each round, and AEPO's mean dynamic root count."""
     total: dict[str, float] = {}
     for part in parts:
         for key, value in part.items():
             total[key] = max(total.get(key, 0.0), value) if key == "rounds" else total.get(key, 0.0) + value
-    if not total:
-        return {}
+    metrics = {"rollout/tool_calls_executed": total.get("tool_calls_executed", 0.0)}
+    if "roots" not in total:
+        return metrics
     decisions = sum(v for k, v in total.items() if k.startswith("decisions_round"))
-    metrics = {f"rollout/{k}": total[k] for k in ("roots", "branches", "fill_ins", "rounds")}
+    metrics |= {f"rollout/{k}": total[k] for k in ("roots", "branches", "fill_ins", "rounds")}
     metrics["rollout/mean_delta_h"] = total["delta_h_sum"] / decisions if decisions else 0.0
     for key in sorted((k for k in total if k.startswith("decisions_round")), key=lambda k: int(k.removeprefix("decisions_round"))):
         r = key.removeprefix("decisions_round")
@@ -290,6 +325,7 @@ def make_rollout(cfg) -> GroupRollout | TreeRollout:
                 entropy=cfg.entropy,
                 dynamic_roots=cfg.dynamic_roots,
                 branch_penalty=cfg.branch_penalty,
+                delta_h=cfg.delta_h,
             )
         )
     raise ValueError(f"rollout.kind must be group or tree, got {cfg.kind!r}")

@@ -25,7 +25,10 @@ One step, as named and timed phases (``timing_s/<phase>`` in the metrics):
    the run as in the paper;
 3. old_logprobs (vllm only; rl/actor.py): the policy's log-probabilities of the sampled tokens before the
    update, and their mismatch with vLLM's own (a diagnostic). The hf engine samples with the
-   policy module and its current weights, so its log-probabilities are the old ones already;
+   policy module and its current weights, so its log-probabilities are the old ones already
+   (their mismatch with the trainer's forward is measured in the update's first mini-batch).
+   Every log-probability is of the distribution sampled from, softmax(logits / T), as verl's
+   actor computes them;
 4. ref_logprobs (only with ``algorithm.kl_coef`` > 0): the same under a frozen copy of the
    run's starting policy;
 5. advantage: GRPO, the group's mean and unbiased std;
@@ -75,7 +78,7 @@ from etagent.timing import phase
 from etagent.tools.executor import check_tool_settings, degraded, describe_failures, failure_counts, merge_failure_counts
 from rl.actor import response_logprobs, update
 from rl.algorithm import grpo_advantages, logprob_mismatch
-from rl.batch import Batch, BatchPlan, batch_plan, pack
+from rl.batch import Batch, BatchPlan, batch_plan, pack, tempered_rollouts
 from rl.checkpoint import export_model, latest_checkpoint, load_checkpoint, save_checkpoint
 from rl.distributed import gather_objects, init_distributed, sum_all, training_device
 from rl.policy import Policy, gathered, load_policy
@@ -145,10 +148,12 @@ def check_settings(cfg: DictConfig) -> None:
     require_number(cfg, "optim.weight_decay", minimum=0)
     require_number(cfg, "optim.grad_clip", above=0)
     require_number(cfg, "optim.eps", above=0)
-    require_number(cfg, "reward.sigma_tool", above=0)
-    require_number(cfg, "reward.sigma_length", above=0)
+    require_number(cfg, "reward.sigma_tool", minimum=0)
+    require_number(cfg, "reward.sigma_length", minimum=0)
     require_number(cfg, "algorithm.kl_coef", minimum=0)
     check_agent_settings(cfg.agent)
+    # the policy gradient is of the distribution the rollouts were drawn from: softmax(logits / T)
+    require_number(cfg, "agent.temperature", above=0)
     check_tool_settings(cfg.tools)
 
 
@@ -190,6 +195,7 @@ def setup(cfg: DictConfig) -> Trainer:
         chunk_tokens=cfg.train.logprob_chunk_tokens,
         gradient_checkpointing=cfg.train.gradient_checkpointing,
         weights=checkpoint is None,
+        temperature=cfg.agent.temperature,
     )
     optimizer = torch.optim.AdamW(
         policy.parameters(), lr=cfg.optim.lr, betas=tuple(cfg.optim.betas), weight_decay=cfg.optim.weight_decay, eps=cfg.optim.eps
@@ -202,7 +208,14 @@ def setup(cfg: DictConfig) -> Trainer:
     # the KL term's reference is the stage's starting policy, also after a resume
     reference = None
     if cfg.algorithm.kl_coef > 0:
-        reference, _ = load_policy(cfg.model, device, compute_dtype=compute, chunk_tokens=cfg.train.logprob_chunk_tokens, trainable=False)
+        reference, _ = load_policy(
+            cfg.model,
+            device,
+            compute_dtype=compute,
+            chunk_tokens=cfg.train.logprob_chunk_tokens,
+            trainable=False,
+            temperature=cfg.agent.temperature,
+        )
 
     prompts = read_prompts(cfg.data.train, tokenizer, cfg.data.max_prompt_tokens)
     validation = read_prompts(cfg.data.validation, tokenizer, cfg.data.max_prompt_tokens) if cfg.data.validation else []
@@ -282,9 +295,12 @@ def train_step(trainer: Trainer, step: int, loop: AgentLoop, greedy: AgentLoop, 
         factor = sigma_factor(step, trainer.total) if cfg.reward.decay else 1.0
         rows = rewards_of(rollouts.groups, chosen, cfg, factor, loop)
     pad_id = trainer.tokenizer.pad_token_id if trainer.tokenizer.pad_token_id is not None else trainer.tokenizer.eos_token_id
-    batch = pack([t for group in rollouts.groups for t in group], pad_id).to(trainer.device)
+    trajectories = [t for group in rollouts.groups for t in group]
+    batch = pack(trajectories, pad_id).to(trainer.device)
+    comparable = tempered_rollouts(trajectories)  # the engine's log-probabilities are at the sampling temperature
     if cfg.engine.kind == "hf":
-        # sampled by this module with these weights: recomputing would repeat the rollout's forwards
+        # sampled by this module with these weights (under the temperature): recomputing would
+        # repeat the rollout's forwards
         old = batch.rollout_logprobs
     else:
         with phase("old_logprobs", metrics), gathered(trainer.policy), torch.no_grad():
@@ -298,12 +314,17 @@ def train_step(trainer: Trainer, step: int, loop: AgentLoop, greedy: AgentLoop, 
         advantages = grpo_advantages(scores, torch.tensor([r["index"] for r in rows]), cfg.algorithm.eps).to(trainer.device)
     with phase("update", metrics):
         trainer.policy.train()
-        metrics.update(update(trainer.policy, trainer.optimizer, trainer.plan, batch, advantages, old, ref, cfg, trainer.device))
+        # the hf engine's log-probabilities are the old ones: their gap to the trainer's forward
+        # (batch shapes, dtype) is measured in the update's first mini-batch
+        hf_mismatch = cfg.engine.kind == "hf" and comparable
+        metrics.update(
+            update(trainer.policy, trainer.optimizer, trainer.plan, batch, advantages, old, ref, cfg, trainer.device, hf_mismatch)
+        )
     if cfg.engine.kind == "vllm":
         with phase("sync", metrics):
             sync_engine(trainer.engine, trainer.policy.lm, trainer.device, trainer.weight_dtype, trainer.bucket_bytes)
 
-    metrics.update(step_metrics(trainer, rows, batch, old, factor, metrics["timing_s/generate"]))
+    metrics.update(step_metrics(trainer, rows, batch, old, factor, metrics["timing_s/generate"], comparable))
     metrics.update(rollout_metrics(gather_objects(rollouts.counts)))  # tallies differ in keys between ranks
     if trainer.validation and (step % cfg.train.validate_every == 0 or step == trainer.total):
         with phase("validate", metrics):
@@ -371,8 +392,10 @@ def rewards_of(groups: list[list[TrajectoryState]], prompts: list[Prompt], cfg: 
     return rows
 
 
-def step_metrics(trainer: Trainer, rows: list[dict], batch: Batch, old: torch.Tensor, factor: float, generate_s: float) -> dict:
-    """The rollouts' means over every rank's rows."""
+def step_metrics(trainer: Trainer, rows: list[dict], batch: Batch, old: torch.Tensor, factor: float, generate_s: float, comparable: bool) -> dict:
+    """The rollouts' means over every rank's rows; with vLLM, its log-probabilities' mismatch with
+    the trainer's old ones over every policy token (when vLLM gave them at the sampling
+    temperature: at T = 1)."""
     mask = batch.loss_mask
     local = [
         len(rows),
@@ -383,7 +406,7 @@ def step_metrics(trainer: Trainer, rows: list[dict], batch: Batch, old: torch.Te
         sum(r["f_format"] < 0 for r in rows),
         float(mask.sum()),
     ]
-    if trainer.cfg.engine.kind == "vllm":
+    if trainer.cfg.engine.kind == "vllm" and comparable:
         local.append(logprob_mismatch(batch.rollout_logprobs, old, mask)["mean_abs"] * float(mask.sum()))
     n, reward, raw, calls, length, bad_format, policy_tokens, *mismatch = sum_all(local, trainer.device)
     metrics = {

@@ -127,7 +127,8 @@ def rl_parquet(toy, tmp_path) -> Path:
         ("train.max_steps=-3", "setting train.max_steps: must be an integer >= 1 or null, got -3"),
         ("data.prompts_per_step=0", "setting data.prompts_per_step: must be an integer >= 1, got 0"),
         ("optim.lr=fast", "setting optim.lr: must be a number > 0, got 'fast'"),
-        ("reward.sigma_tool=-1", "setting reward.sigma_tool: must be a number > 0, got -1"),
+        ("reward.sigma_tool=-1", "setting reward.sigma_tool: must be a number >= 0, got -1"),
+        ("agent.temperature=0", "setting agent.temperature: must be a number > 0, got 0"),
         ("model=runs/no/such/model", "setting model: no model at 'runs/no/such/model'"),
     ],
 )

@@ -75,8 +75,9 @@ def test_steps_checkpoints_and_an_exact_resume(sft_model, parquet, server, tmp_p
         } <= set(m)
         assert 0 <= m["reward/raw"] <= 1 and m["actor/optimizer_steps"] == 2 and m["actor/grad_norm"] > 0
         assert 0 < m["actor/entropy"] < 8  # nats; the toy vocabulary's maximum is ln 2871 = 7.96
-        # the hf engine samples with the trainer's module: its log-probs are the old ones, not recomputed
-        assert "timing_s/old_logprobs" not in m and "rollout/logprob_mismatch" not in m
+        # the hf engine samples with the trainer's module: its log-probs are the old ones, not
+        # recomputed; their gap to the trainer's forward (other batch shapes) is float32 rounding
+        assert "timing_s/old_logprobs" not in m and 0 <= m["rollout/logprob_mismatch"] < 1e-4
         assert "timing_s/ref_logprobs" not in m and "actor/kl" not in m  # kl_coef 0: no reference
     rollouts = [json.loads(line) for line in (straight / "rollouts" / "step_1.jsonl").read_text().splitlines()]
     assert len(rollouts) == 16 and {"reward", "raw", "tool_calls", "f_tool", "f_length", "f_format", "text"} <= set(rollouts[0])

@@ -77,6 +77,34 @@ def test_log_probs_of_the_padded_batch_equal_each_sequence_alone(model):
     assert entropy.shape == logprobs.shape and bool((entropy >= 0).all())
 
 
+def test_log_probs_are_of_the_tempered_distribution_the_hf_engine_sampled(toy):
+    """At T = 0.7 the trainer's log-probabilities are log softmax(logits / 0.7), as verl's actor
+    computes them, and equal the hf engine's tempered ones for the tokens it sampled; pack()
+    carries those (not the raw ones) as the rollout's."""
+    from transformers import AutoModelForCausalLM, AutoTokenizer
+
+    from etagent.llm import GenerationRequest
+    from etagent.llm.hf import HFEngine
+
+    tokenizer = AutoTokenizer.from_pretrained(toy / "model")
+    lm = AutoModelForCausalLM.from_pretrained(toy / "model", dtype=torch.float32).eval()
+    engine = HFEngine.from_model(lm, tokenizer)
+    prompt = tokenizer.encode("<|im_start|>user\nWho works as a baker?<|im_end|>\n<|im_start|>assistant\n", add_special_tokens=False)
+    [[sample]] = engine.generate([GenerationRequest(prompt_ids=tuple(prompt), max_new_tokens=12, temperature=0.7, seed=3)])
+    t = TrajectoryState(id="t", question=QUESTION, prompt_ids=prompt, budgets=Budgets(6, 6, None, 100))
+    t.append(list(sample.token_ids), TokenOrigin.SAMPLED, list(sample.logprobs), sample.tempered_logprobs)
+    batch = pack([t], pad_id=0)
+    assert batch.rollout_logprobs[0].tolist() == pytest.approx(sample.tempered_logprobs, abs=1e-6)
+    assert sample.tempered_logprobs != pytest.approx(sample.logprobs, abs=1e-3)
+    with torch.no_grad():
+        tempered, _ = token_logprobs(Policy(lm, chunk_tokens=4, temperature=0.7), batch)
+        raw, _ = token_logprobs(Policy(lm, chunk_tokens=4), batch)
+    assert tempered[0].tolist() == pytest.approx(sample.tempered_logprobs, abs=1e-4)
+    assert raw[0].tolist() == pytest.approx(sample.logprobs, abs=1e-4)
+    with pytest.raises(ValueError, match="temperature"):
+        Policy(lm, chunk_tokens=4, temperature=0.0)
+
+
 def test_micro_batches_keep_to_the_token_budget():
     assert micro_batches([10, 10, 10, 30, 5], 30) == [[0, 1, 2], [3], [4]]
     assert micro_batches([50], 30) == [[0]]  # too long for the budget: alone

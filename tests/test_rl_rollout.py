@@ -8,11 +8,13 @@ question and reports a scripted exact entropy for it, so every branch decision's
 from __future__ import annotations
 
 import math
+from dataclasses import replace
 
 import pytest
 import torch
 from transformers import AutoTokenizer
 
+from etagent import protocol
 from etagent.agent import AgentConfig, AgentLoop
 from etagent.llm import Sample
 from etagent.records import Question
@@ -105,11 +107,11 @@ def test_no_branching_gives_roots_then_fill_ins_at_once(tokenizer):
     assert [t.segments for t in out.groups[0]] == [4] * 8
 
 
-def test_all_branching_spends_the_budget_on_branches(tokenizer):
-    """p = 1: every active path forks once per round until the prompt has n; no fill-ins, and
-    every rollout ends with the answer."""
+def test_all_branching_spends_the_budget_on_branches_lagged(tokenizer):
+    """lagged (ARPO's released code), p = 1: every active path forks once per round, after its
+    newest result, until the prompt has n; no fill-ins, and every rollout ends with the answer."""
     _, loop, prompts = setup(tokenizer, {"five": 5})
-    out = tree(n=16, roots=2, p=1.0).generate(loop, prompts, step=1, seed=0)
+    out = tree(n=16, roots=2, p=1.0, delta_h="lagged").generate(loop, prompts, step=1, seed=0)
     [group] = out.groups
     assert len(group) == 16 and ids(group) == list(range(16))
     assert out.counts["branches"] == 14 and out.counts["fill_ins"] == 0
@@ -123,25 +125,60 @@ def test_all_branching_spends_the_budget_on_branches(tokenizer):
     source = next(t for t in group if t.id == forks[0].provenance.parent)
     cut = forks[0].provenance.branch_token
     assert forks[0].response_ids[:cut] == source.response_ids[:cut]
+    # the calls a fork copied ran once, in its source
+    assert out.counts["tool_calls_executed"] == sum(t.executed_here() for t in group) < sum(t.executed() for t in group)
+
+
+def test_all_branching_forks_at_results(tokenizer):
+    """after_result (ARPO's paper), p = 1: a path decides at each tool result once it has
+    generated the segment after it, and its copy resamples that segment: every fork starts right
+    after a result of its source, keeps the source's tokens before it, and decides again only at
+    its own later results; the group is n, all answered, none a duplicate of its source."""
+    _, loop, prompts = setup(tokenizer, {"five": 5})
+    out = tree(n=16, roots=2, p=1.0).generate(loop, prompts, step=1, seed=0)
+    [group] = out.groups
+    assert len(group) == 16 and out.counts["branches"] == 14 and out.counts["fill_ins"] == 0
+    assert "decisions_round1" not in out.counts  # round 1 generates from the prompt: no result yet
+    # round 2: the roots' segments after their first result decide; their copies resample that segment
+    assert out.counts["branched_round2"] == 2
+    by_id = {t.id: t for t in group}
+    result_end = tokenizer.encode("\n</result>", add_special_tokens=False)
+    for fork in group[2:]:
+        source, at = by_id[fork.provenance.parent], fork.provenance.branch_segment
+        assert at >= 1 and fork.provenance.branch_token == source.segment_starts[at].token
+        assert fork.response_ids[: fork.provenance.branch_token] == source.response_ids[: fork.provenance.branch_token]
+        assert fork.response_ids[fork.provenance.branch_token - len(result_end) : fork.provenance.branch_token] == result_end
+        assert fork.forked_calls == at  # one search per earlier segment
+    assert all(t.finish_reason == "answer" and t.executed() == 5 for t in group)
+    assert out.counts["tool_calls_executed"] == sum(t.executed_here() for t in group) < sum(t.executed() for t in group)
 
 
 def test_early_finishes_and_beam(tokenizer):
     """Roots that answer at once leave the whole budget to fill-ins; a beam of 3 lets a path fork
-    twice in one round; the group is exactly n in every case."""
+    twice at one result; the group is exactly n in every case."""
     _, loop, prompts = setup(tokenizer, {"direct": 0, "one": 1, "two": 2})
     out = tree(n=6, roots=1, p=1.0, beam=3).generate(loop, prompts, step=1, seed=0)
     assert [len(g) for g in out.groups] == [6, 6, 6]
     direct, one, two = out.groups
     assert [t.provenance.operation for t in direct] == ["rollout"] * 6
-    # "one": round 1 its root forks twice (3 paths), round 2 they all answer, then 3 fill-ins
+    # "one": round 2 the root answers after its result and forks there twice (3 paths); the copies
+    # answer in round 3, then 3 fill-ins
     assert [t.provenance.operation for t in one] == ["rollout", "fork", "fork", "rollout", "rollout", "rollout"]
-    # "two": 1 -> 3 paths in round 1, then 3 more branches in round 2 fill the budget of 6
+    # "two": the root forks twice at its first result (round 2) and twice at its second (round 3),
+    # then the first copies, at their second result, fill the budget
     assert [t.provenance.operation for t in two] == ["rollout"] + ["fork"] * 5
+    assert [t.provenance.branch_segment for t in two[1:]] == [1, 1, 2, 2, 2]
+    lagged = tree(n=6, roots=1, p=1.0, beam=3, delta_h="lagged").generate(loop, prompts, step=1, seed=0)
+    assert [len(g) for g in lagged.groups] == [6, 6, 6]
+    assert [t.provenance.operation for t in lagged.groups[2]] == ["rollout"] + ["fork"] * 5
 
 
 def test_branch_probability_is_p_plus_w_dh(tokenizer):
-    """ARPO's rule: P(fork) = clamp(p + w dH, 0, 1), dH the newest segment's entropy minus the
-    path's first segment's. Checked on the function and on 600 scripted decisions."""
+    """ARPO's rule: P(fork) = clamp(p + w dH, 0, 1). With after_result, dH is the entropy of the
+    segment right after a result minus the path's first segment's, so the first decision already
+    sees the rise (1.5 here: P = 0.2 + 0.2 x 1.5 = 0.5); with lagged (the released code) a path's
+    first decision reads its first segment against itself (dH = 0, P = p) and the rise only at its
+    second. Checked on the function and on 300 scripted decisions per case."""
     assert arpo_branch_probability(0.5, 0.2, 1.0) == pytest.approx(0.7)
     assert arpo_branch_probability(0.5, 0.2, -3.0) == 0.0
     assert arpo_branch_probability(0.5, 0.2, 4.0) == 1.0
@@ -149,32 +186,51 @@ def test_branch_probability_is_p_plus_w_dh(tokenizer):
     engine, loop, prompts = setup(tokenizer, calls)
     engine.entropy = lambda question, k: 0.4 + 1.5 * k  # first segment 0.4, the one after a result 1.9: dH = 1.5
     out = tree(n=3, roots=1, p=0.2, w=0.2, beam=3).generate(loop, prompts, step=1, seed=0)
-    assert out.counts["delta_h_sum"] / out.counts["decisions_round1"] == pytest.approx(0.0)  # round 1: the first segment itself
-    rate = out.counts["branched_round1"] / out.counts["decisions_round1"]
-    assert rate == pytest.approx(0.2, abs=0.05)
-    # a path's first decision (round 1) compares its first segment with itself; 2 calls per question give a round 2
-    engine.calls = {q: 2 for q in calls}
-    out = tree(n=3, roots=1, p=0.2, w=0.2, beam=3).generate(loop, prompts, step=2, seed=0)
     metrics = rollout_metrics([out.counts])
+    assert metrics["rollout/mean_delta_h"] == pytest.approx(1.5)
+    assert metrics["rollout/branch_rate_round2"] == pytest.approx(0.5, abs=0.05)
+    assert "rollout/branch_rate_round1" not in metrics  # no result before round 1's segments
+
+    lagged = tree(n=3, roots=1, p=0.2, w=0.2, beam=3, delta_h="lagged").generate(loop, prompts, step=1, seed=0)
+    assert lagged.counts["delta_h_sum"] / lagged.counts["decisions_round1"] == pytest.approx(0.0)  # the first segment itself
+    assert lagged.counts["branched_round1"] / lagged.counts["decisions_round1"] == pytest.approx(0.2, abs=0.05)
+    # 2 calls per question give the lagged rule a round 2, where roots that did not fork in round 1 see dH = 1.5
+    engine.calls = {q: 2 for q in calls}
+    metrics = rollout_metrics([tree(n=3, roots=1, p=0.2, w=0.2, beam=3, delta_h="lagged").generate(loop, prompts, step=2, seed=0).counts])
     assert metrics["rollout/branch_rate_round1"] == pytest.approx(0.2, abs=0.05)
-    # round 2: roots that did not fork in round 1 see dH = 1.5, so P = 0.5
     assert metrics["rollout/branch_rate_round2"] == pytest.approx(0.5, abs=0.08)
 
 
-def test_baseline_entropy_belongs_to_this_step(tokenizer):
+def test_a_path_with_no_room_left_never_forks(tokenizer):
+    """A result that fills the response budget leaves its path no room: the path ends there and
+    is not copied (ARPO's length filter; a copy would end at once, identical to its source, and
+    count twice in the group). The group is made of fresh rollouts instead."""
+    engine, loop, prompts = setup(tokenizer, {"two": 2})
+    first = tokenizer.encode("<search>q0</search>", add_special_tokens=False)
+    result = tokenizer.encode(protocol.format_result("about q0"), add_special_tokens=False)
+    loop.config = replace(loop.config, max_response_tokens=len(first) + len(result))
+    for delta_h in ("after_result", "lagged"):
+        out = tree(n=4, roots=2, p=1.0, delta_h=delta_h).generate(loop, prompts, step=1, seed=0)
+        [group] = out.groups
+        assert out.counts["branches"] == 0 and len(group) == 4
+        assert {t.provenance.operation for t in group} == {"rollout"} and {t.finish_reason for t in group} == {"length"}
+
+
+@pytest.mark.parametrize("delta_h", ["after_result", "lagged"])
+def test_baseline_entropy_belongs_to_this_step(tokenizer, delta_h):
     """The reference keeps each slot's first-segment entropy across steps, so step 2 compares
     with step 1's paths. Here step 1's first segments are at 10 and step 2's at 0 with 1 after a
-    result: with p = 0, w = 1, step 2 forks every time (dH = +1), where a stale baseline
-    (dH = 1 - 10) would never fork."""
+    result: with p = 0, w = 1, step 2 forks at every decision that reads a segment after a result
+    (dH = +1), where a stale baseline (dH = 1 - 10) would never fork."""
     engine, loop, prompts = setup(tokenizer, {"two": 2})
-    rollout = tree(n=4, roots=1, p=0.0, w=1.0)
+    rollout = tree(n=4, roots=1, p=0.0, w=1.0, delta_h=delta_h)
     engine.entropy = lambda question, k: 10.0 if k == 0 else 0.0
     first = rollout.generate(loop, prompts, step=1, seed=0)
     assert first.counts["branches"] == 0
     engine.entropy = lambda question, k: float(k > 0)
     second = rollout.generate(loop, prompts, step=2, seed=0)
     assert second.counts["branched_round2"] == second.counts["decisions_round2"] > 0
-    assert second.counts["delta_h_sum"] == pytest.approx(second.counts["decisions_round2"])
+    assert second.counts["delta_h_sum"] >= second.counts["decisions_round2"]
 
 
 def test_a_resumed_step_draws_the_same_tree(tokenizer):
@@ -193,8 +249,8 @@ def test_a_resumed_step_draws_the_same_tree(tokenizer):
 def test_group_rollout_keeps_its_interface(tokenizer):
     _, loop, prompts = setup(tokenizer, {"one": 1})
     out = GroupRollout(5).generate(loop, prompts, step=1, seed=0)
-    assert [len(g) for g in out.groups] == [5] and out.counts == {}
-    assert rollout_metrics([out.counts]) == {}
+    assert [len(g) for g in out.groups] == [5] and out.counts == {"tool_calls_executed": 5.0}
+    assert rollout_metrics([out.counts]) == {"rollout/tool_calls_executed": 5.0}
 
 
 def test_rollout_metrics_add_up_over_ranks():
@@ -222,18 +278,21 @@ def test_dynamic_root_count_by_hand():
 
 def test_dynamic_roots_come_from_a_discarded_probe(tokenizer):
     """One probe per prompt runs to its end with tools; H_root is its first segment's entropy,
-    H_tool the mean after results. Root counts follow the formula; probes are not in the groups."""
+    H_tool the mean of all its segments', the first included (AEPO's code). Root counts follow
+    the formula; probes are not in the groups, their calls are counted as executed."""
     engine, loop, prompts = setup(tokenizer, {"calm-tools": 2, "calm-start": 2})
     entropies = {"calm-tools": [4.0, 0.0, 0.0], "calm-start": [0.0, 3.0, 5.0]}
     engine.entropy = lambda question, k: entropies[question][k]
     out = tree(n=8, roots=4, p=0.0, w=0.0, dynamic_roots=True).generate(loop, prompts, step=1, seed=0)
-    expected = [dynamic_root_count(8, 4.0, 0.0), dynamic_root_count(8, 0.0, 4.0)]
-    assert expected == [8, 1]  # floor(8 sigmoid(2)) + 1 = 8; floor(8 sigmoid(-2)) + 1 = floor(0.95) + 1 = 1
+    # H_tool: (4 + 0 + 0) / 3 and (0 + 3 + 5) / 3
+    expected = [dynamic_root_count(8, 4.0, 4.0 / 3), dynamic_root_count(8, 0.0, 8.0 / 3)]
+    assert expected == [7, 2]  # floor(8 sigmoid(4/3)) + 1 = floor(6.33) + 1; floor(8 sigmoid(-4/3)) + 1 = floor(1.67) + 1
     assert out.counts["dynamic_roots"] == sum(expected) == out.counts["roots"]
     assert [len(g) for g in out.groups] == [8, 8]
     assert not any("probe" in t.id for g in out.groups for t in g)
-    # no branching (p = 0, w = 0): "calm-start" got 1 root, then 7 fill-ins once it ended
-    assert [t.provenance.operation for t in out.groups[1]] == ["rollout"] * 8 and out.counts["fill_ins"] == 7
+    # no branching (p = 0, w = 0): "calm-start" got 2 roots, then 6 fill-ins once they ended
+    assert [t.provenance.operation for t in out.groups[1]] == ["rollout"] * 8 and out.counts["fill_ins"] == 1 + 6
+    assert out.counts["tool_calls_executed"] == 2 * 2 + 16 * 2  # the probes' calls and the groups'
 
 
 def test_aepo_branch_rule_direction_and_penalty(tokenizer):
