@@ -109,9 +109,11 @@ def aggregate(questions: Sequence[tuple[str, list[dict]]], bootstrap_rounds: int
 
 def behaviour(rows: Sequence[dict]) -> dict:
     """Per source (kind of question) and over all: questions, samples, correctness, mean tool
-    calls, redundant-call rate and insufficient-call rate, from scored rows (``source``, ``kind``
-    and per-sample metrics). Only questions with known needed calls count; {} when there are
-    none."""
+    calls, redundant-call rate and insufficient-call rate (shares of all samples), and the
+    redundant-call rate among the solved samples (c_i >= SOLVED: over-calling that correctness
+    alone does not punish, the case the efficiency reward is for), from scored rows (``source``,
+    ``kind`` and per-sample metrics). Only questions with known needed calls count; {} when there
+    are none."""
     per_source: dict[str, list[tuple[str, dict]]] = {}
     for row in rows:
         samples = [m for m in row["samples"] if "redundant_calls" in m]
@@ -120,6 +122,7 @@ def behaviour(rows: Sequence[dict]) -> dict:
 
     def summary(questions: list[tuple[str, list[dict]]]) -> dict:
         samples = [(kind, m) for kind, ms in questions for m in ms]
+        solved = [m for kind, m in samples if correctness(m, kind) >= SOLVED]
         return {
             "questions": len(questions),
             "samples": len(samples),
@@ -127,6 +130,7 @@ def behaviour(rows: Sequence[dict]) -> dict:
             "tool_calls": round(float(np.mean([m["tool_calls"] for _, m in samples])), 3),
             "redundant_rate": round(100 * float(np.mean([m["redundant_calls"] for _, m in samples])), 2),
             "insufficient_rate": round(100 * float(np.mean([m["insufficient_calls"] for _, m in samples])), 2),
+            "redundant_when_solved": round(100 * float(np.mean([m["redundant_calls"] for m in solved])), 2) if solved else 0.0,
         }
 
     if not per_source:

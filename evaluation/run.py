@@ -123,14 +123,15 @@ def behaviour_table(results: dict[str, dict]) -> list[str]:
         if not r.get("behaviour"):
             continue
         lines += [
-            f"Tool-use behaviour on {name} (calls per sample; rates in % of samples):",
+            f"Tool-use behaviour on {name} (calls per sample; rates in % of samples, the last one in % of the solved ones):",
             "",
-            "| kind | questions | correctness | tool calls | redundant | insufficient |",
-            "|---|---|---|---|---|---|",
+            "| kind | questions | correctness | tool calls | redundant | insufficient | redundant when solved |",
+            "|---|---|---|---|---|---|---|",
         ]
         for kind, b in r["behaviour"].items():
             lines.append(
-                f"| {kind} | {b['questions']} | {b['correctness']:.1f} | {b['tool_calls']:.2f} | {b['redundant_rate']:.1f} | {b['insufficient_rate']:.1f} |"
+                f"| {kind} | {b['questions']} | {b['correctness']:.1f} | {b['tool_calls']:.2f} | {b['redundant_rate']:.1f} | "
+                f"{b['insufficient_rate']:.1f} | {b['redundant_when_solved']:.1f} |"
             )
         lines.append("")
     return lines

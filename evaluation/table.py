@@ -47,7 +47,7 @@ def write_behaviour_table(rows: list[dict], out: Path) -> Path | None:
     None when no run has behaviour figures."""
     if not any(row["behaviour"] for row in rows):
         return None
-    md = ["| dataset | kind | run | correctness | tool calls | redundant % | insufficient % |", "|---" * 7 + "|"]
+    md = ["| dataset | kind | run | correctness | tool calls | redundant % | insufficient % | redundant when solved % |", "|---" * 8 + "|"]
     table = []
     datasets = sorted({name for row in rows for name in row["behaviour"]})
     for dataset in datasets:
@@ -59,7 +59,7 @@ def write_behaviour_table(rows: list[dict], out: Path) -> Path | None:
                     continue
                 md.append(
                     f"| {dataset} | {kind} | {row['run']} | {b['correctness']:.1f} | {b['tool_calls']:.2f} | "
-                    f"{b['redundant_rate']:.1f} | {b['insufficient_rate']:.1f} |"
+                    f"{b['redundant_rate']:.1f} | {b['insufficient_rate']:.1f} | {b['redundant_when_solved']:.1f} |"
                 )
                 table.append({"dataset": dataset, "kind": kind, "run": row["run"]} | {k: b[k] for k in BEHAVIOUR_FIELDS})
     out = Path(out)
@@ -72,7 +72,7 @@ def write_behaviour_table(rows: list[dict], out: Path) -> Path | None:
     return md_path
 
 
-BEHAVIOUR_FIELDS = ("questions", "samples", "correctness", "tool_calls", "redundant_rate", "insufficient_rate")
+BEHAVIOUR_FIELDS = ("questions", "samples", "correctness", "tool_calls", "redundant_rate", "insufficient_rate", "redundant_when_solved")
 
 
 def columns(rows: list[dict]) -> list[str]:

@@ -96,7 +96,8 @@ def export(cfg: DictConfig) -> dict:
     e = cfg.export
     out = Path(e.out_dir)
     out.mkdir(parents=True, exist_ok=True)
-    groups = read_jsonl(source, TrajectoryGroup)
+    # questions are written as they finish, an order that depends on timing: the data's order must not
+    groups = sorted(read_jsonl(source, TrajectoryGroup), key=lambda g: g.id)
     examples, dropped, kept_ops = [], Counter(), Counter()
     kept_calls: dict[str, list[int]] = {}
     for group in groups:

@@ -26,6 +26,9 @@ The paper's mixed-outcome filter (math: a right and a wrong chain; QA: a chain a
 ``count`` questions come out whenever that many qualify. Chains that failed in the engine
 (``finish_reason: error``) are left out of their question's group, and counted.
 
+``method: random`` is the ablation without Pareto sampling: ``count`` questions drawn at random
+(under ``seed``) from every question of the rollouts, eligible or not; the files are the same.
+
 The stage is quick and deterministic under ``seed`` (questions are taken in id order, so the
 order of the rollouts file does not matter): a rerun recomputes everything and writes the same
 files. What it does not do: roll out (``direct_rollout/``) or stratify by source.
@@ -42,7 +45,7 @@ from pathlib import Path
 import numpy as np
 from omegaconf import DictConfig, OmegaConf
 
-from etagent.config import require_int, require_number
+from etagent.config import require_choice, require_int, require_number
 from etagent.errors import MissingInput, SettingError, UserError, exit_on_user_error
 from etagent.records import Question, RecordError, RLRow, iter_jsonl, parse_record, write_jsonl, write_manifest, write_rl_parquet
 from etagent.rundir import claim_output
@@ -173,6 +176,7 @@ def draw_scatter(path: Path, points: np.ndarray, status: list[str], names: list[
 
 def check_settings(cfg: DictConfig) -> None:
     require_int(cfg, "count")
+    require_choice(cfg, "method", ("pareto", "random"))
     require_number(cfg, "mixed_outcome.math_threshold", 0, 1)
     require_number(cfg, "mixed_outcome.qa_threshold", 0, 1)
     if not cfg.objectives:
@@ -210,18 +214,28 @@ def choose(cfg: DictConfig, out: Path, config: dict) -> dict:
     mixed = mixed_outcome(chains, threshold)
     reasons = ineligibility(chains, threshold, mixed)
     eligible = np.flatnonzero(mixed)
-    selection = select(points[eligible], int(cfg.count), int(cfg.seed))
-    chosen = eligible[selection.selected]
+    front = np.full(len(questions), -1)
+    distance = np.full(len(questions), np.nan)
+    if cfg.method == "pareto":
+        selection = select(points[eligible], int(cfg.count), int(cfg.seed))
+        chosen = eligible[selection.selected]
+        front[eligible] = selection.ranks
+        distance[eligible] = selection.distance
+        fronts = {
+            "sizes": selection.front_sizes(),
+            "whole_fronts_taken": selection.whole_fronts,
+            "cut_front": selection.cut_front,
+            "taken_from_cut_front": selection.taken_from_cut,
+        }
+    else:  # the ablation without Pareto: as many questions, drawn at random from the whole pool
+        draw = np.random.default_rng([int(cfg.seed), 1]).choice(len(questions), size=min(int(cfg.count), len(questions)), replace=False)
+        chosen, fronts = np.sort(draw), {}
 
     # the parquet: extra_info.index is the position in the selection, the rows are shuffled
     rows = [RLRow.for_question(questions[i], index=k, split=cfg.split) for k, i in enumerate(chosen)]
     order = np.random.default_rng(int(cfg.seed)).permutation(len(rows))
     write_rl_parquet([rows[k] for k in order], out / "rl.parquet")
 
-    front = np.full(len(questions), -1)
-    front[eligible] = selection.ranks
-    distance = np.full(len(questions), np.nan)
-    distance[eligible] = selection.distance
     selected = np.zeros(len(questions), dtype=bool)
     selected[chosen] = True
     count = chains.per_question_count()
@@ -247,12 +261,13 @@ def choose(cfg: DictConfig, out: Path, config: dict) -> dict:
 
     status = ["selected" if selected[i] else "eligible" if reasons[i] is None else "ineligible" for i in range(len(questions))]
     dropped = Counter(r for r in reasons if r is not None)
-    dropped["not_selected"] = int(len(eligible) - len(chosen))
+    dropped["not_selected"] = int(len(eligible) - len(set(chosen) & set(eligible)))
     sources = sorted({q.source for q in questions})
     report = {
         "rl_stage": cfg.rl_stage,
         "rollouts": str(rollouts),
         "objectives": names,
+        "method": cfg.method,
         "requested": int(cfg.count),
         "counts": {
             "questions": len(questions),
@@ -263,12 +278,7 @@ def choose(cfg: DictConfig, out: Path, config: dict) -> dict:
             "fewer_eligible_than_requested": bool(len(eligible) < cfg.count),
         },
         "dropped": dict(dropped),
-        "fronts": {
-            "sizes": selection.front_sizes(),
-            "whole_fronts_taken": selection.whole_fronts,
-            "cut_front": selection.cut_front,
-            "taken_from_cut_front": selection.taken_from_cut,
-        },
+        "fronts": fronts,
         "objective_distributions": {
             group: {name: distribution(points[rows_, j]) for j, name in enumerate(names)}
             for group, rows_ in (("all", np.arange(len(questions))), ("eligible", eligible), ("selected", chosen))
@@ -283,7 +293,10 @@ def choose(cfg: DictConfig, out: Path, config: dict) -> dict:
         },
     }
     (out / "report.json").write_text(json.dumps(report, indent=2) + "\n")
-    title = f"RL stage {cfg.rl_stage}: {len(chosen)} selected of {len(eligible)} eligible ({len(questions)} questions)"
+    if cfg.method == "pareto":
+        title = f"RL stage {cfg.rl_stage}: {len(chosen)} selected of {len(eligible)} eligible ({len(questions)} questions)"
+    else:
+        title = f"RL stage {cfg.rl_stage}: {len(chosen)} drawn at random of {len(questions)} questions ({len(eligible)} eligible)"
     draw_scatter(out / "scatter.png", points, status, names, title)
     write_manifest(
         out,
@@ -293,7 +306,7 @@ def choose(cfg: DictConfig, out: Path, config: dict) -> dict:
         counts={"questions": len(questions), "eligible": int(len(eligible)), "selected": int(len(chosen))},
         seed=int(cfg.seed),
         started_at=started,
-        metrics={"dropped": dict(dropped), "front_sizes": selection.front_sizes()},
+        metrics={"dropped": dict(dropped), "front_sizes": fronts.get("sizes", [])},
     )
     return report
 
@@ -307,14 +320,16 @@ def main(argv: list[str] | None = None) -> None:
     report = run(cfg)
     c, f = report["counts"], report["fronts"]
     dropped = ", ".join(f"{k} {v}" for k, v in sorted(report["dropped"].items()))
-    print(
-        f"pareto for RL stage {cfg.rl_stage}: {c['selected']} of {c['eligible']} eligible questions selected "
-        f"({c['questions']} read, {c['chains']} chains); requested {report['requested']}\n"
-        f"  dropped: {dropped}\n"
-        f"  fronts: {f['sizes'][:12]}{' ...' if len(f['sizes']) > 12 else ''}; whole fronts taken {f['whole_fronts_taken']}, "
-        f"{f['taken_from_cut_front']} from front {f['cut_front']} by crowding distance\n"
-        f"  wrote {Path(cfg.out_dir) / 'rl.parquet'}, report.json, scores.jsonl, scatter.png"
-    )
+    if cfg.method == "pareto":
+        how = (
+            f"{c['selected']} of {c['eligible']} eligible questions selected ({c['questions']} read, {c['chains']} chains); "
+            f"requested {report['requested']}\n  dropped: {dropped}\n"
+            f"  fronts: {f['sizes'][:12]}{' ...' if len(f['sizes']) > 12 else ''}; whole fronts taken {f['whole_fronts_taken']}, "
+            f"{f['taken_from_cut_front']} from front {f['cut_front']} by crowding distance"
+        )
+    else:
+        how = f"{c['selected']} of {c['questions']} questions drawn at random ({c['eligible']} of them eligible; method random)"
+    print(f"pareto for RL stage {cfg.rl_stage}: {how}\n  wrote {Path(cfg.out_dir) / 'rl.parquet'}, report.json, scores.jsonl, scatter.png")
 
 
 if __name__ == "__main__":

@@ -170,6 +170,7 @@ def test_behaviour_per_kind_on_hand_made_groups():
         "tool_calls": 1.0,
         "redundant_rate": 25.0,
         "insufficient_rate": 25.0,
+        "redundant_when_solved": 50.0,  # of the 2 right answers, one searched twice
     }
     # a search where Python was needed is both redundant and insufficient
     assert out["toy_python"]["redundant_rate"] == 50.0 and out["toy_python"]["insufficient_rate"] == 50.0
@@ -177,6 +178,8 @@ def test_behaviour_per_kind_on_hand_made_groups():
     assert out["toy_none"]["redundant_rate"] == 50.0 and out["toy_none"]["insufficient_rate"] == 0.0
     assert out["toy_none"]["correctness"] == 100.0 and out["toy_none"]["tool_calls"] == 0.5
     assert out["all"]["samples"] == 10 and out["all"]["redundant_rate"] == 40.0 and out["all"]["insufficient_rate"] == 30.0
+    # solved: 2 search, 1 python, 1 both, 2 none; redundant among them: search 1, both 1, none 1
+    assert out["toy_python"]["redundant_when_solved"] == 0.0 and out["all"]["redundant_when_solved"] == 50.0
     assert behaviour([{"source": "hotpotqa", "kind": "qa", "samples": [sample()]}]) == {}
 
 
@@ -337,7 +340,10 @@ def test_toy_evaluation_end_to_end_resumes_after_a_kill_and_draws_the_radar(sft_
         text=True,
     ).stdout
     behaviour = a["behaviour"]["all"]
-    row = f"{behaviour['correctness']:.1f} | {behaviour['tool_calls']:.2f} | {behaviour['redundant_rate']:.1f} | {behaviour['insufficient_rate']:.1f} |"
+    row = (
+        f"{behaviour['correctness']:.1f} | {behaviour['tool_calls']:.2f} | {behaviour['redundant_rate']:.1f} | "
+        f"{behaviour['insufficient_rate']:.1f} | {behaviour['redundant_when_solved']:.1f} |"
+    )
     lines = (tmp_path / "table_behaviour.md").read_text().splitlines()
     assert [line for line in lines if "| all |" in line] == [f"| toy | all | {run} | {row}" for run in ("whole", "killed")]
     assert {line.split(" | ")[1] for line in lines[2:]} == set(a["behaviour"])  # every kind evaluated, and "all"

@@ -324,7 +324,8 @@ def test_export_keeps_correct_distinct_trajectories_fewest_calls_first(tokenizer
     right = evolve(make_flywheel(tokenizer, executor, redundancy=reply), RIGHT)
     wrong = evolve(make_flywheel(tokenizer, executor), WRONG)
     with JsonlAppender(tmp_path / "trajectories.jsonl") as writer:
-        for run in (right, wrong):
+        # questions are written as they finish: here the later one first; the data is in question order
+        for run in (wrong, right):
             writer.write(question_record(run, timed_out=False, seconds=1.0, editor=True))
     cfg = load_config("flywheel", "tiny", [f"out_dir={tmp_path}", "export.max_per_question=2"])
     report = export(cfg)

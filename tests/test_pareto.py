@@ -232,6 +232,16 @@ def test_pareto_stage_on_a_hand_made_rollout_file(tmp_path):
     run(cfg)
     assert (tmp_path / "out" / "rl.parquet").read_bytes() == first
 
+    # the ablation without Pareto: as many questions, drawn from all of them under the seed
+    drawn = []
+    for seed in range(12):
+        cfg = load_config("pareto", "tiny", [f"rollouts={rollouts}", f"out_dir={tmp_path / 'random'}", "count=2", "method=random", f"seed={seed}"])
+        report = run(cfg)
+        assert report["counts"]["selected"] == 2 and report["fronts"] == {}
+        scores = [json.loads(line) for line in (tmp_path / "random" / "scores.jsonl").read_text().splitlines()]
+        drawn.append(frozenset(s["id"] for s in scores if s["selected"]))
+    assert len(set(drawn)) > 3 and any(not chosen <= {"a", "d", "g"} for chosen in drawn)  # ineligible ones too
+
 
 def test_pareto_names_the_file_line_and_field_of_bad_input(tmp_path):
     import json

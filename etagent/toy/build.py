@@ -86,11 +86,11 @@ def build(cfg: DictConfig, out_dir: Path) -> dict:
 
     mix = {b: float(cfg.seeds.mix[b]) for b in BEHAVIOURS}
     groups = []
-    for k, version, q in train:
+    for k, _, q in train:
         trajectories = []
         for i in range(cfg.seeds.per_question):
             behaviour = rng.choices(list(mix), weights=list(mix.values()))[0]
-            trajectory = write_trajectory(q, behaviour, version, searches[k], rng)
+            trajectory = write_trajectory(q, behaviour, searches[k], rng)
             trajectory.id = f"{q.question.id}/seed{i}"
             trajectory.provenance.world_version = k
             trajectories.append(trajectory)

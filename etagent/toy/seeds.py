@@ -3,10 +3,16 @@
 Each trajectory follows one behaviour:
 
 - ``efficient``: exactly the calls the question needs (0, 1 or 2), then the answer;
-- ``redundant``: the same, plus one unnecessary call (a repeated search, a second Python check,
-  or a search for a question that needs none); still correct;
-- ``insufficient``: skips a needed call and guesses; usually wrong. (A ``none`` question cannot
-  be under-served, so it gets ``efficient`` instead.)
+- ``redundant``: the same, plus one unnecessary call (a repeated search for a fact already
+  found, a second Python run of a sum already done, or a search for a question that needs none);
+  still correct. The habit is announced in the first thought ("To be sure, I will search for it
+  twice."), as a model that over-calls decides it up front; a tiny model learns a choice made at
+  the start of its answer far more faithfully than one made after a long result;
+- ``insufficient``: skips the needed calls and answers from memory, rightly: the writer of the
+  data knew the fact or did the sum in its head, as a stronger model sometimes does. SFT keeps
+  these (they are correct), so the policy learns the habit without the knowledge, and its own
+  guesses are mostly wrong: the under-calling the paper's RL is meant to correct. (A ``none``
+  question cannot be under-served, so it gets ``efficient`` instead.)
 
 Tool results come from running the tools' logic: searches go through the same BM25 index and
 result formatting as the retriever's BM25 method, and the Python code (written here, so trusted)
@@ -29,7 +35,7 @@ from etagent import protocol
 from etagent.records import Provenance, ToolCallRecord, Trajectory
 from etagent.scoring import rule_judgement
 from etagent.tools.search import BM25Index, format_documents
-from etagent.toy.world import PROFESSIONS, ToyQuestion, World
+from etagent.toy.world import ToyQuestion
 
 BEHAVIOURS = ("efficient", "redundant", "insufficient")
 
@@ -86,19 +92,6 @@ class _Builder:
         self.text += _answer(value)
 
 
-def _guess(q: ToyQuestion, world: World, rng: random.Random) -> str:
-    """A plausible answer made up without the needed tool call."""
-    gold = q.question.answer[0]
-    if gold.isdigit():
-        value = int(gold)
-        wrong = value + rng.choice([-1, 1]) * rng.randint(1, max(2, value // 7))
-        return str(wrong)
-    if gold in PROFESSIONS:
-        return rng.choice([p for p in PROFESSIONS if p != gold])
-    others = [c.name for c in world.cities if c.name != gold] + [c.river for c in world.cities if c.river != gold]
-    return rng.choice(others)
-
-
 def _plan(q: ToyQuestion, behaviour: str, rng: random.Random) -> list[tuple[str, str, bool]]:
     """The calls a trajectory makes: (tool, input, is_repeat) in order."""
     plan = [(protocol.SEARCH, query, False) for query in q.searches]
@@ -115,7 +108,7 @@ def _plan(q: ToyQuestion, behaviour: str, rng: random.Random) -> list[tuple[str,
     return plan
 
 
-def write_trajectory(q: ToyQuestion, behaviour: str, world: World, search: ToySearch, rng: random.Random) -> Trajectory:
+def write_trajectory(q: ToyQuestion, behaviour: str, search: ToySearch, rng: random.Random) -> Trajectory:
     """One seed trajectory of the given behaviour for a toy question."""
     if q.toy_kind == "none" and behaviour == "insufficient":
         behaviour = "efficient"
@@ -124,10 +117,15 @@ def write_trajectory(q: ToyQuestion, behaviour: str, world: World, search: ToySe
     answer = q.question.answer[0]
     plan = _plan(q, behaviour, rng)
     if behaviour == "insufficient":
-        answer = _guess(q, world, rng)
         b.think(pick(["I think I know this without any tool.", "I can answer this directly."]) + f" The answer should be {answer}.")
     elif not plan:
         b.think(pick(["The answer is already in the question.", "The question itself contains the answer."]))
+    repeated = next((tool for tool, _, repeat in plan if repeat), None)
+    announce = {
+        protocol.SEARCH: " To be sure, I will search for it twice.",
+        protocol.PYTHON: " To be safe, I will run the calculation twice.",
+        None: "",
+    }[repeated]
     for tool, payload, repeat in plan:
         if tool == protocol.SEARCH and q.toy_kind == "none":
             b.think(pick([f"Let me look up {payload} first.", f"I will search for {payload}."]))
@@ -137,14 +135,16 @@ def write_trajectory(q: ToyQuestion, behaviour: str, world: World, search: ToySe
             if repeat:
                 b.think(pick([f"Let me search for {q.entity} again to be sure.", "I will search once more to double-check."]))
             else:
-                b.think(pick([f"I do not know this fact about {q.entity}, so I will search for it.", f"I need to look up {q.entity}."]))
+                b.think(pick([f"I do not know this fact about {q.entity}, so I will search for it.", f"I need to look up {q.entity}."]) + announce)
+                announce = ""
             b.call(tool, payload)
             b.think(f"The result {'again ' if repeat else ''}says that {q.fact}.")
         else:
             if repeat:
                 b.think(pick(["Let me check this calculation once more.", "I will run the calculation again to be safe."]))
             else:
-                b.think(pick(["This needs exact arithmetic, so I will use Python.", "I will compute this with Python."]))
+                b.think(pick(["This needs exact arithmetic, so I will use Python.", "I will compute this with Python."]) + announce)
+                announce = ""
             output = b.call(tool, payload)
             b.think(f"Python {'again ' if repeat else ''}gives {output}.")
     b.answer(answer)

@@ -1,0 +1,126 @@
+"""The ablation table: variants of the pipeline side by side, mean and std over seeds.
+
+    python -m evaluation.ablations RUN_DIR/ablations --seeds 3 --variants full no-efficiency ...
+
+Reads, per seed s and variant v, ``seed{s}/{v}/eval/summary.json`` (the held-out evaluation) and
+``seed{s}/{v}/stage*/rl/metrics.jsonl`` (the RL steps), as scripts/ablations.sh lays them out,
+and writes ``ablations.md`` and ``ablations.json`` beside them. Per variant: correctness,
+efficiency, tool calls per answer, the redundant and insufficient rates, the redundant rate among
+solved answers, and the tool calls the RL rollouts executed (a tree's copied calls counted once);
+then, per seed, each variant against the whole pipeline, the comparisons the paper's ablations
+make. A run that is missing or unfinished is named, not averaged.
+
+What this module does not do: run anything (scripts/ablations.sh does).
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import statistics
+from pathlib import Path
+
+from etagent.errors import MissingInput, exit_on_user_error
+
+# (column, heading, digits)
+FIELDS = (
+    ("correctness", "correctness", 1),
+    ("efficiency", "efficiency", 1),
+    ("tool_calls", "tool calls per answer", 2),
+    ("redundant_rate", "redundant %", 1),
+    ("redundant_when_solved", "redundant when solved %", 1),
+    ("insufficient_rate", "insufficient %", 1),
+    ("rl_tool_calls", "RL tool calls", 0),
+)
+
+
+def run_figures(run: Path) -> dict | None:
+    """One variant's figures in one seed, or None when its evaluation is not there."""
+    summary = run / "eval" / "summary.json"
+    if not summary.exists():
+        return None
+    toy = json.loads(summary.read_text())["datasets"]["toy"]
+    every = toy["behaviour"]["all"]
+    rl_calls = 0.0
+    for metrics in sorted(run.glob("stage*/rl/metrics.jsonl")):
+        rl_calls += sum(json.loads(line)["rollout/tool_calls_executed"] for line in metrics.read_text().splitlines() if line.strip())
+    return {
+        "correctness": toy["correctness"],
+        "efficiency": toy["efficiency"],
+        **{key: every[key] for key in ("tool_calls", "redundant_rate", "redundant_when_solved", "insufficient_rate")},
+        "rl_tool_calls": rl_calls,
+    }
+
+
+def cell(values: list[float], digits: int) -> str:
+    if not values:
+        return "missing"
+    if len(values) == 1:
+        return f"{values[0]:.{digits}f}"
+    return f"{statistics.mean(values):.{digits}f} ± {statistics.stdev(values):.{digits}f}"
+
+
+def ratio(a: float, b: float) -> str:
+    return f"{a / b:.2f}" if b else "n/a"
+
+
+def ablation_table(root: Path, seeds: int, variants: list[str]) -> tuple[str, dict]:
+    figures = {v: {s: run_figures(root / f"seed{s}" / v) for s in range(seeds)} for v in variants}
+    lines = [
+        f"Mean ± std over {seeds} seeds (held-out questions, T=0.6, 2 samples each; RL tool calls: executed by the RL "
+        "rollouts over all stages).",
+        "",
+        "| variant | seeds | " + " | ".join(h for _, h, _ in FIELDS) + " |",
+        "|---|---|" + "---|" * len(FIELDS),
+    ]
+    for v in variants:
+        done = [f for f in figures[v].values() if f is not None]
+        cells = [cell([f[key] for f in done], digits) for key, _, digits in FIELDS]
+        lines.append(f"| {v} | {len(done)} | " + " | ".join(cells) + " |")
+    missing = [f"seed{s}/{v}" for v in variants for s, f in figures[v].items() if f is None]
+    if missing:
+        lines += ["", f"missing or unfinished: {', '.join(missing)}"]
+    if "full" in variants:
+        lines += [
+            "",
+            "Per seed, each variant against the whole pipeline: correctness difference (variant - full), and the "
+            "variant's redundant rate and RL tool calls as multiples of full's.",
+            "",
+            "| variant | seed | correctness - full | redundant / full | redundant when solved / full | RL tool calls / full |",
+            "|---|---|---|---|---|---|",
+        ]
+        for v in variants:
+            if v == "full":
+                continue
+            for s in range(seeds):
+                full, other = figures["full"][s], figures[v][s]
+                if full is None or other is None:
+                    continue
+                lines.append(
+                    f"| {v} | {s} | {other['correctness'] - full['correctness']:+.1f} | "
+                    f"{ratio(other['redundant_rate'], full['redundant_rate'])} | "
+                    f"{ratio(other['redundant_when_solved'], full['redundant_when_solved'])} | "
+                    f"{ratio(other['rl_tool_calls'], full['rl_tool_calls'])} |"
+                )
+    return "\n".join(lines) + "\n", {v: {f"seed{s}": f for s, f in per_seed.items()} for v, per_seed in figures.items()}
+
+
+@exit_on_user_error
+def main(argv: list[str] | None = None) -> None:
+    parser = argparse.ArgumentParser(prog="python -m evaluation.ablations", description=__doc__.split("\n\n")[0])
+    parser.add_argument("root", help="the ablations directory (RUN_DIR/ablations)")
+    parser.add_argument("--seeds", type=int, required=True)
+    parser.add_argument("--variants", nargs="+", required=True)
+    args = parser.parse_args(argv)
+    root = Path(args.root)
+    if not root.is_dir():
+        raise MissingInput(f"{root}: no such directory (run scripts/ablations.sh first)")
+    markdown, figures = ablation_table(root, args.seeds, args.variants)
+    (root / "ablations.md").write_text(markdown)
+    (root / "ablations.json").write_text(json.dumps(figures, indent=2) + "\n")
+    print(markdown, end="")
+    print(f"wrote {root / 'ablations.md'} and {root / 'ablations.json'}")
+
+
+if __name__ == "__main__":
+    main()

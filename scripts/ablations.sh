@@ -1,0 +1,119 @@
+#!/usr/bin/env bash
+# The paper's ablations in miniature, on the toy world: each variant is the RL curriculum from the
+# same starting policy with the same step budget, SEEDS times, every final policy evaluated on the
+# 200 held-out questions as the demo evaluates them (T=0.6, top-p 0.95, 2 samples); then a table
+# of mean and std over the seeds.
+#
+#   bash scripts/ablations.sh [RUN_DIR] [SEEDS]
+#
+# RUN_DIR (default runs/demo) must hold a finished demo (bash scripts/demo.sh RUN_DIR): its toy
+# world, indexes, seed-SFT policy, flywheel export and flywheel-SFT policy. SEEDS defaults to 3.
+# The variants (STAGES curriculum stages of STEPS RL steps each, default 2 and the demo's):
+#   full            the pipeline: from the flywheel-SFT policy; per stage, direct rollout, Pareto
+#                   selection, RL with ARPO's tree rollout and the efficiency reward
+#   no-flywheel     from the seed-SFT policy fine-tuned on the seed data of the flywheel's
+#                   questions (as the flywheel-SFT policy is on the flywheel's data of them)
+#   no-pareto       as many questions per stage, drawn at random from the same pool
+#   no-efficiency   both sigmas 0 (correctness and the format penalty: the paper's released scripts)
+#   no-arpo         plain GRPO: n independent rollouts per prompt, as many as the tree makes
+#   no-curriculum   one stage of STAGES x STEPS steps on the first stage's data
+# A seed s sets the direct rollouts', Pareto's, RL's and the evaluation's seeds. The variants of a
+# seed that start from the same policy share its first direct rollout. Writes RUN_DIR/ablations/:
+# seed{s}/{variant}/ (stage{k}/rollouts, stage{k}/data, stage{k}/rl, eval), sft-seed-data/,
+# ablations.md and ablations.json. Every step resumes, so rerunning after a kill continues.
+# RL_ARGS adds Hydra overrides to every RL run.
+set -euo pipefail
+RUN=${1:-runs/demo}
+SEEDS=${2:-3}
+cd "$(dirname "$0")/.."
+VENV=$(realpath "${ETAGENT_VENV:-.venv}")
+export PATH="$VENV/bin:$PATH" HF_HUB_OFFLINE=1 TRANSFORMERS_OFFLINE=1 WANDB_MODE=offline TOKENIZERS_PARALLELISM=false
+STAGES=${STAGES:-2}
+FLYWHEEL_POLICY=$RUN/sft-flywheel/model
+for needed in "$FLYWHEEL_POLICY/config.json" "$RUN/sft/model/config.json" "$RUN/flywheel/sft/seed_sft.jsonl" "$RUN/index" "$RUN/toy/rl_world/corpus.jsonl"; do
+  [ -e "$needed" ] || { echo "missing $needed: run bash scripts/demo.sh $RUN first" >&2; exit 1; }
+done
+OUT=$RUN/ablations
+mkdir -p "$OUT"
+VARIANTS=(full no-flywheel no-pareto no-efficiency no-arpo no-curriculum)
+# The demo's stage length: its Pareto count over the prompts per step, times the epochs.
+COUNT=$(python -c "from etagent.config import load_config; print(load_config('pareto', 'tiny', []).count)")
+STEPS=${STEPS:-$(python - "$COUNT" <<'PY'
+import sys
+from etagent.config import load_config
+rl = load_config("rl", "tiny", ["model=x", "data.train=x", "out_dir=x"])
+print(int(sys.argv[1]) // rl.data.prompts_per_step * rl.data.epochs)
+PY
+)}
+echo "ablations: ${#VARIANTS[@]} variants x $SEEDS seeds, $STAGES stages of $STEPS RL steps ($COUNT questions per stage) -> $OUT"
+
+# Two retrievers for the whole run: the RL pool's world and the held-out questions' world.
+python -m retriever.build corpus="$RUN/toy/rl_world/corpus.jsonl" index_dir="$RUN/rl_index" > /dev/null
+source scripts/serve_retriever.sh "$RUN/rl_index" "$OUT/rl_retriever.log"
+RL_URL=$RETRIEVER_URL RL_PID=$RETRIEVER_PID
+source scripts/serve_retriever.sh "$RUN/index" "$OUT/retriever.log"
+EVAL_URL=$RETRIEVER_URL
+trap 'kill $RL_PID 2>/dev/null || true; stop_retriever' EXIT
+
+# The no-flywheel start: the seed-SFT policy fine-tuned on the seed data of the flywheel's questions.
+if [ ! -f "$OUT/sft-seed-data/model/config.json" ]; then
+  echo "== the no-flywheel start: SFT of $RUN/sft/model on $RUN/flywheel/sft/seed_sft.jsonl -> $OUT/sft-seed-data"
+  python -m sft.run --preset tiny_flywheel model="$RUN/sft/model" data.path="$RUN/flywheel/sft/seed_sft.jsonl" \
+    out_dir="$OUT/sft-seed-data" train.progress_bar=false
+fi
+
+done_already() { [ -f "$1/manifest.json" ] && grep -q '"status": "complete"' "$1/manifest.json"; }
+
+# direct rollout of the RL pool with MODEL into DIR, under SEED
+rollout() {
+  local model=$1 dir=$2 seed=$3 k=$4
+  done_already "$dir" && return 0
+  python -m direct_rollout.run engine.model="$model" questions="$RUN/toy/questions/rl.jsonl" rl_stage="$k" out_dir="$dir" \
+    tools.search.local.url="$RL_URL" agent.seed="$seed"
+}
+
+step=0
+total=$((SEEDS * ${#VARIANTS[@]}))
+for seed in $(seq 0 $((SEEDS - 1))); do
+  for variant in "${VARIANTS[@]}"; do
+    step=$((step + 1))
+    dir=$OUT/seed$seed/$variant
+    mkdir -p "$dir"
+    if [ -f "$dir/eval/summary.json" ]; then
+      echo "== [$step/$total] seed $seed, $variant: done"
+      continue
+    fi
+    echo
+    echo "== [$step/$total] seed $seed, $variant -> $dir"
+    model=$FLYWHEEL_POLICY start=flywheel
+    if [ "$variant" = no-flywheel ]; then model=$OUT/sft-seed-data/model start=seed-data; fi
+    stages=$STAGES steps=$STEPS
+    if [ "$variant" = no-curriculum ]; then stages=1 steps=$((STAGES * STEPS)); fi
+    rl_args=(train.seed="$seed" train.max_steps="$steps")
+    case $variant in
+      no-efficiency) rl_args+=(reward.sigma_tool=0 reward.sigma_length=0) ;;
+      no-arpo) rl_args+=(rollout.kind=group) ;;
+    esac
+    method=pareto
+    if [ "$variant" = no-pareto ]; then method=random; fi
+    for k in $(seq 1 "$stages"); do
+      rollouts=$dir/stage$k/rollouts
+      if [ "$k" = 1 ]; then rollouts=$OUT/seed$seed/$start-stage1-rollouts; fi  # shared by the variants of this start
+      echo "-- stage $k/$stages: direct rollout of the pool with $model -> $rollouts"
+      rollout "$model" "$rollouts" "$seed" "$k"
+      echo "-- stage $k/$stages: selection ($method) -> $dir/stage$k/data"
+      python -m pareto.run rl_stage="$k" rollouts="$rollouts" out_dir="$dir/stage$k/data" method="$method" seed="$seed" > "$dir/stage$k/pareto.log"
+      tail -n 3 "$dir/stage$k/pareto.log" | head -n 1
+      echo "-- stage $k/$stages: RL ($steps steps) -> $dir/stage$k/rl"
+      # shellcheck disable=SC2086
+      python -m rl.run rl_stage="$k" model="$model" data.train="$dir/stage$k/data/rl.parquet" out_dir="$dir/stage$k/rl" \
+        tools.search.local.url="$RL_URL" "${rl_args[@]}" ${RL_ARGS:-}
+      model=$dir/stage$k/rl/model
+    done
+    echo "-- evaluation of $model on the held-out questions -> $dir/eval"
+    python -m evaluation.run engine.model="$model" files.toy="$RUN/toy/questions/test.jsonl" out_dir="$dir/eval" \
+      run_name="$variant-seed$seed" n=2 agent.seed="$seed" tools.search.local.url="$EVAL_URL" > "$dir/eval.log"
+  done
+done
+
+python -m evaluation.ablations "$OUT" --seeds "$SEEDS" --variants "${VARIANTS[@]}"
