@@ -1,0 +1,60 @@
+"""The ablation table (evaluation/ablations.py) on hand-made run directories laid out as
+scripts/ablations.sh lays them out: means and sample std over seeds, RL tool calls summed over
+stages and steps, the per-seed comparisons with the whole pipeline, and missing runs named."""
+
+from __future__ import annotations
+
+import json
+import subprocess
+import sys
+
+import pytest
+
+from evaluation.ablations import ablation_table
+
+
+def write_run(root, seed, variant, correctness, redundant, rl_calls_per_stage):
+    run = root / f"seed{seed}" / variant
+    (run / "eval").mkdir(parents=True)
+    behaviour = {"tool_calls": 1.0, "redundant_rate": redundant, "redundant_when_solved": 2 * redundant, "insufficient_rate": 1.0}
+    summary = {"datasets": {"toy": {"correctness": correctness, "efficiency": correctness - 10, "behaviour": {"all": behaviour}}}}
+    (run / "eval" / "summary.json").write_text(json.dumps(summary))
+    for k, calls in enumerate(rl_calls_per_stage, start=1):
+        (run / f"stage{k}" / "rl").mkdir(parents=True)
+        lines = [{"step": s, "rollout/tool_calls_executed": c} for s, c in enumerate(calls, start=1)]
+        (run / f"stage{k}" / "rl" / "metrics.jsonl").write_text("".join(json.dumps(line) + "\n" for line in lines))
+
+
+def test_means_spreads_and_per_seed_comparisons(tmp_path):
+    write_run(tmp_path, 0, "full", 80.0, 10.0, [[10, 20], [30]])
+    write_run(tmp_path, 1, "full", 82.0, 20.0, [[20, 20], [20]])
+    write_run(tmp_path, 0, "no-efficiency", 79.0, 30.0, [[60]])
+    write_run(tmp_path, 1, "no-efficiency", 83.0, 40.0, [[60]])
+    write_run(tmp_path, 0, "no-arpo", 81.0, 10.0, [[100]])
+    markdown, figures = ablation_table(tmp_path, 2, ["full", "no-efficiency", "no-arpo"])
+    assert figures["full"]["seed0"]["rl_tool_calls"] == 60 and figures["no-arpo"]["seed1"] is None
+    summary = markdown.split("Per seed")[0]
+    rows = {line.split(" | ")[0].strip("| "): line for line in summary.splitlines() if line.startswith("| ")}
+    # correctness 80, 82: mean 81, sample std sqrt(2); RL tool calls 60 and 60
+    assert rows["full"].startswith("| full | 2 | 81.0 ± 1.4 | 71.0 ± 1.4 | 1.00 ± 0.00 | 15.0 ± 7.1 | 30.0 ± 14.1 | 1.0 ± 0.0 | 60 ± 0 |")
+    assert rows["no-arpo"].startswith("| no-arpo | 1 | 81.0 |")
+    assert "missing or unfinished: seed1/no-arpo" in markdown
+    # per seed: no-efficiency's correctness - full's, its redundant rate / full's, RL tool calls / full's
+    assert "| no-efficiency | 0 | -1.0 | 3.00 | 3.00 | 1.00 |" in markdown
+    assert "| no-efficiency | 1 | +1.0 | 2.00 | 2.00 | 1.00 |" in markdown
+    assert "| no-arpo | 0 | +1.0 | 1.00 | 1.00 | 1.67 |" in markdown
+
+
+def test_the_command_writes_both_files_and_refuses_a_missing_directory(tmp_path):
+    write_run(tmp_path, 0, "full", 80.0, 10.0, [[10]])
+    out = subprocess.run(
+        [sys.executable, "-m", "evaluation.ablations", str(tmp_path), "--seeds", "1", "--variants", "full"],
+        capture_output=True, text=True, check=True,
+    )  # fmt: skip
+    assert (tmp_path / "ablations.md").read_text() in out.stdout
+    assert json.loads((tmp_path / "ablations.json").read_text())["full"]["seed0"]["correctness"] == pytest.approx(80.0)
+    missing = subprocess.run(
+        [sys.executable, "-m", "evaluation.ablations", str(tmp_path / "nope"), "--seeds", "1", "--variants", "full"],
+        capture_output=True, text=True,
+    )  # fmt: skip
+    assert missing.returncode == 2 and "no such directory" in missing.stderr
