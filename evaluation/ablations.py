@@ -2,7 +2,8 @@
 
     python -m evaluation.ablations RUN_DIR/ablations --seeds 3 --variants full no-efficiency ...
 
-Reads, per seed s and variant v, ``seed{s}/{v}/eval/summary.json`` (the held-out evaluation) and
+Reads, per seed s and variant v (and reference: a starting policy, evaluated only),
+``seed{s}/{v}/eval/summary.json`` (the held-out evaluation) and
 ``seed{s}/{v}/stage*/rl/metrics.jsonl`` (the RL steps), as scripts/ablations.sh lays them out,
 and writes ``ablations.md`` and ``ablations.json`` beside them. Per variant: correctness,
 efficiency, tool calls per answer, the redundant and insufficient rates, the redundant rate among
@@ -64,8 +65,10 @@ def ratio(a: float, b: float) -> str:
     return f"{a / b:.2f}" if b else "n/a"
 
 
-def ablation_table(root: Path, seeds: int, variants: list[str]) -> tuple[str, dict]:
-    figures = {v: {s: run_figures(root / f"seed{s}" / v) for s in range(seeds)} for v in variants}
+def ablation_table(root: Path, seeds: int, variants: list[str], references: list[str] = ()) -> tuple[str, dict]:
+    """The table of ``references`` (evaluated only: the starting policies) and ``variants``, and
+    the per-seed comparison of each variant with ``full``."""
+    figures = {v: {s: run_figures(root / f"seed{s}" / v) for s in range(seeds)} for v in (*references, *variants)}
     lines = [
         f"Mean ± std over {seeds} seeds (held-out questions, T=0.6, 2 samples each; RL tool calls: executed by the RL "
         "rollouts over all stages).",
@@ -73,11 +76,11 @@ def ablation_table(root: Path, seeds: int, variants: list[str]) -> tuple[str, di
         "| variant | seeds | " + " | ".join(h for _, h, _ in FIELDS) + " |",
         "|---|---|" + "---|" * len(FIELDS),
     ]
-    for v in variants:
+    for v in (*references, *variants):
         done = [f for f in figures[v].values() if f is not None]
         cells = [cell([f[key] for f in done], digits) for key, _, digits in FIELDS]
         lines.append(f"| {v} | {len(done)} | " + " | ".join(cells) + " |")
-    missing = [f"seed{s}/{v}" for v in variants for s, f in figures[v].items() if f is None]
+    missing = [f"seed{s}/{v}" for v in figures for s, f in figures[v].items() if f is None]
     if missing:
         lines += ["", f"missing or unfinished: {', '.join(missing)}"]
     if "full" in variants:
@@ -111,11 +114,12 @@ def main(argv: list[str] | None = None) -> None:
     parser.add_argument("root", help="the ablations directory (RUN_DIR/ablations)")
     parser.add_argument("--seeds", type=int, required=True)
     parser.add_argument("--variants", nargs="+", required=True)
+    parser.add_argument("--references", nargs="*", default=[], help="runs evaluated only (the starting policies), not compared")
     args = parser.parse_args(argv)
     root = Path(args.root)
     if not root.is_dir():
         raise MissingInput(f"{root}: no such directory (run scripts/ablations.sh first)")
-    markdown, figures = ablation_table(root, args.seeds, args.variants)
+    markdown, figures = ablation_table(root, args.seeds, args.variants, args.references)
     (root / "ablations.md").write_text(markdown)
     (root / "ablations.json").write_text(json.dumps(figures, indent=2) + "\n")
     print(markdown, end="")

@@ -18,9 +18,11 @@
 #   no-arpo         plain GRPO: n independent rollouts per prompt, as many as the tree makes
 #   no-curriculum   one stage of STAGES x STEPS steps on the first stage's data
 # A seed s sets the direct rollouts', Pareto's, RL's and the evaluation's seeds. The variants of a
-# seed that start from the same policy share its first direct rollout. Writes RUN_DIR/ablations/:
-# seed{s}/{variant}/ (stage{k}/rollouts, stage{k}/data, stage{k}/rl, eval), sft-seed-data/,
-# ablations.md and ablations.json. Every step resumes, so rerunning after a kill continues.
+# seed that start from the same policy share its first direct rollout. The starting policies
+# (seed-sft, flywheel-sft, seed-data-sft) are evaluated with each seed too, for reference. Writes
+# RUN_DIR/ablations/: seed{s}/{variant}/ (stage{k}/rollouts, stage{k}/data, stage{k}/rl, eval),
+# sft-seed-data/, ablations.md and ablations.json. Every step resumes, so rerunning after a kill
+# continues.
 # RL_ARGS adds Hydra overrides to every RL run.
 set -euo pipefail
 RUN=${1:-runs/demo}
@@ -72,9 +74,22 @@ rollout() {
     tools.search.local.url="$RL_URL" agent.seed="$seed"
 }
 
+# the held-out evaluation of MODEL into DIR/eval, under SEED
+evaluate() {
+  local model=$1 dir=$2 name=$3 seed=$4
+  python -m evaluation.run engine.model="$model" files.toy="$RUN/toy/questions/test.jsonl" out_dir="$dir/eval" \
+    run_name="$name" n=2 agent.seed="$seed" tools.search.local.url="$EVAL_URL" > "$dir/eval.log"
+}
+
 step=0
 total=$((SEEDS * ${#VARIANTS[@]}))
 for seed in $(seq 0 $((SEEDS - 1))); do
+  # the starting policies themselves, for reference: their spread is the evaluation's alone
+  for start in seed-sft:$RUN/sft/model flywheel-sft:$FLYWHEEL_POLICY seed-data-sft:$OUT/sft-seed-data/model; do
+    name=${start%%:*}
+    mkdir -p "$OUT/seed$seed/$name"
+    [ -f "$OUT/seed$seed/$name/eval/summary.json" ] || evaluate "${start#*:}" "$OUT/seed$seed/$name" "$name-seed$seed" "$seed"
+  done
   for variant in "${VARIANTS[@]}"; do
     step=$((step + 1))
     dir=$OUT/seed$seed/$variant
@@ -97,13 +112,14 @@ for seed in $(seq 0 $((SEEDS - 1))); do
     method=pareto
     if [ "$variant" = no-pareto ]; then method=random; fi
     for k in $(seq 1 "$stages"); do
+      mkdir -p "$dir/stage$k"
       rollouts=$dir/stage$k/rollouts
       if [ "$k" = 1 ]; then rollouts=$OUT/seed$seed/$start-stage1-rollouts; fi  # shared by the variants of this start
       echo "-- stage $k/$stages: direct rollout of the pool with $model -> $rollouts"
       rollout "$model" "$rollouts" "$seed" "$k"
       echo "-- stage $k/$stages: selection ($method) -> $dir/stage$k/data"
       python -m pareto.run rl_stage="$k" rollouts="$rollouts" out_dir="$dir/stage$k/data" method="$method" seed="$seed" > "$dir/stage$k/pareto.log"
-      tail -n 3 "$dir/stage$k/pareto.log" | head -n 1
+      grep -m 1 "^pareto for" "$dir/stage$k/pareto.log"
       echo "-- stage $k/$stages: RL ($steps steps) -> $dir/stage$k/rl"
       # shellcheck disable=SC2086
       python -m rl.run rl_stage="$k" model="$model" data.train="$dir/stage$k/data/rl.parquet" out_dir="$dir/stage$k/rl" \
@@ -111,9 +127,8 @@ for seed in $(seq 0 $((SEEDS - 1))); do
       model=$dir/stage$k/rl/model
     done
     echo "-- evaluation of $model on the held-out questions -> $dir/eval"
-    python -m evaluation.run engine.model="$model" files.toy="$RUN/toy/questions/test.jsonl" out_dir="$dir/eval" \
-      run_name="$variant-seed$seed" n=2 agent.seed="$seed" tools.search.local.url="$EVAL_URL" > "$dir/eval.log"
+    evaluate "$model" "$dir" "$variant-seed$seed" "$seed"
   done
 done
 
-python -m evaluation.ablations "$OUT" --seeds "$SEEDS" --variants "${VARIANTS[@]}"
+python -m evaluation.ablations "$OUT" --seeds "$SEEDS" --references seed-sft seed-data-sft flywheel-sft --variants "${VARIANTS[@]}"

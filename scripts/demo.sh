@@ -24,7 +24,7 @@ echo "== 2/9 retriever index over the toy corpus -> $RUN/index"
 python -m retriever.build corpus="$RUN/toy/corpus.jsonl" index_dir="$RUN/index"
 
 echo
-echo "== 3/9 SFT of the tiny model on the seed trajectories, tool results masked -> $RUN/sft (about 5 minutes)"
+echo "== 3/9 SFT of the tiny model on the seed trajectories, tool results masked -> $RUN/sft (about 6 minutes)"
 python -m sft.run model="$RUN/toy/model" data.path="$RUN/toy/sft.jsonl" out_dir="$RUN/sft" train.progress_bar=false
 
 echo
@@ -45,14 +45,14 @@ print("    " + group["trajectories"][i]["text"].replace("\n", "\n    "))
 PY
 
 echo
-echo "== 5/9 the data flywheel with the SFT policy: 512 training questions (4 world versions), an initial rollout"
+echo "== 5/9 the data flywheel with the SFT policy: 384 training questions (4 world versions), an initial rollout"
 echo "   and 3 rounds of evolution each (no editor model: re-rollouts and trajectory hints), exported as SFT data"
-echo "   -> $RUN/flywheel (about 5 minutes)"
-bash scripts/flywheel.sh "$RUN/sft/model" "$RUN"
+echo "   -> $RUN/flywheel (about 3 minutes)"
+PER_KIND=24 bash scripts/flywheel.sh "$RUN/sft/model" "$RUN"
 
 echo
 echo "== 6/9 SFT of the SFT policy on the flywheel's data, evaluated on the held-out questions -> $RUN/sft-flywheel,"
-echo "   $RUN/eval-flywheel (about 2 minutes)"
+echo "   $RUN/eval-flywheel (about 1 minute)"
 python -m sft.run --preset tiny_flywheel model="$RUN/sft/model" data.path="$RUN/flywheel/sft/sft.jsonl" \
   out_dir="$RUN/sft-flywheel" train.progress_bar=false
 evaluate_on_held_out "$RUN/sft-flywheel/model" "$RUN/eval-flywheel" toy-sft+flywheel

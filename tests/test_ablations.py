@@ -31,7 +31,9 @@ def test_means_spreads_and_per_seed_comparisons(tmp_path):
     write_run(tmp_path, 0, "no-efficiency", 79.0, 30.0, [[60]])
     write_run(tmp_path, 1, "no-efficiency", 83.0, 40.0, [[60]])
     write_run(tmp_path, 0, "no-arpo", 81.0, 10.0, [[100]])
-    markdown, figures = ablation_table(tmp_path, 2, ["full", "no-efficiency", "no-arpo"])
+    for seed in (0, 1):
+        write_run(tmp_path, seed, "start", 70.0 + seed, 30.0, [])
+    markdown, figures = ablation_table(tmp_path, 2, ["full", "no-efficiency", "no-arpo"], references=["start"])
     assert figures["full"]["seed0"]["rl_tool_calls"] == 60 and figures["no-arpo"]["seed1"] is None
     summary = markdown.split("Per seed")[0]
     rows = {line.split(" | ")[0].strip("| "): line for line in summary.splitlines() if line.startswith("| ")}
@@ -43,6 +45,8 @@ def test_means_spreads_and_per_seed_comparisons(tmp_path):
     assert "| no-efficiency | 0 | -1.0 | 3.00 | 3.00 | 1.00 |" in markdown
     assert "| no-efficiency | 1 | +1.0 | 2.00 | 2.00 | 1.00 |" in markdown
     assert "| no-arpo | 0 | +1.0 | 1.00 | 1.00 | 1.67 |" in markdown
+    # a reference (a starting policy) is in the table, not compared
+    assert rows["start"].startswith("| start | 2 | 70.5 ± 0.7 |") and "| start | 0 |" not in markdown
 
 
 def test_the_command_writes_both_files_and_refuses_a_missing_directory(tmp_path):
