@@ -194,7 +194,9 @@ class TreeRollout:
             )
         return state.entropies_exact[segment]
 
-    def _candidates(self, loop: AgentLoop, group: list[TrajectoryState], stepped: dict[int, int]) -> list[tuple[TrajectoryState, int | None, float]]:
+    def _candidates(
+        self, loop: AgentLoop, group: list[TrajectoryState], stepped: dict[int, int]
+    ) -> list[tuple[TrajectoryState, int | None, float]]:
         """This round's branch points of one prompt's paths: (source, the segment the copy resamples
         (None: a copy of the whole path), dH)."""
         candidates = []

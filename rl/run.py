@@ -392,7 +392,9 @@ def rewards_of(groups: list[list[TrajectoryState]], prompts: list[Prompt], cfg: 
     return rows
 
 
-def step_metrics(trainer: Trainer, rows: list[dict], batch: Batch, old: torch.Tensor, factor: float, generate_s: float, comparable: bool) -> dict:
+def step_metrics(
+    trainer: Trainer, rows: list[dict], batch: Batch, old: torch.Tensor, factor: float, generate_s: float, comparable: bool
+) -> dict:
     """The rollouts' means over every rank's rows; with vLLM, its log-probabilities' mismatch with
     the trainer's old ones over every policy token (when vLLM gave them at the sampling
     temperature: at T = 1)."""

@@ -235,7 +235,9 @@ def test_pareto_stage_on_a_hand_made_rollout_file(tmp_path):
     # the ablation without Pareto: as many questions, drawn from all of them under the seed
     drawn = []
     for seed in range(12):
-        cfg = load_config("pareto", "tiny", [f"rollouts={rollouts}", f"out_dir={tmp_path / 'random'}", "count=2", "method=random", f"seed={seed}"])
+        cfg = load_config(
+            "pareto", "tiny", [f"rollouts={rollouts}", f"out_dir={tmp_path / 'random'}", "count=2", "method=random", f"seed={seed}"]
+        )
         report = run(cfg)
         assert report["counts"]["selected"] == 2 and report["fronts"] == {}
         scores = [json.loads(line) for line in (tmp_path / "random" / "scores.jsonl").read_text().splitlines()]

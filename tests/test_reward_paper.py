@@ -145,7 +145,19 @@ def default_compute_score(data_source: str, response: str, golds: list[str]) -> 
 # --- random groups ----------------------------------------------------------------------------
 
 QA_GOLDS = [["the Kess river"], ["Kess River", "Pell"], ["a Lorn bridge"], ["yes"], ["no"], ["Ardo"]]
-QA_ANSWERS = ["Kess River", "the Kess river", "theKess river", "kess", "Pell", "a Lorn bridge", "Lorn Bridge", "yes", "no", "Ardo", "an Ardo"]
+QA_ANSWERS = [
+    "Kess River",
+    "the Kess river",
+    "theKess river",
+    "kess",
+    "Pell",
+    "a Lorn bridge",
+    "Lorn Bridge",
+    "yes",
+    "no",
+    "Ardo",
+    "an Ardo",
+]
 MATH_GOLDS = [["42"], ["41", "42"], ["7"], ["1 000"]]
 MATH_ANSWERS = ["42", "41", "7", "1000", "1 000", "4 2"]
 

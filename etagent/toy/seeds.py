@@ -135,7 +135,10 @@ def write_trajectory(q: ToyQuestion, behaviour: str, search: ToySearch, rng: ran
             if repeat:
                 b.think(pick([f"Let me search for {q.entity} again to be sure.", "I will search once more to double-check."]))
             else:
-                b.think(pick([f"I do not know this fact about {q.entity}, so I will search for it.", f"I need to look up {q.entity}."]) + announce)
+                b.think(
+                    pick([f"I do not know this fact about {q.entity}, so I will search for it.", f"I need to look up {q.entity}."])
+                    + announce
+                )
                 announce = ""
             b.call(tool, payload)
             b.think(f"The result {'again ' if repeat else ''}says that {q.fact}.")
