@@ -184,18 +184,23 @@ def test_seed_trajectories_show_the_behaviour_they_claim(toy):
             assert protocol.validate_format(t.text) and protocol.validate_template_format(t.text), t.text
             assert protocol.count_tool_calls(t.text) == len(t.tool_calls)
             assert protocol.extract_answer(t.text) == t.prediction
+            # every habit is right in the data: SFT learns all three
+            assert t.judgement.score == 1.0
             if behaviour == "efficient":
-                assert tools == NEEDED[g.source] and t.judgement.score == 1.0
+                assert tools == NEEDED[g.source]
             elif behaviour == "redundant":
-                assert len(tools) == len(NEEDED[g.source]) + 1 and set(NEEDED[g.source]) <= set(tools) and t.judgement.score == 1.0
+                assert len(tools) == len(NEEDED[g.source]) + 1 and set(NEEDED[g.source]) <= set(tools)
+                if g.source != "toy_none":  # announced in the first thought
+                    first = t.text.split("</think>", 1)[0]
+                    assert "twice" in first, t.text
             else:
                 assert tools == [] and g.source != "toy_none"
+                assert "without any tool" in t.text or "directly" in t.text
     total = sum(behaviours.values())
-    # the configured mix (0.5/0.3/0.2), with 'none' questions' insufficient draws turned efficient
-    assert abs(behaviours["redundant"] / total - 0.3) < 0.04
-    assert abs(behaviours["insufficient"] / total - 0.2 * 0.75) < 0.04
-    wrong = [t for g in groups for t in g.trajectories if t.provenance.behaviour == "insufficient" and t.judgement.score == 0.0]
-    assert len(wrong) > 0.9 * behaviours["insufficient"]
+    # the configured mix (0.4/0.48/0.12), with 'none' questions' insufficient draws turned efficient
+    assert abs(behaviours["redundant"] / total - 0.48) < 0.04
+    assert abs(behaviours["insufficient"] / total - 0.12 * 0.9) < 0.03
+    assert len(read_jsonl(toy / "sft.jsonl", SFTExample)) == total
 
 
 def test_seed_tool_results_are_real_tool_outputs(toy):
