@@ -244,7 +244,7 @@ def test_hf_engine_shares_the_trainers_model(hf):
 def test_hf_requests_beyond_the_context_fail_alone(hf):
     p = prompts(hf)[0]
     too_long = GenerationRequest(tuple(p) * 200, max_new_tokens=4)
-    near_end = tuple(p) * (hf.max_model_len // len(p))
+    near_end = tuple(p) * (hf.max_model_len // len(p) + 1)  # longer than the context, then cut to 3 short of it
     capped = GenerationRequest(near_end[: hf.max_model_len - 3], temperature=0, max_new_tokens=50)
     [failed], [ok], [fine] = hf.generate([too_long, capped, GenerationRequest(tuple(p), max_new_tokens=3, seed=1)])
     assert failed.finish_reason == "error" and f"max_model_len {hf.max_model_len}" in failed.error and not failed.token_ids

@@ -270,7 +270,7 @@ def test_kill_9_mid_write_loses_no_completed_record_and_resumes_without_duplicat
     child.wait()
     assert child.returncode == -signal.SIGKILL
     # every record the writer reported as written survived; the file may end mid-record
-    survived = [data["id"] for _, data in iter_jsonl(path)]
+    survived = [data["id"] for _, data in iter_jsonl(path, partial_ok=True)]
     assert set(reported) <= set(survived)
     assert len(survived) == len(set(survived))
     # resume: finishes the rest, no duplicates, nothing lost
