@@ -23,10 +23,16 @@
 # RUN_DIR/ablations/: seed{s}/{variant}/ (stage{k}/rollouts, stage{k}/data, stage{k}/rl, eval),
 # sft-seed-data/, ablations.md and ablations.json. Every step resumes, so rerunning after a kill
 # continues.
-# RL_ARGS adds Hydra overrides to every RL run.
+# RL_ARGS adds Hydra overrides to every RL run. SEED_LIST (e.g. "2") runs only those of the SEEDS
+# seeds, so that seeds can run side by side in processes sharing RUN_DIR (the table then names
+# the seeds not yet there; run once more without it for the whole table).
 set -euo pipefail
 RUN=${1:-runs/demo}
 SEEDS=${2:-3}
+SEED_LIST=${SEED_LIST:-$(seq 0 $((SEEDS - 1)))}
+for seed in $SEED_LIST; do
+  [ "$seed" -lt "$SEEDS" ] || { echo "SEED_LIST: seed $seed is not one of the $SEEDS seeds (0 to $((SEEDS - 1)))" >&2; exit 1; }
+done
 cd "$(dirname "$0")/.."
 VENV=$(realpath "${ETAGENT_VENV:-.venv}")
 export PATH="$VENV/bin:$PATH" HF_HUB_OFFLINE=1 TRANSFORMERS_OFFLINE=1 WANDB_MODE=offline TOKENIZERS_PARALLELISM=false
@@ -82,8 +88,8 @@ evaluate() {
 }
 
 step=0
-total=$((SEEDS * ${#VARIANTS[@]}))
-for seed in $(seq 0 $((SEEDS - 1))); do
+total=$(($(echo $SEED_LIST | wc -w) * ${#VARIANTS[@]}))
+for seed in $SEED_LIST; do
   # the starting policies themselves, for reference: their spread is the evaluation's alone
   for start in seed-sft:$RUN/sft/model flywheel-sft:$FLYWHEEL_POLICY seed-data-sft:$OUT/sft-seed-data/model; do
     name=${start%%:*}
