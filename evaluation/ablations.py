@@ -8,7 +8,7 @@ Reads, per seed s and variant v (and reference: a starting policy, evaluated onl
 and writes ``ablations.md`` and ``ablations.json`` beside them. Per variant: correctness,
 efficiency, tool calls per answer, the redundant and insufficient rates, the redundant rate among
 solved answers, and the tool calls the RL rollouts executed (a tree's copied calls counted once);
-then, per seed, each variant against the whole pipeline, the comparisons the paper's ablations
+then, per seed, each variant beside the whole pipeline, the comparisons the paper's ablations
 make. A run that is missing or unfinished is named, not averaged.
 
 What this module does not do: run anything (scripts/ablations.sh does).
@@ -86,10 +86,11 @@ def ablation_table(root: Path, seeds: int, variants: list[str], references: list
     if "full" in variants:
         lines += [
             "",
-            "Per seed, each variant against the whole pipeline: correctness difference (variant - full), and the "
-            "variant's redundant rate and RL tool calls as multiples of full's.",
+            "Per seed, each variant beside the whole pipeline (full; variant): the rates themselves, since full's are "
+            "often 0; correctness with the difference variant - full; RL tool calls with full's as a multiple of the "
+            "variant's.",
             "",
-            "| variant | seed | correctness - full | redundant / full | redundant when solved / full | RL tool calls / full |",
+            "| variant | seed | correctness | redundant % | redundant when solved % | RL tool calls |",
             "|---|---|---|---|---|---|",
         ]
         for v in variants:
@@ -100,10 +101,12 @@ def ablation_table(root: Path, seeds: int, variants: list[str], references: list
                 if full is None or other is None:
                     continue
                 lines.append(
-                    f"| {v} | {s} | {other['correctness'] - full['correctness']:+.1f} | "
-                    f"{ratio(other['redundant_rate'], full['redundant_rate'])} | "
-                    f"{ratio(other['redundant_when_solved'], full['redundant_when_solved'])} | "
-                    f"{ratio(other['rl_tool_calls'], full['rl_tool_calls'])} |"
+                    f"| {v} | {s} | {full['correctness']:.1f}; {other['correctness']:.1f}; "
+                    f"{other['correctness'] - full['correctness']:+.1f} | "
+                    f"{full['redundant_rate']:.1f}; {other['redundant_rate']:.1f} | "
+                    f"{full['redundant_when_solved']:.1f}; {other['redundant_when_solved']:.1f} | "
+                    f"{full['rl_tool_calls']:.0f}; {other['rl_tool_calls']:.0f}; "
+                    f"{ratio(full['rl_tool_calls'], other['rl_tool_calls'])}x |"
                 )
     return "\n".join(lines) + "\n", {v: {f"seed{s}": f for s, f in per_seed.items()} for v, per_seed in figures.items()}
 

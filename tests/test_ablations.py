@@ -41,10 +41,11 @@ def test_means_spreads_and_per_seed_comparisons(tmp_path):
     assert rows["full"].startswith("| full | 2 | 81.0 ± 1.4 | 71.0 ± 1.4 | 1.00 ± 0.00 | 15.0 ± 7.1 | 30.0 ± 14.1 | 1.0 ± 0.0 | 60 ± 0 |")
     assert rows["no-arpo"].startswith("| no-arpo | 1 | 81.0 |")
     assert "missing or unfinished: seed1/no-arpo" in markdown
-    # per seed: no-efficiency's correctness - full's, its redundant rate / full's, RL tool calls / full's
-    assert "| no-efficiency | 0 | -1.0 | 3.00 | 3.00 | 1.00 |" in markdown
-    assert "| no-efficiency | 1 | +1.0 | 2.00 | 2.00 | 1.00 |" in markdown
-    assert "| no-arpo | 0 | +1.0 | 1.00 | 1.00 | 1.67 |" in markdown
+    # per seed, full's figures then the variant's: correctness and the difference, the redundant
+    # rates, the RL tool calls and full's as a multiple of the variant's
+    assert "| no-efficiency | 0 | 80.0; 79.0; -1.0 | 10.0; 30.0 | 20.0; 60.0 | 60; 60; 1.00x |" in markdown
+    assert "| no-efficiency | 1 | 82.0; 83.0; +1.0 | 20.0; 40.0 | 40.0; 80.0 | 60; 60; 1.00x |" in markdown
+    assert "| no-arpo | 0 | 80.0; 81.0; +1.0 | 10.0; 10.0 | 20.0; 20.0 | 60; 100; 0.60x |" in markdown
     # a reference (a starting policy) is in the table, not compared
     assert rows["start"].startswith("| start | 2 | 70.5 ± 0.7 |") and "| start | 0 |" not in markdown
 
