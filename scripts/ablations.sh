@@ -19,10 +19,11 @@
 #   no-curriculum   one stage of STAGES x STEPS steps on the first stage's data
 # A seed s sets the direct rollouts', Pareto's, RL's and the evaluation's seeds. The variants of a
 # seed that start from the same policy share its first direct rollout. The starting policies
-# (seed-sft, flywheel-sft, seed-data-sft) are evaluated with each seed too, for reference. Writes
-# RUN_DIR/ablations/: seed{s}/{variant}/ (stage{k}/rollouts, stage{k}/data, stage{k}/rl, eval),
-# sft-seed-data/, ablations.md and ablations.json. Every step resumes, so rerunning after a kill
-# continues.
+# (seed-sft, flywheel-sft, seed-data-sft) are evaluated with each seed too, for reference, and so
+# is every stage's policy but the last (where the variants differ on the way). Writes
+# RUN_DIR/ablations/: seed{s}/{variant}/ (stage{k}/rollouts, stage{k}/data, stage{k}/rl,
+# stage{k}/eval, eval), sft-seed-data/, ablations.md and ablations.json. Every step resumes, so
+# rerunning after a kill continues.
 # RL_ARGS adds Hydra overrides to every RL run. SEED_LIST (e.g. "2") runs only those of the SEEDS
 # seeds, so that seeds can run side by side in processes sharing RUN_DIR (the table then names
 # the seeds not yet there; run once more without it for the whole table).
@@ -100,16 +101,19 @@ for seed in $SEED_LIST; do
     step=$((step + 1))
     dir=$OUT/seed$seed/$variant
     mkdir -p "$dir"
+    stages=$STAGES steps=$STEPS
+    if [ "$variant" = no-curriculum ]; then stages=1 steps=$((STAGES * STEPS)); fi
     if [ -f "$dir/eval/summary.json" ]; then
       echo "== [$step/$total] seed $seed, $variant: done"
+      for k in $(seq 1 $((stages - 1))); do  # a run from before the stages were evaluated
+        [ -f "$dir/stage$k/eval/summary.json" ] || evaluate "$dir/stage$k/rl/model" "$dir/stage$k" "$variant-stage$k-seed$seed" "$seed"
+      done
       continue
     fi
     echo
     echo "== [$step/$total] seed $seed, $variant -> $dir"
     model=$FLYWHEEL_POLICY start=flywheel
     if [ "$variant" = no-flywheel ]; then model=$OUT/sft-seed-data/model start=seed-data; fi
-    stages=$STAGES steps=$STEPS
-    if [ "$variant" = no-curriculum ]; then stages=1 steps=$((STAGES * STEPS)); fi
     rl_args=(train.seed="$seed" train.max_steps="$steps")
     case $variant in
       no-efficiency) rl_args+=(reward.sigma_tool=0 reward.sigma_length=0) ;;
@@ -131,6 +135,10 @@ for seed in $SEED_LIST; do
       python -m rl.run rl_stage="$k" model="$model" data.train="$dir/stage$k/data/rl.parquet" out_dir="$dir/stage$k/rl" \
         tools.search.local.url="$RL_URL" "${rl_args[@]}" ${RL_ARGS:-}
       model=$dir/stage$k/rl/model
+      if [ "$k" -lt "$stages" ] && [ ! -f "$dir/stage$k/eval/summary.json" ]; then
+        echo "-- stage $k/$stages: evaluation of $model on the held-out questions -> $dir/stage$k/eval"
+        evaluate "$model" "$dir/stage$k" "$variant-stage$k-seed$seed" "$seed"
+      fi
     done
     echo "-- evaluation of $model on the held-out questions -> $dir/eval"
     evaluate "$model" "$dir" "$variant-seed$seed" "$seed"

@@ -13,12 +13,16 @@ import pytest
 from evaluation.ablations import ablation_table
 
 
-def write_run(root, seed, variant, correctness, redundant, rl_calls_per_stage):
-    run = root / f"seed{seed}" / variant
-    (run / "eval").mkdir(parents=True)
+def write_eval(directory, correctness, redundant):
+    (directory / "eval").mkdir(parents=True)
     behaviour = {"tool_calls": 1.0, "redundant_rate": redundant, "redundant_when_solved": 2 * redundant, "insufficient_rate": 1.0}
     summary = {"datasets": {"toy": {"correctness": correctness, "efficiency": correctness - 10, "behaviour": {"all": behaviour}}}}
-    (run / "eval" / "summary.json").write_text(json.dumps(summary))
+    (directory / "eval" / "summary.json").write_text(json.dumps(summary))
+
+
+def write_run(root, seed, variant, correctness, redundant, rl_calls_per_stage):
+    run = root / f"seed{seed}" / variant
+    write_eval(run, correctness, redundant)
     for k, calls in enumerate(rl_calls_per_stage, start=1):
         (run / f"stage{k}" / "rl").mkdir(parents=True)
         lines = [{"step": s, "rollout/tool_calls_executed": c} for s, c in enumerate(calls, start=1)]
@@ -48,6 +52,22 @@ def test_means_spreads_and_per_seed_comparisons(tmp_path):
     assert "| no-arpo | 0 | 80.0; 81.0; +1.0 | 10.0; 10.0 | 20.0; 20.0 | 60; 100; 0.60x |" in markdown
     # a reference (a starting policy) is in the table, not compared
     assert rows["start"].startswith("| start | 2 | 70.5 ± 0.7 |") and "| start | 0 |" not in markdown
+
+
+def test_the_first_stage_table_reads_each_stage_evaluation_and_its_own_rl(tmp_path):
+    write_run(tmp_path, 0, "full", 80.0, 0.0, [[10, 20], [30]])
+    write_run(tmp_path, 0, "no-efficiency", 81.0, 0.5, [[40], [50]])
+    write_run(tmp_path, 0, "no-curriculum", 79.0, 0.0, [[90]])  # one stage: its evaluation is the final one
+    write_eval(tmp_path / "seed0" / "full" / "stage1", 78.0, 1.0)
+    write_eval(tmp_path / "seed0" / "no-efficiency" / "stage1", 78.5, 6.0)
+    markdown, figures = ablation_table(tmp_path, 1, ["full", "no-efficiency", "no-curriculum"])
+    final, first = markdown.split("After the first stage")
+    assert "| no-efficiency | 0 | 80.0; 81.0; +1.0 | 0.0; 0.5 | 0.0; 1.0 | 60; 90; 0.67x |" in final
+    # after stage 1: stage 1's evaluation and stage 1's RL tool calls only; no-curriculum has no stage of its own
+    assert "| full | 1 | 78.0 | 68.0 | 1.00 | 1.0 | 2.0 | 1.0 | 30 |" in first
+    assert "| no-efficiency | 0 | 78.0; 78.5; +0.5 | 1.0; 6.0 | 2.0; 12.0 | 30; 40; 0.75x |" in first
+    assert "no-curriculum" not in first and "missing" not in first
+    assert figures["no-efficiency/stage1"]["seed0"]["rl_tool_calls"] == 40
 
 
 def test_the_command_writes_both_files_and_refuses_a_missing_directory(tmp_path):
