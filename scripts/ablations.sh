@@ -30,6 +30,7 @@
 set -euo pipefail
 RUN=${1:-runs/demo}
 SEEDS=${2:-3}
+LOG_TAG=${SEED_LIST:+-seeds-${SEED_LIST// /-}}  # the retrievers' logs of a process that runs some seeds
 SEED_LIST=${SEED_LIST:-$(seq 0 $((SEEDS - 1)))}
 for seed in $SEED_LIST; do
   [ "$seed" -lt "$SEEDS" ] || { echo "SEED_LIST: seed $seed is not one of the $SEEDS seeds (0 to $((SEEDS - 1)))" >&2; exit 1; }
@@ -56,20 +57,26 @@ PY
 )}
 echo "ablations: ${#VARIANTS[@]} variants x $SEEDS seeds, $STAGES stages of $STEPS RL steps ($COUNT questions per stage) -> $OUT"
 
-# Two retrievers for the whole run: the RL pool's world and the held-out questions' world.
+# What every seed shares: the RL pool's index and the no-flywheel start (the seed-SFT policy
+# fine-tuned on the seed data of the flywheel's questions). Processes started side by side
+# (SEED_LIST) take turns here: one builds, the others wait and find it built.
+exec 9> "$OUT/.shared.lock"
+flock 9
 python -m retriever.build corpus="$RUN/toy/rl_world/corpus.jsonl" index_dir="$RUN/rl_index" > /dev/null
-source scripts/serve_retriever.sh "$RUN/rl_index" "$OUT/rl_retriever.log"
-RL_URL=$RETRIEVER_URL RL_PID=$RETRIEVER_PID
-source scripts/serve_retriever.sh "$RUN/index" "$OUT/retriever.log"
-EVAL_URL=$RETRIEVER_URL
-trap 'kill $RL_PID 2>/dev/null || true; stop_retriever' EXIT
-
-# The no-flywheel start: the seed-SFT policy fine-tuned on the seed data of the flywheel's questions.
 if [ ! -f "$OUT/sft-seed-data/model/config.json" ]; then
   echo "== the no-flywheel start: SFT of $RUN/sft/model on $RUN/flywheel/sft/seed_sft.jsonl -> $OUT/sft-seed-data"
   python -m sft.run --preset tiny_flywheel model="$RUN/sft/model" data.path="$RUN/flywheel/sft/seed_sft.jsonl" \
     out_dir="$OUT/sft-seed-data" train.progress_bar=false
 fi
+flock -u 9
+exec 9>&-
+
+# Two retrievers per process: the RL pool's world and the held-out questions' world.
+source scripts/serve_retriever.sh "$RUN/rl_index" "$OUT/rl_retriever$LOG_TAG.log"
+RL_URL=$RETRIEVER_URL RL_PID=$RETRIEVER_PID
+source scripts/serve_retriever.sh "$RUN/index" "$OUT/retriever$LOG_TAG.log"
+EVAL_URL=$RETRIEVER_URL
+trap 'kill $RL_PID 2>/dev/null || true; stop_retriever' EXIT
 
 done_already() { [ -f "$1/manifest.json" ] && grep -q '"status": "complete"' "$1/manifest.json"; }
 
