@@ -24,7 +24,7 @@ echo "== 2/9 retriever index over the toy corpus -> $RUN/index"
 python -m retriever.build corpus="$RUN/toy/corpus.jsonl" index_dir="$RUN/index"
 
 echo
-echo "== 3/9 SFT of the tiny model on the seed trajectories, tool results masked -> $RUN/sft (about 6 minutes)"
+echo "== 3/9 SFT of the tiny model on the seed trajectories, tool results masked -> $RUN/sft (about 6.5 minutes)"
 python -m sft.run model="$RUN/toy/model" data.path="$RUN/toy/sft.jsonl" out_dir="$RUN/sft" train.progress_bar=false
 
 echo
