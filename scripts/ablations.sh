@@ -33,7 +33,7 @@ SEEDS=${2:-3}
 LOG_TAG=${SEED_LIST:+-seeds-${SEED_LIST// /-}}  # the retrievers' logs of a process that runs some seeds
 SEED_LIST=${SEED_LIST:-$(seq 0 $((SEEDS - 1)))}
 for seed in $SEED_LIST; do
-  [ "$seed" -lt "$SEEDS" ] || { echo "SEED_LIST: seed $seed is not one of the $SEEDS seeds (0 to $((SEEDS - 1)))" >&2; exit 1; }
+  [[ $seed =~ ^[0-9]+$ ]] && [ "$seed" -lt "$SEEDS" ] || { echo "SEED_LIST: seed $seed is not one of the $SEEDS seeds (0 to $((SEEDS - 1)))" >&2; exit 1; }
 done
 cd "$(dirname "$0")/.."
 VENV=$(realpath "${ETAGENT_VENV:-.venv}")
@@ -112,43 +112,42 @@ for seed in $SEED_LIST; do
     if [ "$variant" = no-curriculum ]; then stages=1 steps=$((STAGES * STEPS)); fi
     if [ -f "$dir/eval/summary.json" ]; then
       echo "== [$step/$total] seed $seed, $variant: done"
-      for k in $(seq 1 $((stages - 1))); do  # a run from before the stages were evaluated
-        [ -f "$dir/stage$k/eval/summary.json" ] || evaluate "$dir/stage$k/rl/model" "$dir/stage$k" "$variant-stage$k-seed$seed" "$seed"
+    else
+      echo
+      echo "== [$step/$total] seed $seed, $variant -> $dir"
+      model=$FLYWHEEL_POLICY start=flywheel
+      if [ "$variant" = no-flywheel ]; then model=$OUT/sft-seed-data/model start=seed-data; fi
+      rl_args=(train.seed="$seed" train.max_steps="$steps")
+      case $variant in
+        no-efficiency) rl_args+=(reward.sigma_tool=0 reward.sigma_length=0) ;;
+        no-arpo) rl_args+=(rollout.kind=group) ;;
+      esac
+      method=pareto
+      if [ "$variant" = no-pareto ]; then method=random; fi
+      for k in $(seq 1 "$stages"); do
+        mkdir -p "$dir/stage$k"
+        rollouts=$dir/stage$k/rollouts
+        if [ "$k" = 1 ]; then rollouts=$OUT/seed$seed/$start-stage1-rollouts; fi  # shared by the variants of this start
+        echo "-- stage $k/$stages: direct rollout of the pool with $model -> $rollouts"
+        rollout "$model" "$rollouts" "$seed" "$k"
+        echo "-- stage $k/$stages: selection ($method) -> $dir/stage$k/data"
+        python -m pareto.run rl_stage="$k" rollouts="$rollouts" out_dir="$dir/stage$k/data" method="$method" seed="$seed" > "$dir/stage$k/pareto.log"
+        grep -m 1 "^pareto for" "$dir/stage$k/pareto.log"
+        echo "-- stage $k/$stages: RL ($steps steps) -> $dir/stage$k/rl"
+        # shellcheck disable=SC2086
+        python -m rl.run rl_stage="$k" model="$model" data.train="$dir/stage$k/data/rl.parquet" out_dir="$dir/stage$k/rl" \
+          tools.search.local.url="$RL_URL" "${rl_args[@]}" ${RL_ARGS:-}
+        model=$dir/stage$k/rl/model
       done
-      continue
+      echo "-- evaluation of $model on the held-out questions -> $dir/eval"
+      evaluate "$model" "$dir" "$variant-seed$seed" "$seed"
     fi
-    echo
-    echo "== [$step/$total] seed $seed, $variant -> $dir"
-    model=$FLYWHEEL_POLICY start=flywheel
-    if [ "$variant" = no-flywheel ]; then model=$OUT/sft-seed-data/model start=seed-data; fi
-    rl_args=(train.seed="$seed" train.max_steps="$steps")
-    case $variant in
-      no-efficiency) rl_args+=(reward.sigma_tool=0 reward.sigma_length=0) ;;
-      no-arpo) rl_args+=(rollout.kind=group) ;;
-    esac
-    method=pareto
-    if [ "$variant" = no-pareto ]; then method=random; fi
-    for k in $(seq 1 "$stages"); do
-      mkdir -p "$dir/stage$k"
-      rollouts=$dir/stage$k/rollouts
-      if [ "$k" = 1 ]; then rollouts=$OUT/seed$seed/$start-stage1-rollouts; fi  # shared by the variants of this start
-      echo "-- stage $k/$stages: direct rollout of the pool with $model -> $rollouts"
-      rollout "$model" "$rollouts" "$seed" "$k"
-      echo "-- stage $k/$stages: selection ($method) -> $dir/stage$k/data"
-      python -m pareto.run rl_stage="$k" rollouts="$rollouts" out_dir="$dir/stage$k/data" method="$method" seed="$seed" > "$dir/stage$k/pareto.log"
-      grep -m 1 "^pareto for" "$dir/stage$k/pareto.log"
-      echo "-- stage $k/$stages: RL ($steps steps) -> $dir/stage$k/rl"
-      # shellcheck disable=SC2086
-      python -m rl.run rl_stage="$k" model="$model" data.train="$dir/stage$k/data/rl.parquet" out_dir="$dir/stage$k/rl" \
-        tools.search.local.url="$RL_URL" "${rl_args[@]}" ${RL_ARGS:-}
-      model=$dir/stage$k/rl/model
-      if [ "$k" -lt "$stages" ] && [ ! -f "$dir/stage$k/eval/summary.json" ]; then
-        echo "-- stage $k/$stages: evaluation of $model on the held-out questions -> $dir/stage$k/eval"
-        evaluate "$model" "$dir/stage$k" "$variant-stage$k-seed$seed" "$seed"
-      fi
+    # every stage's policy but the last, on the held-out questions (also for runs from before they were)
+    for k in $(seq 1 $((stages - 1))); do
+      [ -f "$dir/stage$k/eval/summary.json" ] && continue
+      echo "-- stage $k/$stages: evaluation of $dir/stage$k/rl/model on the held-out questions -> $dir/stage$k/eval"
+      evaluate "$dir/stage$k/rl/model" "$dir/stage$k" "$variant-stage$k-seed$seed" "$seed"
     done
-    echo "-- evaluation of $model on the held-out questions -> $dir/eval"
-    evaluate "$model" "$dir" "$variant-seed$seed" "$seed"
   done
 done
 
