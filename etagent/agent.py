@@ -6,25 +6,29 @@ text it did not sample here (a prefix, an edited step, a hint), or ``TOOL`` outp
 loop. Its text is always decoded from those ids, special tokens included; nothing is
 re-tokenized, so what SFT and RL train on is exactly what was generated and scored.
 
-:class:`AgentLoop` advances many trajectories at once, in rounds:
+:class:`AgentLoop` runs every trajectory on its own (:meth:`AgentLoop.run_one`), so none waits
+for another one's long segment or slow tool call; the engine batches whatever segments are
+pending at the time (the hf engine batches continuously). One step of a trajectory
+(:meth:`AgentLoop.advance`):
 
-1. a trajectory that ends in a tool call nobody ran (a prefix whose last step is a call) has it
-   run first;
-2. one batched engine call generates the next segment of every active trajectory, stopping at
-   ``</python>``, ``</search>``, ``</answer>`` or ``<result>`` (engine-side stops), EOS or a
-   token limit (the trajectory's response budget, and the engine's context length);
-3. each segment is parsed (:func:`etagent.protocol.parse_segment`); a tool call within its
-   budgets joins the round's batch of calls, an over-budget call is answered at once with an
-   explicit budget message (never left unexecuted for the model to invent a result), and a
-   segment that ends the trajectory sets its finish reason;
-4. all pending calls run concurrently through the tools executor; each result, wrapped by
-   :func:`etagent.protocol.format_result`, is tokenized on its own and appended as ``TOOL``
-   tokens, cut to the response budget that remains (its closing tag kept).
+1. a tool call left at the end of a prefix (a prefix whose last step is a call) runs first;
+2. the engine generates the next segment, stopping at ``</python>``, ``</search>``,
+   ``</answer>`` or ``<result>`` (engine-side stops), EOS or a token limit (the trajectory's
+   response budget, and the engine's context length);
+3. the segment is parsed (:func:`etagent.protocol.parse_segment`); a tool call within its budgets
+   runs through the tools executor, an over-budget call is answered at once with an explicit
+   budget message (never left unexecuted for the model to invent a result), and a segment that
+   ends the trajectory sets its finish reason;
+4. the result, wrapped by :func:`etagent.protocol.format_result`, is tokenized on its own and
+   appended as ``TOOL`` tokens, cut to the response budget that remains (its closing tag kept).
 
-Results are appended in a fixed order, and each segment is sampled with a seed derived from the
-trajectory's seed, id and segment number, so a run does not depend on batch composition or on the
-order in which tool calls finish; RL gives each step's trajectories their own seed
-(:meth:`AgentLoop.new`), so an epoch does not replay the last one's draws.
+Each segment is sampled with a seed derived from the trajectory's seed, id and segment number, so
+a trajectory does not depend on what else runs beside it or on the order in which tool calls
+finish (up to the rounding of the logits, which batch shapes can move); RL gives each step's
+trajectories their own seed (:meth:`AgentLoop.new`), so an epoch does not replay the last one's
+draws. :meth:`AgentLoop.request`, :meth:`AgentLoop.take_segment` and :meth:`AgentLoop.run_calls`
+are the pieces of a step, for callers that schedule trajectories themselves (ARPO's tree, a
+benchmark of lockstep rounds).
 
 Finish reasons: ``answer`` (``</answer>`` generated), ``eos`` (EOS before an answer), ``length``
 (the response budget or the context is spent), ``fake_result`` (the policy wrote ``<result>``
@@ -45,6 +49,7 @@ write files (etagent.sampling).
 
 from __future__ import annotations
 
+import asyncio
 import copy
 import hashlib
 import time
@@ -346,10 +351,31 @@ class AgentLoop:
     # -- running ----------------------------------------------------------------------------
 
     async def run(self, states: list[TrajectoryState]) -> list[TrajectoryState]:
-        """Advance every trajectory until it finishes."""
-        while any(not s.done for s in states):
-            await self.step(states)
+        """Run every trajectory to its end, each on its own (:meth:`run_one`)."""
+        await asyncio.gather(*(self.run_one(s) for s in states))
         return states
+
+    async def run_one(self, state: TrajectoryState) -> TrajectoryState:
+        """Advance one trajectory segment after segment until it finishes, never waiting for
+        another one: the engine batches whatever segments are pending at the time."""
+        while not state.done:
+            await self.advance(state)
+        return state
+
+    async def advance(self, s: TrajectoryState) -> None:
+        """One step of a trajectory: a call left at the end of its prefix, then its next segment
+        and that segment's tool call."""
+        if s.trailing_call is not None:
+            pending: list[tuple[TrajectoryState, protocol.ToolCall]] = []
+            self._call_or_refuse(s, s.trailing_call, pending)
+            s.trailing_call = None
+            await self.run_calls(pending)
+        if not self.ready(s):
+            return
+        [[sample]] = await self.engine.agenerate([self.request(s)])
+        pending = []
+        self.take_segment(s, sample, pending)
+        await self.run_calls(pending)
 
     def _seed(self, state: TrajectoryState) -> int | None:
         if state.seed is None:
@@ -397,52 +423,42 @@ class AgentLoop:
             ids = ids[: room - len(closing)] + closing
         state.append(ids, TokenOrigin.TOOL)
 
-    async def _run_calls(self, pending: list[tuple[TrajectoryState, protocol.ToolCall]]) -> None:
+    async def run_calls(self, pending: list[tuple[TrajectoryState, protocol.ToolCall]]) -> None:
+        """Run the queued calls concurrently and append each result to its trajectory."""
         records = await self.executor.run([call for _, call in pending]) if pending else []
         for (s, _), record in zip(pending, records):
             s.tool_calls.append(record)
             if not s.done:
                 self._insert_result(s, record.output)
 
-    async def step(self, states: list[TrajectoryState]) -> None:
-        """One round: calls left at the end of prefixes, a segment for every active trajectory,
-        then their tool calls."""
-        c = self.config
-        trailing: list[tuple[TrajectoryState, protocol.ToolCall]] = []
-        for s in states:
-            if not s.done and s.trailing_call is not None:
-                self._call_or_refuse(s, s.trailing_call, trailing)
-                s.trailing_call = None
-        await self._run_calls(trailing)
-        now = time.monotonic()
-        for s in states:
-            if not s.done and c.timeout_s is not None and now - s.started_at > c.timeout_s:
-                s.finish_reason = "timeout"
-            if not s.done and self.room(s) <= 0:
-                s.finish_reason = "length"
-        active = [s for s in states if not s.done]
-        if not active:
-            return
-        requests = [
-            GenerationRequest(
-                prompt_ids=tuple(s.prompt_ids + s.response_ids),
-                max_new_tokens=min(c.max_segment_tokens, self.room(s)),
-                stop=STOPS,
-                logprobs=c.logprobs,
-                logprobs_window=c.entropy_window,
-                seed=self._seed(s),
-                session=s.question.id,
-                **c.sampling(),
-            )
-            for s in active
-        ]
-        results = await self.engine.agenerate(requests)
-        pending: list[tuple[TrajectoryState, protocol.ToolCall]] = []
-        for s, [sample] in zip(active, results):
-            self._take_segment(s, sample, pending)
-        await self._run_calls(pending)
+    def ready(self, s: TrajectoryState) -> bool:
+        """Whether the trajectory generates again: not finished, within its wall-clock limit
+        (else ``timeout``) and with room left (else ``length``)."""
+        timeout = self.config.timeout_s
+        if not s.done and timeout is not None and time.monotonic() - s.started_at > timeout:
+            s.finish_reason = "timeout"
+        if not s.done and self.room(s) <= 0:
+            s.finish_reason = "length"
+        return not s.done
 
-    def _take_segment(self, s: TrajectoryState, sample: Sample, pending: list) -> None:
+    def request(self, s: TrajectoryState) -> GenerationRequest:
+        """The request for the trajectory's next segment (seeded by its seed, id and segment
+        number, so its draw does not depend on what else the engine decodes)."""
+        c = self.config
+        return GenerationRequest(
+            prompt_ids=tuple(s.prompt_ids + s.response_ids),
+            max_new_tokens=min(c.max_segment_tokens, self.room(s)),
+            stop=STOPS,
+            logprobs=c.logprobs,
+            logprobs_window=c.entropy_window,
+            seed=self._seed(s),
+            session=s.question.id,
+            **c.sampling(),
+        )
+
+    def take_segment(self, s: TrajectoryState, sample: Sample, pending: list) -> None:
+        """Append a generated segment and act on how it ended: finish the trajectory, or queue its
+        tool call in ``pending`` (an over-budget call is answered at once)."""
         c = self.config
         if sample.finish_reason == "error":
             s.finish_reason, s.error = "error", sample.error

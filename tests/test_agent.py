@@ -7,6 +7,7 @@ from __future__ import annotations
 
 import asyncio
 import random
+import time
 
 import pytest
 from transformers import AutoTokenizer
@@ -390,3 +391,47 @@ def test_from_prefix_matches_records_by_call_and_counts_budget_messages(tokenize
     )
     state = loop.from_prefix(question("q-search"), "d/1", budget * 2)
     assert state.budget_messages == 2 and all(c.budget_exhausted for c in state.tool_calls)
+
+
+class HangingSearch:
+    """A search tool double that never answers for one query and answers the others at once."""
+
+    name = "search"
+
+    async def __call__(self, query):
+        if query == "hang":
+            await asyncio.sleep(3600)
+        return ToolOutput(f"Doc about {query}.", ok=True)
+
+
+def test_a_tool_that_hangs_past_its_timeout_ends_only_its_own_trajectory(tokenizer):
+    """Every trajectory runs on its own: while one waits on a search that never answers, the
+    others go on and finish; the hung call fails at the tool's timeout (0.5 s), and the trajectory
+    ends there at its own wall-clock limit (0.3 s), with the failure recorded."""
+    scripts = {
+        "q-hang": ["<think>look</think><search>hang</search>", "<think>never</think>" + ANSWER.format(1)],
+        **{f"q-fast{i}": ["<think>look</think><search>fast</search>", "<think>found</think>" + ANSWER.format(i)] for i in range(4)},
+    }
+    engine = ScriptedEngine(tokenizer, scripts)
+    executor = ToolExecutor([HangingSearch()], timeout_s={"search": 0.5})
+    loop = AgentLoop(engine, executor, AgentConfig(max_response_tokens=300, logprobs=0, timeout_s=0.3))
+    finished: dict[str, float] = {}
+
+    async def run_and_time(state):
+        await loop.run_one(state)
+        finished[state.id] = time.monotonic()
+
+    async def main():
+        states = [loop.new(question(name), f"{name}/0") for name in scripts]
+        start = time.monotonic()
+        await asyncio.gather(*(run_and_time(s) for s in states))
+        return states, start
+
+    states, start = asyncio.run(main())
+    by_name = {s.question.id: s for s in states}
+    hung = by_name.pop("q-hang")
+    assert all(s.finish_reason == "answer" for s in by_name.values())
+    assert all(finished[s.id] - start < 0.4 for s in by_name.values())  # none waited for the hung call
+    assert hung.finish_reason == "timeout" and 0.5 <= finished[hung.id] - start < 2.0
+    [call] = hung.tool_calls
+    assert not call.ok and call.failure == "timeout" and "did not answer within 0.5 seconds" in call.output

@@ -315,3 +315,55 @@ def test_a_shared_model_in_training_mode_decodes_in_eval_and_stays_in_training(h
     greedy = GenerationRequest(tuple(prompts(hf)[0]), temperature=0, max_new_tokens=10)
     assert shared.generate([greedy])[0][0].token_ids == hf.generate([greedy])[0][0].token_ids
     assert model.training
+
+
+def test_requests_that_join_a_running_batch_get_what_they_get_alone(hf):
+    """Continuous batching: requests submitted while others decode join the running batch between
+    two decoding steps (left-padded into its cache) and leave it as they finish; each gets the
+    tokens and log-probabilities it gets when decoded alone."""
+    ps = prompts(hf)
+    long = GenerationRequest(tuple(ps[0]), max_new_tokens=150, seed=1, logprobs=2)
+    others = [GenerationRequest(tuple(p), n=2, max_new_tokens=12 + 5 * k, seed=20 + k, logprobs=2) for k, p in enumerate(ps * 2)]
+    hf.sleep()  # nothing stored from earlier tests
+    alone = [hf.generate([r])[0] for r in [long, *others]]
+    hf.sleep()
+    joined = hf.counts["joined_running"]
+
+    async def staggered():
+        async def submit(r, delay):
+            await asyncio.sleep(delay)
+            return (await hf.agenerate([r]))[0]
+
+        return await asyncio.gather(submit(long, 0.0), *(submit(r, 0.05 + 0.03 * k) for k, r in enumerate(others)))
+
+    together = asyncio.run(staggered())
+    assert hf.counts["joined_running"] > joined  # some rows did join a batch already running
+    for a, b in zip(alone, together):
+        assert [s.token_ids for s in a] == [s.token_ids for s in b]
+        assert all(max(abs(x - y) for x, y in zip(s.logprobs, t.logprobs)) < 1e-4 for s, t in zip(a, b))
+        assert all(x.keys() == y.keys() for s, t in zip(a, b) for x, y in zip(s.top_logprobs, t.top_logprobs))
+
+
+def test_a_request_that_continues_a_stopped_one_prefills_only_what_is_new(hf):
+    """A row that ends at a stop string leaves its keys and values behind; a request of the same
+    session whose prompt starts with that row's prompt and tokens (a trajectory after its tool
+    result) starts from them, and samples what it samples with everything recomputed."""
+    p = list(prompts(hf)[1])
+    hf.sleep()
+    greedy = hf.generate([GenerationRequest(tuple(p), temperature=0, max_new_tokens=12)])[0][0]
+    stop = hf.tokenizer.decode(greedy.token_ids[:6])[-2:]
+    stopped = hf.generate([GenerationRequest(tuple(p), temperature=0, max_new_tokens=12, stop=(stop,), session="q")])[0][0]
+    assert stopped.finish_reason == "stop"
+    result = hf.tokenizer.encode("<result>\n42\n</result>", add_special_tokens=False)
+    follow = GenerationRequest(tuple(p + stopped.token_ids + result), max_new_tokens=10, seed=5, logprobs=3, session="q")
+    before = dict(hf.counts)
+    reused = hf.generate([follow])[0][0]
+    assert hf.counts["reused_tokens"] - before.get("reused_tokens", 0) == len(p) + len(stopped.token_ids) - 1
+    assert hf.counts["prefill_tokens"] - before["prefill_tokens"] == len(result) + 1
+    hf.sleep()  # forget it: the same request from scratch
+    fresh = hf.generate([follow])[0][0]
+    assert reused.token_ids == fresh.token_ids
+    assert max(abs(a - b) for a, b in zip(reused.logprobs, fresh.logprobs)) < 1e-4
+    # another session does not see it
+    hf.generate([GenerationRequest(tuple(p + stopped.token_ids + result), max_new_tokens=2, session="other")])
+    assert hf.counts["reused_tokens"] == before.get("reused_tokens", 0) + len(p) + len(stopped.token_ids) - 1

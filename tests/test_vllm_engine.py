@@ -5,6 +5,7 @@ refused before the engine is touched), and requests beyond the context."""
 
 from __future__ import annotations
 
+import asyncio
 import json
 import os
 import subprocess
@@ -105,3 +106,32 @@ def test_top_logprobs_only_in_the_window(engine):
     p = prompt(engine)
     [s] = engine.generate([GenerationRequest(tuple(p), temperature=1.0, max_new_tokens=12, logprobs=3, logprobs_window=5, seed=2)])[0]
     assert len(s.token_ids) == 12 and len(s.top_logprobs) == 5
+
+
+def test_concurrent_calls_go_to_vllm_together(engine):
+    """The agent loop calls agenerate once per trajectory: calls made while a generate call runs
+    go to vLLM together in the next one, and each gets what it gets in one batched call."""
+    requests = [GenerationRequest(tuple(prompt(engine, f"What is {k} times 7?")), max_new_tokens=8, seed=k) for k in range(12)]
+    together = engine.generate(requests)
+    calls = []
+    generate = engine.llm.generate
+
+    def counting(prompts, *args, **kwargs):
+        calls.append(len(prompts))
+        return generate(prompts, *args, **kwargs)
+
+    engine.llm.generate = counting
+    try:
+
+        async def each_alone():
+            async def one(k, r):
+                await asyncio.sleep(0.002 * k)
+                return (await engine.agenerate([r]))[0]
+
+            return await asyncio.gather(*(one(k, r) for k, r in enumerate(requests)))
+
+        separate = asyncio.run(each_alone())
+    finally:
+        engine.llm.generate = generate
+    assert [s.token_ids for [s] in separate] == [s.token_ids for [s] in together]
+    assert sum(calls) == len(requests) and len(calls) < len(requests)

@@ -39,17 +39,24 @@ from __future__ import annotations
 
 import asyncio
 import math
+import queue
 import random
+import threading
+from collections import Counter, OrderedDict, deque
 from collections.abc import Mapping
 from dataclasses import dataclass, field
 from pathlib import Path
 
+import numpy as np
 import torch
 from tokenizers.decoders import DecodeStream
+from transformers.cache_utils import DynamicCache, DynamicLayer
 
 from etagent.llm import GenerationRequest, Sample, WeightStream, check_weights, sample_seed
 
 _MASK64 = (1 << 64) - 1
+# decoding steps a submitted row waits at most before it joins a running batch with room for it
+_PATIENCE = 8
 
 
 def _signed(value: int) -> int:
@@ -76,11 +83,90 @@ def counter_uniform(seeds: torch.Tensor, counters: torch.Tensor) -> torch.Tensor
     return _shift_right(z, 11).to(torch.float64) / float(1 << 53)
 
 
+class _Submission:
+    """The rows of one generate call: its caller is notified when the last one is done."""
+
+    def __init__(self, notify):
+        self.notify, self.left = notify, 0
+
+    def row_done(self) -> None:
+        self.left -= 1
+        if self.left == 0:
+            self.notify()
+
+
+class _PrefixStore:
+    """Keys and values of rows that ended at a stop string, by their token ids, so that a request
+    that starts with them (the same trajectory after its tool result, an ARPO fork of it) prefills
+    only what is new. Entries are looked up among those of the request's ``session`` (the
+    question: a trajectory and its forks share it). At most ``max_tokens`` positions are kept,
+    least recently used dropped first; an entry that a longer one extends is dropped when that
+    one is stored. Used by the decoding thread; ``clear`` may come from another thread."""
+
+    def __init__(self, max_tokens: int):
+        self.max_tokens, self.tokens = max_tokens, 0
+        # (session, token ids) -> (the ids as an array, per layer (keys, values))
+        self.entries: OrderedDict[tuple, tuple[np.ndarray, list[tuple[torch.Tensor, torch.Tensor]]]] = OrderedDict()
+        self.sessions: dict[str | None, set[tuple]] = {}
+        self.lock = threading.Lock()
+
+    def longest(self, session: str | None, prompt: list[int]) -> tuple[tuple, list[tuple[torch.Tensor, torch.Tensor]] | None]:
+        """The session's entry sharing the longest prefix with ``prompt`` and that prefix's keys
+        and values, per layer ((heads, positions, head dim) each); at least one prompt token is
+        always left to prefill (its logits choose the first new token). ``((), None)`` when no
+        entry shares anything."""
+        ids = np.asarray(prompt[:-1], dtype=np.int64)
+        best, length = (), 0
+        with self.lock:
+            for entry in self.sessions.get(session, ()):
+                array = self.entries[entry][0]
+                n = min(len(array), len(ids))
+                differ = np.flatnonzero(array[:n] != ids[:n])
+                shared = int(differ[0]) if len(differ) else n
+                if shared > length:
+                    best, length = entry, shared
+            if not length:
+                return (), None
+            self.entries.move_to_end(best)
+            layers = self.entries[best][1]
+        return best, [(k[:, :length], v[:, :length]) for k, v in layers]
+
+    def put(self, session: str | None, ids: list[int], layers: list[tuple[torch.Tensor, torch.Tensor]], replaces: tuple) -> None:
+        """Store a row's keys and values under its ids; ``replaces``, the entry the row was
+        prefilled from, is dropped (the new one covers it)."""
+        entry = (session, tuple(ids))
+        with self.lock:
+            if replaces in self.entries:
+                self._drop(replaces)
+            if entry in self.entries or len(ids) > self.max_tokens:
+                return
+            self.entries[entry] = (np.asarray(ids, dtype=np.int64), layers)
+            self.sessions.setdefault(session, set()).add(entry)
+            self.tokens += len(ids)
+            while self.tokens > self.max_tokens:
+                self._drop(next(iter(self.entries)))
+
+    def _drop(self, entry: tuple) -> None:
+        self.entries.pop(entry)
+        self.tokens -= len(entry[1])
+        keys = self.sessions[entry[0]]
+        keys.discard(entry)
+        if not keys:
+            del self.sessions[entry[0]]
+
+    def clear(self) -> None:
+        with self.lock:
+            self.entries.clear()
+            self.sessions.clear()
+            self.tokens = 0
+
+
 @dataclass
 class _Row:
     request: GenerationRequest
     prompt: list[int]
     seed: int
+    submission: _Submission
     tokens: list[int] = field(default_factory=list)
     logprobs: list[float] = field(default_factory=list)
     tempered: list[float] = field(default_factory=list)
@@ -94,6 +180,7 @@ class _Row:
     finish: str = "length"
     stop: str | None = None
     error: str | None = None
+    reused: tuple = ()  # the prefix store entry its prefill started from
 
     @property
     def window(self) -> int:
@@ -102,7 +189,9 @@ class _Row:
 
 
 class HFEngine:
-    def __init__(self, model_path: str, *, device: str = "cpu", dtype: str = "float32", max_batch_size: int = 32):
+    def __init__(
+        self, model_path: str, *, device: str = "cpu", dtype: str = "float32", max_batch_size: int = 32, prefix_caching: bool = True
+    ):
         from transformers import AutoModelForCausalLM, AutoTokenizer
 
         if device == "auto":
@@ -113,17 +202,17 @@ class HFEngine:
         folder = str(Path(model_path).parent) if gguf else model_path
         tokenizer = AutoTokenizer.from_pretrained(folder, **gguf)
         model = AutoModelForCausalLM.from_pretrained(folder, dtype=getattr(torch, dtype), **gguf).to(device).eval()
-        self._attach(model, tokenizer, max_batch_size, owns_model=True, name=model_path)
+        self._attach(model, tokenizer, max_batch_size, owns_model=True, name=model_path, prefix_caching=prefix_caching)
 
     @classmethod
-    def from_model(cls, model, tokenizer, *, max_batch_size: int = 32) -> HFEngine:
+    def from_model(cls, model, tokenizer, *, max_batch_size: int = 32, prefix_caching: bool = True) -> HFEngine:
         """An engine that samples from ``model`` itself (the trainer's module, no copy): weight
         updates are then the trainer's own optimizer steps, and sleep/wake_up leave it alone."""
         engine = cls.__new__(cls)
-        engine._attach(model, tokenizer, max_batch_size, owns_model=False, name=type(model).__name__)
+        engine._attach(model, tokenizer, max_batch_size, owns_model=False, name=type(model).__name__, prefix_caching=prefix_caching)
         return engine
 
-    def _attach(self, model, tokenizer, max_batch_size: int, *, owns_model: bool, name: str) -> None:
+    def _attach(self, model, tokenizer, max_batch_size: int, *, owns_model: bool, name: str, prefix_caching: bool) -> None:
         self.model, self.tokenizer, self.name = model, tokenizer, name
         self.owns_model = owns_model
         self.max_batch_size = max_batch_size
@@ -135,6 +224,16 @@ class HFEngine:
         self.n_tokens = min(len(tokenizer), model.config.vocab_size)
         self.max_model_len = int(model.config.max_position_embeddings)
         self._offloaded, self._home = False, None
+        # the decoding thread (continuous batching: see _serve), started on demand, and its inbox
+        self._inbox: queue.SimpleQueue[list[_Row]] = queue.SimpleQueue()
+        self._lock = threading.Lock()
+        self._worker: threading.Thread | None = None
+        # keys and values of rows that stopped, for the requests that continue them: at most what
+        # a full batch at full context holds (none with prefix_caching off)
+        self._prefixes = _PrefixStore(max_batch_size * self.max_model_len if prefix_caching else 0)
+        # what decoding cost so far: prompt tokens prefilled and those taken from stored prefixes,
+        # decoding steps, and rows that joined a batch already running (benchmarks and tests read it)
+        self.counts: Counter[str] = Counter()
 
     @property
     def device(self) -> torch.device:
@@ -152,13 +251,16 @@ class HFEngine:
         first_name: dict[int, str] = {}
         aliases = {k for k, v in state.items() if first_name.setdefault(v.data_ptr(), k) != k}
         check_weights(stream.shapes, {k: tuple(v.shape) for k, v in state.items()}, self.name, optional=aliases)
+        self._prefixes.clear()  # computed with the old weights
         with torch.no_grad():
             for name, tensor in stream:
                 state[name].copy_(tensor)
 
     def sleep(self, level: int = 1) -> None:
-        """On a GPU, move the weights to host memory (the KV cache lives only inside ``generate``).
-        Nothing to do on CPU, or when the model is the trainer's."""
+        """Free the keys and values kept for prefixes (a trainer's module changes its weights in
+        place after this, and they would be stale); on a GPU, move the weights to host memory,
+        unless the model is the trainer's."""
+        self._prefixes.clear()
         if self.owns_model and self.device.type == "cuda":
             self._home = self.device
             self.model.to("cpu")
@@ -173,16 +275,35 @@ class HFEngine:
     # -- generation -------------------------------------------------------------------------
 
     async def agenerate(self, requests: list[GenerationRequest]) -> list[list[Sample]]:
-        return await asyncio.to_thread(self.generate, requests)
+        """The requests' samples, decoded in the running batch: they join it at the next
+        decoding step and this returns as soon as their own rows are done."""
+        loop = asyncio.get_running_loop()
+        done = loop.create_future()
+
+        def notify() -> None:
+            loop.call_soon_threadsafe(lambda: done.done() or done.set_result(None))
+
+        rows = self._submit(requests, notify)
+        await done
+        return self._samples(requests, rows)
 
     def generate(self, requests: list[GenerationRequest]) -> list[list[Sample]]:
+        done = threading.Event()
+        rows = self._submit(requests, done.set)
+        done.wait()
+        return self._samples(requests, rows)
+
+    def _submit(self, requests: list[GenerationRequest], notify) -> list[_Row]:
+        """The requests' rows, handed to the decoding thread (started if idle); ``notify`` is
+        called from that thread once every row is done."""
         if self._offloaded:
             raise RuntimeError("the hf engine is asleep: call wake_up() before generate()")
+        submission = _Submission(notify)
         rows: list[_Row] = []
         for r in requests:
             for i in range(r.n):
                 seed = sample_seed(r.seed, i)
-                row = _Row(r, list(r.prompt_ids), random.getrandbits(63) if seed is None else seed)
+                row = _Row(r, list(r.prompt_ids), random.getrandbits(63) if seed is None else seed, submission=submission)
                 row.budget = min(r.max_new_tokens, self.max_model_len - len(row.prompt))
                 row.longest_stop = max((len(stop) for stop in r.stop), default=0)
                 if not row.prompt or r.max_new_tokens <= 0:
@@ -193,35 +314,97 @@ class HFEngine:
                     row.done, row.finish = True, "error"
                 rows.append(row)
         live = [row for row in rows if not row.done]
-        training = self.model.training  # a trainer's module may be in training mode: decode in eval
-        self.model.eval()
-        try:
-            for start in range(0, len(live), self.max_batch_size):
-                self._decode_or_isolate(live[start : start + self.max_batch_size])
-        finally:
-            self.model.train(training)
+        submission.left = len(live)
+        if not live:
+            notify()
+            return rows
+        with self._lock:
+            self._inbox.put(live)
+            if self._worker is None:
+                self._worker = threading.Thread(target=self._serve, name="hf-engine-decoding", daemon=True)
+                self._worker.start()
+        return rows
+
+    def _samples(self, requests: list[GenerationRequest], rows: list[_Row]) -> list[list[Sample]]:
         out, k = [], 0
         for r in requests:
             out.append([self._sample(row) for row in rows[k : k + r.n]])
             k += r.n
         return out
 
-    def _decode_or_isolate(self, rows: list[_Row]) -> None:
-        """Decode a batch; if the model fails on it (out of memory, a bad input), decode each row
-        alone so that only the rows that fail by themselves come back as errors."""
+    def _serve(self) -> None:
+        """The decoding thread: continuous batching. Between two decoding steps, rows that were
+        submitted join the running batch (up to ``max_batch_size``; their prompts are prefilled
+        together, then their keys and values are left-padded into the batch's cache) and rows that
+        finished leave it, so a request never waits for another one's longest row. The thread
+        ends when nothing is running or submitted.
+
+        A prefill costs about a decoding step whatever its size, so rows do not join one by one:
+        they join when nothing runs, when a quarter of the batch can join at once, or when the
+        first of them has waited ``_PATIENCE`` steps."""
+        running: _Running | None = None
+        waiting: deque[_Row] = deque()
+        waited = 0  # decoding steps the first waiting row has waited
+        training = self.model.training  # a trainer's module may be in training mode: decode in eval
+        self.model.eval()
         try:
-            self._decode(rows)
-        except Exception:
-            if len(rows) == 1:
-                raise
-            for row in rows:
-                row.tokens, row.logprobs, row.tempered, row.top, row.entropy, row.text = [], [], [], [], [], ""
-                row.done, row.finish, row.stop = False, "length", None
+            while True:
                 try:
-                    self._decode([row])
-                except Exception as error:
-                    row.tokens, row.logprobs, row.tempered, row.top, row.entropy = [], [], [], [], []
-                    row.done, row.finish, row.error = True, "error", f"{type(error).__name__}: {error}"
+                    while True:
+                        waiting.extend(self._inbox.get_nowait())
+                except queue.Empty:
+                    pass
+                if running is None and not waiting:
+                    with self._lock:
+                        if self._inbox.empty():
+                            self._worker = None
+                            return
+                    continue
+                room = self.max_batch_size - (len(running.rows) if running is not None else 0)
+                joining = []
+                if running is None or min(len(waiting), room) >= max(1, self.max_batch_size // 4) or waited >= _PATIENCE:
+                    joining = [waiting.popleft() for _ in range(min(room, len(waiting)))]
+                waited = waited + 1 if waiting and not joining else 0
+                try:
+                    if joining:
+                        self.counts["joined_running"] += len(joining) if running is not None else 0
+                        running = _merge(running, self._prefill(joining))
+                    if running is not None:
+                        running = self._step(running)
+                except Exception:
+                    # the model failed on this batch (out of memory, a bad input): each of its rows
+                    # again alone, so that only the rows that fail by themselves come back as errors
+                    rows = [r for r in running.rows if not r.done] if running is not None else []
+                    rows += [r for r in joining if not r.done and all(r is not x for x in rows)]
+                    running = None
+                    for row in rows:
+                        self._decode_alone(row)
+        except BaseException as error:  # never leave a waiting caller hanging
+            for row in (running.rows if running is not None else []) + list(waiting):
+                self._fail(row, f"the decoding thread failed: {type(error).__name__}: {error}")
+            with self._lock:
+                self._worker = None
+            raise
+        finally:
+            self.model.train(training)
+
+    def _decode_alone(self, row: _Row) -> None:
+        row.tokens, row.logprobs, row.tempered, row.top, row.entropy, row.text = [], [], [], [], [], ""
+        row.done, row.finish, row.stop = False, "length", None
+        try:
+            running = self._prefill([row])
+            while running is not None:
+                running = self._step(running)
+        except Exception as error:
+            self._fail(row, f"{type(error).__name__}: {error}")
+
+    @staticmethod
+    def _fail(row: _Row, reason: str) -> None:
+        if row.done:  # its caller has its sample already
+            return
+        row.tokens, row.logprobs, row.tempered, row.top, row.entropy = [], [], [], [], []
+        row.done, row.finish, row.error = True, "error", reason
+        row.submission.row_done()
 
     @staticmethod
     def _sample(row: _Row) -> Sample:
@@ -232,90 +415,140 @@ class HFEngine:
         return Sample(row.tokens, row.logprobs, row.finish, row.stop, row.top, entropy, tempered_logprobs=tempered)
 
     @torch.inference_mode()
-    def _decode(self, rows: list[_Row]) -> None:
+    def _prefill(self, rows: list[_Row]) -> _Running | None:
+        """The rows' prompts through the model together, and their first tokens chosen: a running
+        batch of the rows still going. A row whose prompt starts with a stored prefix (its own
+        trajectory before a tool result, or the trajectory it was forked from) starts from those
+        keys and values and runs only the rest of its prompt.
+
+        Layout, per row: [padding][stored prefix][padding][rest of the prompt], the stored parts
+        left-padded to the longest one, the rest right-aligned; ``mask`` marks the real positions
+        and ``position_ids`` count them, so the padding in the middle is never attended to."""
         device = self.device
-        longest = max(len(r.prompt) for r in rows)
-        ids = torch.full((len(rows), longest), self.pad_id, dtype=torch.long)
-        mask = torch.zeros((len(rows), longest), dtype=torch.long)
-        for b, row in enumerate(rows):
-            ids[b, longest - len(row.prompt) :] = torch.tensor(row.prompt)
-            mask[b, longest - len(row.prompt) :] = 1
+        cached: list[list[tuple[torch.Tensor, torch.Tensor]] | None] = []
+        for row in rows:
             row.stream = DecodeStream(skip_special_tokens=False)
-        ids, mask = ids.to(device), mask.to(device)
-        positions = (mask.cumsum(-1) - 1).clamp(min=0)
-        # per-row settings as columns, so every step is one vectorised operation
+            row.reused, layers = self._prefixes.longest(row.request.session, row.prompt)
+            cached.append(layers)
+        stored = [0 if c is None else c[0][0].shape[1] for c in cached]
+        width_stored = max(stored)
+        rest = [row.prompt[n:] for row, n in zip(rows, stored)]
+        self.counts["prefill_tokens"] += sum(len(r) for r in rest)
+        self.counts["reused_tokens"] += sum(stored)
+        width_rest = max(len(r) for r in rest)
+        ids = torch.full((len(rows), width_rest), self.pad_id, dtype=torch.long)
+        mask = torch.zeros((len(rows), width_stored + width_rest), dtype=torch.long)
+        positions = torch.zeros((len(rows), width_rest), dtype=torch.long)
+        for b, (n, r) in enumerate(zip(stored, rest)):
+            ids[b, width_rest - len(r) :] = torch.tensor(r)
+            mask[b, width_stored - n : width_stored] = 1
+            mask[b, width_stored + width_rest - len(r) :] = 1
+            positions[b, width_rest - len(r) :] = torch.arange(n, n + len(r))
+        cache = DynamicCache()
+        if width_stored:
+            layers = []
+            for layer in range(len(next(c for c in cached if c is not None))):
+                keys, values = [], []
+                for c, n in zip(cached, stored):
+                    k, v = c[layer] if c is not None else (None, None)
+                    template = next(x for x in cached if x is not None)[layer][0]
+                    pad = template.new_zeros((template.shape[0], width_stored - n, template.shape[2]))
+                    keys.append(torch.cat([pad, k], dim=1) if k is not None else pad)
+                    values.append(torch.cat([pad, v], dim=1) if v is not None else pad)
+                layers.append((torch.stack(keys).to(device), torch.stack(values).to(device)))
+            cache = _cache_of(layers)
+        ids, mask, positions = ids.to(device), mask.to(device), positions.to(device)
+        out = self.model(
+            input_ids=ids, attention_mask=mask, position_ids=positions, past_key_values=cache, use_cache=True, logits_to_keep=1
+        )
         settings = _Settings.of(rows, self.n_tokens, device)
-        seen = None
-        if settings.penalised:
-            # prompt tokens, padding excluded (scatter_add: a pad id may also occur in a prompt)
-            counts = torch.zeros((len(rows), self.n_tokens), dtype=torch.long, device=device)
-            seen = counts.scatter_add_(1, ids.clamp(max=self.n_tokens - 1), mask) > 0
-        live = list(range(len(rows)))  # rows[live[b]] is batch row b
-        cache, step_ids, step_positions = None, ids, positions
-        step = 0
-        while live:
-            out = self.model(
-                input_ids=step_ids,
-                attention_mask=mask,
-                position_ids=step_positions,
-                past_key_values=cache,
-                use_cache=True,
-                logits_to_keep=1,
-            )
-            cache = out.past_key_values
-            logits = out.logits[:, -1, :].float()
-            chosen = self._choose(logits[:, : self.n_tokens], settings, seen, step)
-            # log-probabilities of the raw distribution over every logit, as a forward pass has them
-            normaliser = torch.logsumexp(logits, dim=-1, keepdim=True)
-            chosen_logits = logits.gather(1, chosen.unsqueeze(1))
-            token_logprobs = (chosen_logits - normaliser).squeeze(1)
-            tempered_logprobs = token_logprobs
-            if settings.tempered:  # some row samples at T != 1: log-softmax of logits / T too
-                t = settings.temperature
-                tempered_logprobs = (chosen_logits / t - torch.logsumexp(logits / t, dim=-1, keepdim=True)).squeeze(1)
-            batch_rows = [rows[i] for i in live]
-            in_window = [b for b, row in enumerate(batch_rows) if row.request.logprobs > 0 and step < row.window]
-            top = entropy = None
-            if in_window:
-                raw = logits[in_window] - normaliser[in_window]
-                entropy = (-(raw.exp() * raw).sum(-1)).tolist()
-                want_top = max(batch_rows[b].request.logprobs for b in in_window)
-                if want_top > 0:
-                    values, indices = raw.topk(want_top, dim=-1)
-                    top = (values.tolist(), indices.tolist())
-            chosen_list, logprob_list, tempered_list = chosen.tolist(), token_logprobs.tolist(), tempered_logprobs.tolist()
-            for j, b in enumerate(in_window):
-                row, k = batch_rows[b], batch_rows[b].request.logprobs
-                row.entropy.append(entropy[j])
-                if k > 0:
-                    entries = dict(zip(top[1][j][:k], top[0][j][:k]))
-                    entries.setdefault(chosen_list[b], logprob_list[b])  # vLLM adds the sampled token
-                    row.top.append(entries)
-            keep = []
-            for b, row in enumerate(batch_rows):
-                row.tokens.append(chosen_list[b])
-                row.logprobs.append(logprob_list[b])
-                row.tempered.append(tempered_list[b])
-                self._check_end(row, chosen_list[b])
-                if not row.done:
-                    keep.append(b)
-            step += 1
-            if not keep:
-                break
-            if seen is not None:
-                seen.scatter_(1, chosen.unsqueeze(1), True)
-            step_ids, step_positions = chosen.unsqueeze(1), step_positions[:, -1:] + 1
-            mask = torch.cat([mask, torch.ones((len(live), 1), dtype=mask.dtype, device=device)], dim=1)
-            if len(keep) < len(live):  # finished rows leave the batch, cache included
-                index = torch.tensor(keep, device=device)
-                cache.batch_select_indices(index)
-                step_ids, step_positions, mask = step_ids[index], step_positions[index], mask[index]
-                settings = settings.select(index)
-                seen = seen[index] if seen is not None else None
-                live = [live[b] for b in keep]
+        seen = _seen(rows, self.n_tokens, device) if settings.penalised else None
+        running = _Running(list(rows), out.past_key_values, mask, None, positions[:, -1:], settings, seen)
+        return self._emit(running, out.logits[:, -1, :].float())
+
+    @torch.inference_mode()
+    def _step(self, running: _Running) -> _Running | None:
+        """One decoding step of every running row: the tokens chosen last step through the model,
+        the next ones chosen."""
+        self.counts["decode_steps"] += 1
+        mask = torch.cat([running.mask, torch.ones_like(running.next_ids)], dim=1)
+        out = self.model(
+            input_ids=running.next_ids,
+            attention_mask=mask,
+            position_ids=running.positions,
+            past_key_values=running.cache,
+            use_cache=True,
+            logits_to_keep=1,
+        )
+        running.mask = mask
+        return self._emit(running, out.logits[:, -1, :].float())
+
+    def _emit(self, running: _Running, logits: torch.Tensor) -> _Running | None:
+        """Choose each row's next token from its logits, record it (log-probabilities, and in a
+        row's window its top log-probabilities and entropy), end the rows that are done, and keep
+        the others running with their token as the next input."""
+        rows, settings, device = running.rows, running.settings, logits.device
+        # each row's draw is numbered by its own position, so it does not depend on when it joined
+        counters = torch.tensor([len(row.tokens) for row in rows], dtype=torch.long, device=device)
+        chosen = self._choose(logits[:, : self.n_tokens], settings, running.seen, counters)
+        # log-probabilities of the raw distribution over every logit, as a forward pass has them
+        normaliser = torch.logsumexp(logits, dim=-1, keepdim=True)
+        chosen_logits = logits.gather(1, chosen.unsqueeze(1))
+        token_logprobs = (chosen_logits - normaliser).squeeze(1)
+        tempered_logprobs = token_logprobs
+        if settings.tempered:  # some row samples at T != 1: log-softmax of logits / T too
+            t = settings.temperature
+            tempered_logprobs = (chosen_logits / t - torch.logsumexp(logits / t, dim=-1, keepdim=True)).squeeze(1)
+        # rows that finished stay in the batch (as padding) until it is compacted
+        live = [b for b, row in enumerate(rows) if not row.done]
+        in_window = [b for b in live if rows[b].request.logprobs > 0 and len(rows[b].tokens) < rows[b].window]
+        top = entropy = None
+        if in_window:
+            raw = logits[in_window] - normaliser[in_window]
+            entropy = (-(raw.exp() * raw).sum(-1)).tolist()
+            values, indices = raw.topk(max(rows[b].request.logprobs for b in in_window), dim=-1)
+            top = (values.tolist(), indices.tolist())
+        chosen_list, logprob_list, tempered_list = chosen.tolist(), token_logprobs.tolist(), tempered_logprobs.tolist()
+        for j, b in enumerate(in_window):
+            row, k = rows[b], rows[b].request.logprobs
+            row.entropy.append(entropy[j])
+            entries = dict(zip(top[1][j][:k], top[0][j][:k]))
+            entries.setdefault(chosen_list[b], logprob_list[b])  # vLLM adds the sampled token
+            row.top.append(entries)
+        keep = []
+        for b in live:
+            row = rows[b]
+            row.tokens.append(chosen_list[b])
+            row.logprobs.append(logprob_list[b])
+            row.tempered.append(tempered_list[b])
+            self._check_end(row, chosen_list[b])
+            if row.done:
+                if row.finish == "stop":  # a tool call, most likely: its trajectory continues from here
+                    self._keep_prefix(running, b)
+                row.submission.row_done()
+            else:
+                keep.append(b)
+        if not keep:
+            return None
+        if running.seen is not None:
+            running.seen.scatter_(1, chosen.unsqueeze(1), True)
+        running.next_ids, running.positions = chosen.unsqueeze(1), running.positions + 1
+        # finished rows leave the batch, cache included, once they are a sixteenth of it: compacting
+        # copies the whole cache, so it is not done for every row that finishes
+        if (len(rows) - len(keep)) * 16 >= len(rows):
+            running.select(keep)
+        return running
+
+    def _keep_prefix(self, running: _Running, b: int) -> None:
+        """Store row b's keys and values: its prompt and every generated token but the last one
+        (chosen, not yet through the model)."""
+        row = running.rows[b]
+        columns = running.mask[b].nonzero().flatten()
+        layers = [(k[b][:, columns].clone(), v[b][:, columns].clone()) for k, v in _layers(running.cache)]
+        self._prefixes.put(row.request.session, row.prompt + row.tokens[:-1], layers, row.reused)
 
     @staticmethod
-    def _choose(logits: torch.Tensor, s: _Settings, seen: torch.Tensor | None, step: int) -> torch.Tensor:
+    def _choose(logits: torch.Tensor, s: _Settings, seen: torch.Tensor | None, counters: torch.Tensor) -> torch.Tensor:
         scores = logits
         if seen is not None:  # the CTRL/HF rule: divide positive logits, multiply negative ones
             penalised = torch.where(scores > 0, scores / s.penalty, scores * s.penalty)
@@ -351,7 +584,7 @@ class HFEngine:
             order, position = order.sort(dim=-1)
             probs = probs.gather(1, position)
         cdf = probs.double().cumsum(-1)  # float64: tiny probabilities keep their width
-        u = counter_uniform(s.seeds, torch.full_like(s.seeds, step)).unsqueeze(1) * cdf[:, -1:]
+        u = counter_uniform(s.seeds, counters).unsqueeze(1) * cdf[:, -1:]
         pick = torch.searchsorted(cdf, u, right=True).clamp(max=values.shape[-1] - 1)
         # u rounded up to the total would land on a trailing filtered-out entry: take the best then
         pick = torch.where(probs.gather(1, pick) > 0, pick, probs.argmax(-1, keepdim=True))
@@ -412,6 +645,14 @@ class _Settings:
             tempered=any(q.temperature not in (0, 1) for q in requests),
         )
 
+    @classmethod
+    def cat(cls, a: _Settings, b: _Settings) -> _Settings:
+        columns = [torch.cat([x, y]) for x, y in zip(a.columns(), b.columns())]
+        return cls(*columns, a.needs_sort or b.needs_sort, a.penalised or b.penalised, a.tempered or b.tempered)
+
+    def columns(self) -> tuple[torch.Tensor, ...]:
+        return (self.temperature, self.top_k, self.top_p, self.log_min_p, self.penalty, self.seeds, self.greedy)
+
     def select(self, index: torch.Tensor) -> _Settings:
         return _Settings(
             self.temperature[index],
@@ -425,3 +666,92 @@ class _Settings:
             self.penalised,
             self.tempered,
         )
+
+
+@dataclass
+class _Running:
+    """The rows being decoded together, between two decoding steps: the cache of what went
+    through the model (left-padded: ``mask`` marks each row's real positions), and each row's
+    chosen next token with its position."""
+
+    rows: list[_Row]
+    cache: DynamicCache
+    mask: torch.Tensor  # (rows, cached positions)
+    next_ids: torch.Tensor | None  # (rows, 1)
+    positions: torch.Tensor  # (rows, 1): the position of next_ids
+    settings: _Settings
+    seen: torch.Tensor | None  # (rows, tokens): what the repetition penalty counts as seen
+
+    def select(self, keep: list[int]) -> None:
+        """Keep only these rows; drop the cache columns that are padding for all of them."""
+        index = torch.tensor(keep, device=self.mask.device)
+        self.rows = [self.rows[b] for b in keep]
+        self.mask, self.next_ids, self.positions = self.mask[index], self.next_ids[index], self.positions[index]
+        self.settings = self.settings.select(index)
+        self.seen = self.seen[index] if self.seen is not None else None
+        first = int(self.mask.any(0).int().argmax())  # the first column some row still uses
+        self.cache = _cache_of([(k[index, :, first:], v[index, :, first:]) for k, v in _layers(self.cache)])
+        self.mask = self.mask[:, first:]
+
+
+def _layers(cache: DynamicCache) -> list[tuple[torch.Tensor, torch.Tensor]]:
+    """Each layer's keys and values, (rows, heads, positions, head dim). Continuous batching
+    pads and joins these, which only full-attention layers allow (no sliding window)."""
+    layers = []
+    for layer in cache.layers:
+        if type(layer) is not DynamicLayer:
+            raise NotImplementedError(f"the hf engine batches continuously over full-attention caches only, not {type(layer).__name__}")
+        layers.append((layer.keys, layer.values))
+    return layers
+
+
+def _cache_of(layers: list[tuple[torch.Tensor, torch.Tensor]]) -> DynamicCache:
+    return DynamicCache(ddp_cache_data=layers)
+
+
+def _merge(a: _Running | None, b: _Running | None) -> _Running | None:
+    """Two running batches as one: the shorter cache left-padded to the longer one's length."""
+    if a is None or b is None:
+        return a if b is None else b
+    for x in (a, b):
+        live = [i for i, row in enumerate(x.rows) if not row.done]
+        if len(live) < len(x.rows):
+            x.select(live)
+    la, lb = a.mask.shape[1], b.mask.shape[1]
+    length = max(la, lb)
+
+    def pad(x: torch.Tensor, have: int, dim: int) -> torch.Tensor:
+        if have == length:
+            return x
+        shape = list(x.shape)
+        shape[dim] = length - have
+        return torch.cat([x.new_zeros(shape), x], dim=dim)
+
+    cache = _cache_of(
+        [
+            (torch.cat([pad(ka, la, 2), pad(kb, lb, 2)]), torch.cat([pad(va, la, 2), pad(vb, lb, 2)]))
+            for (ka, va), (kb, vb) in zip(_layers(a.cache), _layers(b.cache))
+        ]
+    )
+    seen = None
+    if a.settings.penalised or b.settings.penalised:
+        vocab = (a.seen if a.seen is not None else b.seen).shape[1]
+        seen = torch.cat([x.seen if x.seen is not None else _seen(x.rows, vocab, x.mask.device) for x in (a, b)])
+    return _Running(
+        a.rows + b.rows,
+        cache,
+        torch.cat([pad(a.mask, la, 1), pad(b.mask, lb, 1)]),
+        torch.cat([a.next_ids, b.next_ids]),
+        torch.cat([a.positions, b.positions]),
+        _Settings.cat(a.settings, b.settings),
+        seen,
+    )
+
+
+def _seen(rows: list[_Row], vocab: int, device) -> torch.Tensor:
+    """(rows, tokens): the tokens of each row's prompt and of what it generated so far."""
+    seen = torch.zeros((len(rows), vocab), dtype=torch.bool, device=device)
+    for b, row in enumerate(rows):
+        ids = torch.tensor(row.prompt + row.tokens, dtype=torch.long, device=device).clamp(max=vocab - 1)
+        seen[b, ids] = True
+    return seen

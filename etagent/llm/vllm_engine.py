@@ -2,7 +2,8 @@
 
 Requests go in as ``TokensPrompt`` with their own ``SamplingParams`` (stop strings kept in the
 output, as the agent loop expects; log-probabilities on), in one ``generate`` call, so vLLM
-batches them and reuses shared prefixes from its cache. A seeded request with ``n > 1`` is sent
+batches them and reuses shared prefixes from its cache; ``agenerate`` calls that arrive while one
+runs go together in the next. A seeded request with ``n > 1`` is sent
 as n seeded requests (seed derived per sample, as the hf engine does). A request whose prompt
 leaves no room in ``max_model_len`` is answered with an ``error`` sample, and ``max_tokens`` is
 capped to the room left; if vLLM still fails a batch, its requests are retried one by one so
@@ -70,6 +71,9 @@ class VLLMEngine:
         self._expected: dict[str, tuple[int, ...]] | None = None
         self._tied: set[str] = set()  # tied aliases an update may leave out
         self._lock = threading.Lock()  # one generate at a time: the offline engine is not reentrant
+        # agenerate calls waiting for the next generate call, and the task that makes it
+        self._pending: list[tuple[list[GenerationRequest], asyncio.Future]] = []
+        self._drainer: asyncio.Task | None = None
 
     @classmethod
     def load(
@@ -121,7 +125,35 @@ class VLLMEngine:
     # -- generation -------------------------------------------------------------------------
 
     async def agenerate(self, requests: list[GenerationRequest]) -> list[list[Sample]]:
-        return await asyncio.to_thread(self.generate, requests)
+        """The requests' samples. Calls made while a generate call runs (the agent loop makes one
+        per trajectory) wait for it to end and then go to vLLM together, in one call, so that it
+        batches them: dynamic batching over the offline engine. A request does not join a
+        generate call already running (vLLM's AsyncLLM would allow that; not used here)."""
+        loop = asyncio.get_running_loop()
+        future = loop.create_future()
+        self._pending.append((requests, future))
+        if self._drainer is None or self._drainer.done():
+            self._drainer = loop.create_task(self._drain())
+        return await future
+
+    async def _drain(self) -> None:
+        """Send what is pending to vLLM, one generate call at a time, until nothing is."""
+        await asyncio.sleep(0)  # the calls made in the same turn of the event loop go together
+        while self._pending:
+            batch, self._pending = self._pending, []
+            flat = [r for requests, _ in batch for r in requests]
+            try:
+                results = await asyncio.to_thread(self.generate, flat)
+            except Exception as error:
+                for _, future in batch:
+                    if not future.done():
+                        future.set_exception(error)
+                continue
+            k = 0
+            for requests, future in batch:
+                if not future.done():
+                    future.set_result(results[k : k + len(requests)])
+                k += len(requests)
 
     def generate(self, requests: list[GenerationRequest]) -> list[list[Sample]]:
         from vllm import SamplingParams
