@@ -5,9 +5,13 @@ question, each rollout judged by the stage's judge, :func:`etagent.scoring.rule_
 it gives its own) and ``manifest.json``. Questions already in the output are skipped, so a killed
 run resumes where it stopped and never duplicates a question.
 
-With ``ray.workers > 0`` the questions are split into batches and fanned out to a pool of Ray
-actors, each holding its own engine (one per GPU with ``ray.num_gpus_per_worker: 1``) and tools;
-the driver writes the results as they come back. With ``ray.workers: 0`` everything runs here.
+With ``ray.workers: 0`` everything runs here: each trajectory advances on its own, at most
+``batch_questions`` x n are unfinished at a time (a new question starts as soon as n have
+finished), and each question is written as soon as it and those before it are done (the file's order is the
+questions' order). With ``ray.workers > 0`` the questions are split into batches of
+``batch_questions`` and fanned out to a pool of Ray actors, each holding its own engine (one per
+GPU with ``ray.num_gpus_per_worker: 1``) and tools; the driver writes the results as they come
+back.
 
 This is the sampling machinery every rollout stage shares (direct rollout, evaluation, the
 flywheel's initial rollouts); each stage owns its entry point and config (``direct_rollout/``,
@@ -55,20 +59,63 @@ class Sampler:
         self.n, self.stage, self.judge, self.token_arrays = n, stage, judge, token_arrays
 
     def sample(self, questions: Sequence[Question]) -> list[TrajectoryGroup]:
-        states = [self.loop.new(q, f"{q.id}/{k}", stage=self.stage) for q in questions for k in range(self.n)]
-        asyncio.run(self.loop.run(states))
-        groups = []
-        for i, q in enumerate(questions):
-            records = [self.loop.to_record(s) for s in states[i * self.n : (i + 1) * self.n]]
-            for record in records:
-                record.judgement = self.judge(record.prediction, q.answer, q.kind)
-                if not self.token_arrays:
-                    for name in TOKEN_ARRAYS:
-                        setattr(record, name, None)
-            if len(records) != self.n:  # never write a question as done with fewer chains than asked
-                raise RuntimeError(f"question {q.id}: {len(records)} rollouts made, {self.n} asked")
-            groups.append(TrajectoryGroup.for_question(q, records))
-        return groups
+        """Every question's group, all of them in flight at once."""
+        return list(self.stream(questions, window=len(questions)))
+
+    def stream(self, questions: Sequence[Question], window: int) -> Iterator[TrajectoryGroup]:
+        """Each question's group, in question order, as soon as it and every question before it
+        are done. Each trajectory runs on its own (:meth:`AgentLoop.run_one`), and at most
+        ``window`` x n of them are unfinished at any time: the next question starts as soon as n
+        trajectories have finished, whichever questions they belong to, so the engine never waits
+        for the slowest trajectory of a batch."""
+        if not questions:
+            return
+        with asyncio.Runner() as runner:
+            futures = [runner.get_loop().create_future() for _ in questions]
+            tasks: set[asyncio.Task] = set()
+
+            async def one(i: int, slots: asyncio.Semaphore) -> None:
+                async def trajectory(state):
+                    try:
+                        await self.loop.run_one(state)
+                    finally:
+                        slots.release()
+
+                q = questions[i]
+                try:
+                    states = [self.loop.new(q, f"{q.id}/{k}", stage=self.stage) for k in range(self.n)]
+                    await asyncio.gather(*(trajectory(s) for s in states))
+                    futures[i].set_result(self._group(q, states))
+                except Exception as error:  # to the reader, in order
+                    futures[i].set_exception(error)
+
+            async def start_all() -> None:
+                slots = asyncio.Semaphore(window * self.n)
+                for i in range(len(questions)):
+                    for _ in range(self.n):  # one place per trajectory
+                        await slots.acquire()
+                    tasks.add(task := asyncio.create_task(one(i, slots)))
+                    task.add_done_callback(tasks.discard)
+
+            starter = runner.get_loop().create_task(start_all())
+            try:
+                for future in futures:
+                    yield runner.get_loop().run_until_complete(future)
+            finally:
+                starter.cancel()
+                for task in list(tasks):
+                    task.cancel()
+
+    def _group(self, q: Question, states: list) -> TrajectoryGroup:
+        records = [self.loop.to_record(s) for s in states]
+        for record in records:
+            record.judgement = self.judge(record.prediction, q.answer, q.kind)
+            if not self.token_arrays:
+                for name in TOKEN_ARRAYS:
+                    setattr(record, name, None)
+        if len(records) != self.n:  # never write a question as done with fewer chains than asked
+            raise RuntimeError(f"question {q.id}: {len(records)} rollouts made, {self.n} asked")
+        return TrajectoryGroup.for_question(q, records)
 
 
 def _batches(items: Sequence, size: int) -> Iterator[list]:
@@ -83,8 +130,8 @@ def _local(cfg: DictConfig, todo: list[Question], judge: Judge, token_arrays: bo
     engine = make_engine(cfg.engine)
     with build_executor(cfg.tools) as executor:
         sampler = Sampler(engine, executor, agent_config(cfg.agent), cfg.n, cfg.stage, judge, token_arrays)
-        for batch in _batches(todo, cfg.batch_questions):
-            yield sampler.sample(batch)
+        for group in sampler.stream(todo, window=cfg.batch_questions):
+            yield [group]
 
 
 def _ray(cfg: DictConfig, todo: list[Question], judge: Judge, token_arrays: bool) -> Iterator[list[TrajectoryGroup]]:

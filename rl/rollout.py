@@ -235,58 +235,78 @@ class TreeRollout:
         return counts, {"dynamic_prompts": float(len(counts)), "dynamic_roots": float(sum(counts)), "tool_calls_executed": probe_calls}
 
     def generate(self, loop: AgentLoop, prompts: list[Prompt], step: int, seed: int) -> StepRollouts:
-        s = self.s
-        rng = random.Random(f"arpo/{seed}/{step}")  # the branch draws: the same on a resumed step
         roots, counts = self.root_counts(loop, prompts, step, seed)
+        trees = [_Tree(self, loop, p, step, seed, n_roots) for p, n_roots in zip(prompts, roots)]
 
-        def fresh(i: int) -> TrajectoryState:
-            p = prompts[i]
-            return loop.new(p.question, f"step{step}/{p.index}/{len(groups[i])}", seed=seed + step, stage="rl", round=step)
+        async def grow_all() -> None:
+            await asyncio.gather(*(tree.grow() for tree in trees))
 
-        groups: list[list[TrajectoryState]] = [[] for _ in prompts]
-        for i, count in enumerate(roots):
-            for _ in range(count):
-                groups[i].append(fresh(i))
-        consecutive = [0] * len(prompts)
-        branches = fill_ins = 0
-        decisions: list[tuple[int, int, float]] = []  # (round, branched, dH)
-        round_ = 0
-        while any(not t.done for group in groups for t in group):
-            round_ += 1
-            active = [t for group in groups for t in group if not t.done]
-            stepped = {id(t): t.segments for t in active}  # segments before this round
-            asyncio.run(loop.step(active))
-            gained = [0] * len(prompts)
-            for i, group in enumerate(groups):
-                for source, at_segment, delta_h in self._candidates(loop, group, stepped):
-                    for _ in range(s.beam_size - 1):
-                        if len(group) >= s.n:
-                            break
-                        u = rng.random()
-                        if s.branch_penalty:
-                            branched = aepo_branches(u, s.branch_probability, s.entropy_weight, delta_h, consecutive[i])
-                        else:
-                            branched = u < arpo_branch_probability(s.branch_probability, s.entropy_weight, delta_h)
-                        decisions.append((round_, int(branched), delta_h))
-                        if branched:
-                            group.append(source.fork(f"step{step}/{prompts[i].index}/{len(group)}", at_segment=at_segment))
-                            branches += 1
-                            gained[i] += 1
-                if all(t.done for t in group) and len(group) < s.n:
-                    while len(group) < s.n:
-                        group.append(fresh(i))
-                        fill_ins += 1
-                        gained[i] += 1
-            if any(gained):  # AEPO's counter moves only in rounds that added trajectories
-                consecutive = [c + 1 if g else 0 for c, g in zip(consecutive, gained)]
+        asyncio.run(grow_all())
+        groups = [tree.group for tree in trees]
         counts["roots"] = float(sum(roots))
-        counts["branches"], counts["fill_ins"], counts["rounds"] = float(branches), float(fill_ins), float(round_)
+        counts["branches"] = float(sum(t.branches for t in trees))
+        counts["fill_ins"] = float(sum(t.fill_ins for t in trees))
+        counts["rounds"] = float(max((t.rounds for t in trees), default=0))
         counts["tool_calls_executed"] = counts.get("tool_calls_executed", 0.0) + sum(t.executed_here() for g in groups for t in g)
+        decisions = [d for tree in trees for d in tree.decisions]
         counts["delta_h_sum"] = sum(d for _, _, d in decisions)
         for r, branched, _ in decisions:
             counts[f"decisions_round{r}"] = counts.get(f"decisions_round{r}", 0.0) + 1
             counts[f"branched_round{r}"] = counts.get(f"branched_round{r}", 0.0) + branched
         return StepRollouts(groups, counts)
+
+
+class _Tree:
+    """One prompt's tree, grown in rounds of its own paths: each round, every unfinished path
+    advances one step (a segment and its tool call) on its own; when all have, the branch
+    decisions are made in creation order with the prompt's own seeded draws. Prompts do not wait
+    for each other, and a tree is the same whatever else runs beside it."""
+
+    def __init__(self, rollout: TreeRollout, loop: AgentLoop, prompt: Prompt, step: int, seed: int, roots: int):
+        self.rollout, self.loop, self.prompt, self.step, self.seed = rollout, loop, prompt, step, seed
+        self.rng = random.Random(f"arpo/{seed}/{step}/{prompt.index}")  # the same on a resumed step
+        self.group: list[TrajectoryState] = []
+        for _ in range(roots):
+            self.group.append(self.fresh())
+        self.branches = self.fill_ins = self.rounds = 0
+        self.decisions: list[tuple[int, int, float]] = []  # (round, branched, dH)
+
+    def fresh(self) -> TrajectoryState:
+        p = self.prompt
+        return self.loop.new(
+            p.question, f"step{self.step}/{p.index}/{len(self.group)}", seed=self.seed + self.step, stage="rl", round=self.step
+        )
+
+    async def grow(self) -> None:
+        s, group = self.rollout.s, self.group
+        consecutive = 0
+        while any(not t.done for t in group):
+            self.rounds += 1
+            active = [t for t in group if not t.done]
+            stepped = {id(t): t.segments for t in active}  # segments before this round
+            await asyncio.gather(*(self.loop.advance(t) for t in active))
+            gained = 0
+            for source, at_segment, delta_h in self.rollout._candidates(self.loop, group, stepped):
+                for _ in range(s.beam_size - 1):
+                    if len(group) >= s.n:
+                        break
+                    u = self.rng.random()
+                    if s.branch_penalty:
+                        branched = aepo_branches(u, s.branch_probability, s.entropy_weight, delta_h, consecutive)
+                    else:
+                        branched = u < arpo_branch_probability(s.branch_probability, s.entropy_weight, delta_h)
+                    self.decisions.append((self.rounds, int(branched), delta_h))
+                    if branched:
+                        group.append(source.fork(f"step{self.step}/{self.prompt.index}/{len(group)}", at_segment=at_segment))
+                        self.branches += 1
+                        gained += 1
+            if all(t.done for t in group) and len(group) < s.n:
+                while len(group) < s.n:
+                    group.append(self.fresh())
+                    self.fill_ins += 1
+                    gained += 1
+            # AEPO's counter moves only in rounds that added trajectories
+            consecutive = consecutive + 1 if gained else 0
 
 
 def rollout_metrics(parts: list[dict[str, float]]) -> dict[str, float]:
