@@ -12,7 +12,7 @@ import torch
 import torch.distributed as dist
 from omegaconf import DictConfig
 
-from rl.algorithm import entropy_aware_advantages, kl_estimate, masked_sum, policy_loss
+from rl.algorithm import entropy_aware_advantages, kl_estimate, masked_sum, policy_loss, truncated_importance_weights
 from rl.batch import Batch, BatchPlan, micro_batches, token_logprobs
 from rl.distributed import max_all, sum_all
 from rl.policy import Policy
@@ -40,6 +40,7 @@ def update(
     cfg: DictConfig,
     device: torch.device,
     rollout_mismatch: bool = False,
+    tis_cap: float | None = None,
 ) -> dict:
     """One optimizer step per mini-batch of the plan; the step's metrics (summed over ranks).
 
@@ -51,7 +52,12 @@ def update(
     trainer's (``rollout/logprob_mismatch``, mean absolute difference per policy token), measured
     on the first mini-batch, before any optimizer step, when the trainer's weights are still those
     that sampled: for an engine whose log-probabilities serve as the old ones (hf), at no extra
-    forward pass."""
+    forward pass.
+
+    ``tis_cap``: the rollouts came from another engine, whose log-probabilities are in
+    ``batch.rollout_logprobs``; each token's loss is weighted by truncated importance sampling
+    (:func:`rl.algorithm.truncated_importance_weights`, ``old`` over the rollout's, capped), and
+    the metrics say how large the ratios were and how many were cut."""
     from torch.distributed.tensor import DTensor
 
     world = dist.get_world_size()
@@ -59,6 +65,18 @@ def update(
     minis = [list(range(k * size, (k + 1) * size)) for k in range(plan.optimizer_steps)]
     assert minis[-1][-1] == batch.input_ids.shape[0] - 1, "a rank's rollouts are not the plan's"
     sums = dict.fromkeys(("loss", "clipped_tokens", "dual_clipped_tokens", "entropy", "kl", "policy_tokens", "grad_norm", "mismatch"), 0.0)
+    weights = None
+    if tis_cap is not None:
+        weights = truncated_importance_weights(old, batch.rollout_logprobs, tis_cap)
+        ratio = torch.exp(old.float() - batch.rollout_logprobs.float())
+        tis = sum_all(
+            [
+                float(masked_sum(ratio, batch.loss_mask)),
+                float(masked_sum((ratio > tis_cap).float(), batch.loss_mask)),
+                float(batch.loss_mask.sum()),
+            ],
+            device,
+        )
     row_tokens = batch.tokens()
     for number, mini in enumerate(minis):
         tokens = max(sum_all([float(batch.loss_mask[mini].sum())], device)[0], 1.0)
@@ -84,6 +102,7 @@ def update(
                 cfg.algorithm.clip_high,
                 cfg.algorithm.clip_c,
                 cfg.algorithm.entropy_balanced_clipping,
+                None if weights is None else weights[rows, : micro.response_width],
             )
             loss = terms.loss
             if ref is not None:
@@ -111,6 +130,10 @@ def update(
     extra = {"actor/kl": kl / max(sums["policy_tokens"], 1.0)} if ref is not None else {}
     if rollout_mismatch:
         extra["rollout/logprob_mismatch"] = mismatch / max(first_tokens, 1.0)
+    if tis_cap is not None:
+        ratio_sum, truncated, policy_tokens = tis
+        extra["rollout_correction/ratio_mean"] = ratio_sum / max(policy_tokens, 1.0)
+        extra["rollout_correction/truncated_share"] = truncated / max(policy_tokens, 1.0)
     return extra | {
         "actor/loss": loss_sum / len(minis),
         "actor/clip_fraction": clipped / max(sums["policy_tokens"], 1.0),

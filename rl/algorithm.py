@@ -1,6 +1,7 @@
 """GRPO as small pure functions over tensors: advantages, the clipped policy loss with dual clip,
-KL estimators, entropy, the rollout/trainer log-probability mismatch, and AEPO's two loss-side
-switches (entropy-balanced clipping, the entropy-aware advantage).
+KL estimators, entropy, the rollout/trainer log-probability mismatch and its correction
+(truncated importance sampling), and AEPO's two loss-side switches (entropy-balanced clipping,
+the entropy-aware advantage).
 
 Shapes: per-sequence tensors are (B,); per-token tensors are (B, T) with a 0/1 ``mask`` that is
 1 on the tokens the policy gradient covers (tokens sampled by the policy in this rollout; see
@@ -87,6 +88,7 @@ def policy_loss(
     clip_high: float = 0.2,
     clip_c: float = 3.0,
     entropy_balanced_clipping: bool = False,
+    rollout_weights: torch.Tensor | None = None,
 ) -> LossTerms:
     """The PPO clipped objective with dual clip, as a sum over masked tokens divided by
     ``tokens``. ``advantages`` is (B,) or (B, T).
@@ -97,7 +99,10 @@ def policy_loss(
     ``entropy_balanced_clipping`` (AEPO): the upper bound becomes (1 + clip_high) r / sg(r), the
     same value with the gradient (1 + clip_high) grad log pi, so a token clipped above still
     moves the policy, scaled by (1 + clip_high) / r; the lower bound is unchanged. Applied to
-    every token, as the reference does."""
+    every token, as the reference does.
+
+    ``rollout_weights`` (B, T), from :func:`truncated_importance_weights`, multiply each token's
+    clipped loss: the correction for rollouts sampled by another engine than the trainer."""
     if advantages.dim() == 1:
         advantages = advantages[:, None].expand_as(logprobs)
     mask = mask.to(logprobs.dtype)
@@ -111,8 +116,9 @@ def policy_loss(
     clipped = -advantages * bounded
     loss = torch.maximum(unclipped, clipped)
     dual = torch.where(advantages < 0, torch.minimum(loss, -advantages * clip_c), loss)
+    weighted = dual if rollout_weights is None else dual * rollout_weights
     return LossTerms(
-        loss=masked_sum(dual, mask) / tokens,
+        loss=masked_sum(weighted, mask) / tokens,
         clipped_tokens=masked_sum((clipped > unclipped).to(mask.dtype), mask).detach(),
         dual_clipped_tokens=masked_sum(((advantages < 0) & (loss > -advantages * clip_c)).to(mask.dtype), mask).detach(),
         ratio_sum=masked_sum(ratio, mask).detach(),
@@ -140,6 +146,15 @@ def entropy_from_logprobs(log_probs: torch.Tensor, chunk: int = 1024) -> torch.T
     flat = log_probs.reshape(-1, log_probs.shape[-1])
     parts = [torch.special.entr(flat[i : i + chunk].exp()).sum(dim=-1) for i in range(0, flat.shape[0], chunk)]
     return torch.cat(parts).reshape(log_probs.shape[:-1]) if parts else flat.new_zeros(log_probs.shape[:-1])
+
+
+def truncated_importance_weights(old_logprobs: torch.Tensor, rollout_logprobs: torch.Tensor, cap: float) -> torch.Tensor:
+    """Truncated importance sampling, token level (verl's rollout correction, slime's TIS): the
+    rollouts were drawn from the rollout engine's distribution, the loss's old policy is the
+    trainer's recomputation under the same weights; each token's loss is weighted by
+    min(pi_trainer / pi_rollout, cap), without gradient. Both log-probabilities must be of the
+    distribution the tokens were drawn from (under the sampling temperature)."""
+    return torch.exp(old_logprobs.float() - rollout_logprobs.float()).clamp(max=cap).detach()
 
 
 def logprob_mismatch(rollout_logprobs: torch.Tensor, trainer_logprobs: torch.Tensor, mask: torch.Tensor) -> dict[str, float]:

@@ -24,7 +24,8 @@ One step, as named and timed phases (``timing_s/<phase>`` in the metrics):
 2. reward: the efficiency reward per prompt's group (rl/reward.py), sigmas decayed linearly over
    the run as in the paper;
 3. old_logprobs (vllm only; rl/actor.py): the policy's log-probabilities of the sampled tokens before the
-   update, and their mismatch with vLLM's own (a diagnostic). The hf engine samples with the
+   update, and their mismatch with vLLM's own; the update corrects for it by truncated importance
+   sampling (``algorithm.tis_cap``, rl/algorithm.py). The hf engine samples with the
    policy module and its current weights, so its log-probabilities are the old ones already
    (their mismatch with the trainer's forward is measured in the update's first mini-batch).
    Every log-probability is of the distribution sampled from, softmax(logits / T), as verl's
@@ -151,6 +152,15 @@ def check_settings(cfg: DictConfig) -> None:
     require_number(cfg, "reward.sigma_tool", minimum=0)
     require_number(cfg, "reward.sigma_length", minimum=0)
     require_number(cfg, "algorithm.kl_coef", minimum=0)
+    if cfg.algorithm.tis_cap is not None:
+        require_number(cfg, "algorithm.tis_cap", minimum=1)
+    if cfg.engine.kind == "vllm" and cfg.algorithm.tis_cap is not None and cfg.agent.temperature != 1:
+        # vLLM reports raw log-probabilities; only at T = 1 are they of the distribution sampled from
+        raise SettingError(
+            "algorithm.tis_cap",
+            f"needs vLLM's log-probabilities of the sampled distribution, which it reports at agent.temperature 1 only "
+            f"(it is {cfg.agent.temperature}): set algorithm.tis_cap=null or agent.temperature=1",
+        )
     check_agent_settings(cfg.agent)
     # the policy gradient is of the distribution the rollouts were drawn from: softmax(logits / T)
     require_number(cfg, "agent.temperature", above=0)
@@ -312,13 +322,17 @@ def train_step(trainer: Trainer, step: int, loop: AgentLoop, greedy: AgentLoop, 
     with phase("advantage", metrics):
         scores = torch.tensor([r["reward"] for r in rows])
         advantages = grpo_advantages(scores, torch.tensor([r["index"] for r in rows]), cfg.algorithm.eps).to(trainer.device)
+    # rollouts from vLLM: corrected by truncated importance sampling against the trainer's old ones
+    tis_cap = cfg.algorithm.tis_cap if cfg.engine.kind == "vllm" else None
+    if tis_cap is not None and not comparable:
+        raise RuntimeError("truncated importance sampling needs the rollout's log-probabilities under the sampling temperature")
     with phase("update", metrics):
         trainer.policy.train()
         # the hf engine's log-probabilities are the old ones: their gap to the trainer's forward
         # (batch shapes, dtype) is measured in the update's first mini-batch
         hf_mismatch = cfg.engine.kind == "hf" and comparable
         metrics.update(
-            update(trainer.policy, trainer.optimizer, trainer.plan, batch, advantages, old, ref, cfg, trainer.device, hf_mismatch)
+            update(trainer.policy, trainer.optimizer, trainer.plan, batch, advantages, old, ref, cfg, trainer.device, hf_mismatch, tis_cap)
         )
     if cfg.engine.kind == "vllm":
         with phase("sync", metrics):

@@ -1,5 +1,5 @@
 """GRPO's pure functions on hand-computed values: advantages, the dual-clip loss, the exact token
-mean over micro-batches, KL estimators, entropy, the rollout/trainer mismatch."""
+mean over micro-batches, KL estimators, entropy, the rollout/trainer mismatch and its truncated importance sampling."""
 
 from __future__ import annotations
 
@@ -8,7 +8,15 @@ import math
 import pytest
 import torch
 
-from rl.algorithm import entropy_from_logprobs, grpo_advantages, kl_estimate, logprob_mismatch, masked_mean, policy_loss
+from rl.algorithm import (
+    entropy_from_logprobs,
+    grpo_advantages,
+    kl_estimate,
+    logprob_mismatch,
+    masked_mean,
+    policy_loss,
+    truncated_importance_weights,
+)
 
 
 def test_grpo_advantages_by_hand():
@@ -88,3 +96,27 @@ def test_entropy_and_mismatch():
     m = logprob_mismatch(a, b, mask)
     assert m["mean_abs"] == pytest.approx(0.25) and m["max_abs"] == pytest.approx(0.5)
     assert logprob_mismatch(a, a, mask) == {"mean_abs": 0.0, "max_abs": 0.0, "k3": 0.0}
+
+
+def test_truncated_importance_sampling_on_a_mismatched_rollout_by_hand():
+    """A rollout engine that put probability 0.1, 0.5, 0.9 and 0.8 on four sampled tokens the
+    trainer (same weights) gives 0.4, 0.5, 0.3 and 0.8: weights min(p_trainer / p_rollout, 2) =
+    2 (4, truncated), 1, 1/3, 1; the new policy moved each token's probability by the ratio r."""
+    rollout = torch.log(torch.tensor([[0.1, 0.5, 0.9, 0.8]]))
+    old = torch.log(torch.tensor([[0.4, 0.5, 0.3, 0.8]]))
+    r = torch.tensor([[1.1, 1.5, 0.7, 1.0]])
+    new = (old + torch.log(r)).requires_grad_()
+    advantages = torch.tensor([[1.0, 1.0, -1.0, 2.0]])
+    mask = torch.tensor([[1.0, 1.0, 1.0, 0.0]])  # the last token is a tool's: not counted
+    weights = truncated_importance_weights(old, rollout, cap=2.0)
+    assert weights.tolist()[0] == pytest.approx([2.0, 1.0, 1 / 3, 1.0], rel=1e-6)
+    terms = policy_loss(new, old, advantages, mask, tokens=3, rollout_weights=weights)
+    # per token: -1.1 (unclipped), -1.2 (clipped at 1 + 0.2), 0.8 (A < 0, clipped at 1 - 0.2)
+    assert terms.loss.item() == pytest.approx((2.0 * -1.1 + 1.0 * -1.2 + (1 / 3) * 0.8) / 3, rel=1e-6)
+    terms.loss.backward()
+    # d/dlogp of -w A r is -w A r where unclipped; clipped tokens pass no gradient
+    assert new.grad.tolist()[0] == pytest.approx([2.0 * -1.1 / 3, 0.0, 0.0, 0.0], abs=1e-6)
+    assert not weights.requires_grad
+    # without the weights the first token counts once, as an on-policy rollout would
+    plain = policy_loss(new.detach(), old, advantages, mask, tokens=3)
+    assert plain.loss.item() == pytest.approx((-1.1 - 1.2 + 0.8) / 3, rel=1e-6)
