@@ -1,0 +1,70 @@
+"""What the rollout benchmarks share: the toy world, an SFT'd toy policy, and the real tools (the
+Python sandbox and a retriever service on 127.0.0.1 over the toy corpus).
+
+Not a benchmark itself: ``bench_rollout.py`` and ``bench_tree_rollout.py`` import it.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import os
+import subprocess
+import sys
+import time
+from collections.abc import Iterator
+from pathlib import Path
+
+import httpx
+
+ROOT = Path(__file__).resolve().parents[1]
+
+
+def _run(*command: str) -> None:
+    subprocess.run(command, check=True, cwd=ROOT, stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL)
+
+
+def toy_policy(work: Path, toy: str | None, model: str | None) -> tuple[Path, str]:
+    """The toy world and an SFT'd policy: the ones given, else built here (minutes)."""
+    os.environ.update(HF_HUB_OFFLINE="1", TOKENIZERS_PARALLELISM="false")
+    toy_dir = Path(toy) if toy else work / "toy"
+    if not toy:
+        _run(sys.executable, "-m", "etagent.cli", "toy", "build", "--out", str(toy_dir))
+    if model is None:
+        _run(
+            sys.executable,
+            "-m",
+            "sft.run",
+            f"model={toy_dir / 'model'}",
+            f"data.path={toy_dir / 'sft.jsonl'}",
+            f"out_dir={work / 'sft'}",
+            "train.progress_bar=false",
+        )
+        model = str(work / "sft" / "model")
+    return toy_dir, model
+
+
+@contextlib.contextmanager
+def toy_tools(work: Path, toy: Path) -> Iterator:
+    """The tiny tools config, its search pointed at a retriever service over the toy corpus that
+    runs for the duration."""
+    from etagent.config import load_config
+
+    _run(sys.executable, "-m", "retriever.build", f"corpus={toy / 'corpus.jsonl'}", f"index_dir={work / 'index'}")
+    port = 18500 + os.getpid() % 1000
+    server = subprocess.Popen(
+        [sys.executable, "-m", "retriever.server", f"index_dir={work / 'index'}", f"serve.port={port}"],
+        cwd=ROOT,
+        stdout=subprocess.DEVNULL,
+        stderr=subprocess.DEVNULL,
+    )
+    try:
+        for _ in range(240):
+            try:
+                if httpx.get(f"http://127.0.0.1:{port}/health", timeout=1).status_code == 200:
+                    break
+            except httpx.HTTPError:
+                time.sleep(0.5)
+        yield load_config("tools", "tiny", [f"tools.search.local.url=http://127.0.0.1:{port}"]).tools
+    finally:
+        server.terminate()
+        server.wait()
