@@ -8,8 +8,10 @@ re-tokenized, so what SFT and RL train on is exactly what was generated and scor
 
 :class:`AgentLoop` runs every trajectory on its own (:meth:`AgentLoop.run_one`), so none waits
 for another one's long segment or slow tool call; the engine batches whatever segments are
-pending at the time (the hf engine batches continuously). One step of a trajectory
-(:meth:`AgentLoop.advance`):
+pending at the time (the hf engine batches continuously). With ``lockstep`` it runs rounds
+instead (:meth:`AgentLoop.step`: a segment of every unfinished trajectory in one engine call,
+then all of their tool calls), which, with an engine that decodes each call by itself, gives the
+same tokens every run. One step of a trajectory (:meth:`AgentLoop.advance`):
 
 1. a tool call left at the end of a prefix (a prefix whose last step is a call) runs first;
 2. the engine generates the next segment, stopping at ``</python>``, ``</search>``,
@@ -24,11 +26,11 @@ pending at the time (the hf engine batches continuously). One step of a trajecto
 
 Each segment is sampled with a seed derived from the trajectory's seed, id and segment number, so
 a trajectory does not depend on what else runs beside it or on the order in which tool calls
-finish (up to the rounding of the logits, which batch shapes can move); RL gives each step's
+finish, up to the rounding of the logits, which batch shapes move at about 1e-6 (exactly, in
+lockstep with an engine that decodes each call by itself); RL gives each step's
 trajectories their own seed (:meth:`AgentLoop.new`), so an epoch does not replay the last one's
 draws. :meth:`AgentLoop.request`, :meth:`AgentLoop.take_segment` and :meth:`AgentLoop.run_calls`
-are the pieces of a step, for callers that schedule trajectories themselves (ARPO's tree, a
-benchmark of lockstep rounds).
+are the pieces of a step.
 
 Finish reasons: ``answer`` (``</answer>`` generated), ``eos`` (EOS before an answer), ``length``
 (the response budget or the context is spent), ``fake_result`` (the policy wrote ``<result>``
@@ -105,6 +107,10 @@ class AgentConfig:
     entropy_window: int = 20
     # Base seed of every segment's sampling (None: unseeded).
     seed: int | None = None
+    # Rounds (one engine call for a segment of every unfinished trajectory, then their tool calls)
+    # instead of every trajectory on its own: reproducible with an engine that decodes each call
+    # by itself (the hf engine's continuous_batching off).
+    lockstep: bool = False
 
     def budgets(self) -> Budgets:
         return Budgets(self.max_python_calls, self.max_search_calls, self.max_tool_calls, self.max_response_tokens)
@@ -132,6 +138,10 @@ def check_agent_settings(cfg, prefix: str = "agent") -> None:
     require_number(root, f"{prefix}.top_p", above=0, maximum=1)
     require_number(root, f"{prefix}.min_p", 0, 1)
     require_number(root, f"{prefix}.repetition_penalty", above=0)
+    if not isinstance(cfg.lockstep, bool):
+        from etagent.errors import SettingError
+
+        raise SettingError(f"{prefix}.lockstep", f"must be true or false, got {cfg.lockstep!r}")
     if cfg.timeout_s is not None:
         require_number(root, f"{prefix}.timeout_s", above=0)
 
@@ -351,9 +361,32 @@ class AgentLoop:
     # -- running ----------------------------------------------------------------------------
 
     async def run(self, states: list[TrajectoryState]) -> list[TrajectoryState]:
-        """Run every trajectory to its end, each on its own (:meth:`run_one`)."""
-        await asyncio.gather(*(self.run_one(s) for s in states))
+        """Run every trajectory to its end: each on its own (:meth:`run_one`), or with
+        ``lockstep`` in rounds (:meth:`step`)."""
+        if self.config.lockstep:
+            while any(not s.done for s in states):
+                await self.step(states)
+        else:
+            await asyncio.gather(*(self.run_one(s) for s in states))
         return states
+
+    async def step(self, states: list[TrajectoryState]) -> None:
+        """One round over the unfinished trajectories: the calls left at the end of prefixes, then
+        one engine call for a segment of each, then all of their tool calls."""
+        trailing: list[tuple[TrajectoryState, protocol.ToolCall]] = []
+        for s in states:
+            if not s.done and s.trailing_call is not None:
+                self._call_or_refuse(s, s.trailing_call, trailing)
+                s.trailing_call = None
+        await self.run_calls(trailing)
+        active = [s for s in states if self.ready(s)]
+        if not active:
+            return
+        results = await self.engine.agenerate([self.request(s) for s in active])
+        pending: list[tuple[TrajectoryState, protocol.ToolCall]] = []
+        for s, [sample] in zip(active, results):
+            self.take_segment(s, sample, pending)
+        await self.run_calls(pending)
 
     async def run_one(self, state: TrajectoryState) -> TrajectoryState:
         """Advance one trajectory segment after segment until it finishes, never waiting for

@@ -7,8 +7,9 @@ run resumes where it stopped and never duplicates a question.
 
 With ``ray.workers: 0`` everything runs here: each trajectory advances on its own, at most
 ``batch_questions`` x n are unfinished at a time (a new question starts as soon as n have
-finished), and each question is written as soon as it and those before it are done (the file's order is the
-questions' order). With ``ray.workers > 0`` the questions are split into batches of
+finished), and each question is written as soon as it and those before it are done (the file's
+order is the questions' order); with ``agent.lockstep``, ``batch_questions`` questions at a time
+in rounds. With ``ray.workers > 0`` the questions are split into batches of
 ``batch_questions`` and fanned out to a pool of Ray actors, each holding its own engine (one per
 GPU with ``ray.num_gpus_per_worker: 1``) and tools; the driver writes the results as they come
 back.
@@ -67,8 +68,16 @@ class Sampler:
         are done. Each trajectory runs on its own (:meth:`AgentLoop.run_one`), and at most
         ``window`` x n of them are unfinished at any time: the next question starts as soon as n
         trajectories have finished, whichever questions they belong to, so the engine never waits
-        for the slowest trajectory of a batch."""
+        for the slowest trajectory of a batch. With the agent's ``lockstep``, ``window`` questions
+        at a time, in rounds."""
         if not questions:
+            return
+        if self.loop.config.lockstep:  # rounds over a batch of questions at a time
+            for start in range(0, len(questions), window):
+                batch = questions[start : start + window]
+                states = [self.loop.new(q, f"{q.id}/{k}", stage=self.stage) for q in batch for k in range(self.n)]
+                asyncio.run(self.loop.run(states))
+                yield from (self._group(q, states[i * self.n : (i + 1) * self.n]) for i, q in enumerate(batch))
             return
         with asyncio.Runner() as runner:
             futures = [runner.get_loop().create_future() for _ in questions]

@@ -239,7 +239,15 @@ class TreeRollout:
         trees = [_Tree(self, loop, p, step, seed, n_roots) for p, n_roots in zip(prompts, roots)]
 
         async def grow_all() -> None:
-            await asyncio.gather(*(tree.grow() for tree in trees))
+            if not loop.config.lockstep:
+                await asyncio.gather(*(tree.grow() for tree in trees))
+                return
+            while any(tree.growing for tree in trees):  # rounds over every prompt's paths at once
+                stepped = [tree.start_round() for tree in trees]
+                await loop.step([t for tree in trees if tree.growing for t in tree.group if not t.done])
+                for tree, before in zip(trees, stepped):
+                    if before is not None:
+                        tree.end_round(before)
 
         asyncio.run(grow_all())
         groups = [tree.group for tree in trees]
@@ -268,7 +276,7 @@ class _Tree:
         self.group: list[TrajectoryState] = []
         for _ in range(roots):
             self.group.append(self.fresh())
-        self.branches = self.fill_ins = self.rounds = 0
+        self.branches = self.fill_ins = self.rounds = self.consecutive = 0
         self.decisions: list[tuple[int, int, float]] = []  # (round, branched, dH)
 
     def fresh(self) -> TrajectoryState:
@@ -277,36 +285,50 @@ class _Tree:
             p.question, f"step{self.step}/{p.index}/{len(self.group)}", seed=self.seed + self.step, stage="rl", round=self.step
         )
 
+    @property
+    def growing(self) -> bool:
+        return any(not t.done for t in self.group)
+
     async def grow(self) -> None:
+        """Round after round of this prompt's own paths, until all have ended."""
+        while self.growing:
+            stepped = self.start_round()
+            await asyncio.gather(*(self.loop.advance(t) for t in self.group if not t.done))
+            self.end_round(stepped)
+
+    def start_round(self) -> dict[int, int] | None:
+        """The unfinished paths' segment counts before a round (None: nothing left to grow)."""
+        if not self.growing:
+            return None
+        self.rounds += 1
+        return {id(t): t.segments for t in self.group if not t.done}
+
+    def end_round(self, stepped: dict[int, int]) -> None:
+        """The branch decisions after a round (in creation order, with this prompt's draws), then
+        the fill-ins of a prompt whose paths have all ended."""
         s, group = self.rollout.s, self.group
-        consecutive = 0
-        while any(not t.done for t in group):
-            self.rounds += 1
-            active = [t for t in group if not t.done]
-            stepped = {id(t): t.segments for t in active}  # segments before this round
-            await asyncio.gather(*(self.loop.advance(t) for t in active))
-            gained = 0
-            for source, at_segment, delta_h in self.rollout._candidates(self.loop, group, stepped):
-                for _ in range(s.beam_size - 1):
-                    if len(group) >= s.n:
-                        break
-                    u = self.rng.random()
-                    if s.branch_penalty:
-                        branched = aepo_branches(u, s.branch_probability, s.entropy_weight, delta_h, consecutive)
-                    else:
-                        branched = u < arpo_branch_probability(s.branch_probability, s.entropy_weight, delta_h)
-                    self.decisions.append((self.rounds, int(branched), delta_h))
-                    if branched:
-                        group.append(source.fork(f"step{self.step}/{self.prompt.index}/{len(group)}", at_segment=at_segment))
-                        self.branches += 1
-                        gained += 1
-            if all(t.done for t in group) and len(group) < s.n:
-                while len(group) < s.n:
-                    group.append(self.fresh())
-                    self.fill_ins += 1
+        gained = 0
+        for source, at_segment, delta_h in self.rollout._candidates(self.loop, group, stepped):
+            for _ in range(s.beam_size - 1):
+                if len(group) >= s.n:
+                    break
+                u = self.rng.random()
+                if s.branch_penalty:
+                    branched = aepo_branches(u, s.branch_probability, s.entropy_weight, delta_h, self.consecutive)
+                else:
+                    branched = u < arpo_branch_probability(s.branch_probability, s.entropy_weight, delta_h)
+                self.decisions.append((self.rounds, int(branched), delta_h))
+                if branched:
+                    group.append(source.fork(f"step{self.step}/{self.prompt.index}/{len(group)}", at_segment=at_segment))
+                    self.branches += 1
                     gained += 1
-            # AEPO's counter moves only in rounds that added trajectories
-            consecutive = consecutive + 1 if gained else 0
+        if all(t.done for t in group) and len(group) < s.n:
+            while len(group) < s.n:
+                group.append(self.fresh())
+                self.fill_ins += 1
+                gained += 1
+        # AEPO's counter moves only in rounds that added trajectories
+        self.consecutive = self.consecutive + 1 if gained else 0
 
 
 def rollout_metrics(parts: list[dict[str, float]]) -> dict[str, float]:

@@ -273,7 +273,9 @@ def build_rollout_engine(cfg: DictConfig, policy: Policy, tokenizer):
     from etagent.llm.hf import HFEngine
 
     if cfg.engine.kind == "hf":
-        return HFEngine.from_model(policy.lm, tokenizer, max_batch_size=cfg.engine.max_batch_size)
+        return HFEngine.from_model(
+            policy.lm, tokenizer, max_batch_size=cfg.engine.max_batch_size, continuous_batching=cfg.engine.continuous_batching
+        )
     return make_engine(OmegaConf.merge(cfg.engine, {"model": str(cfg.model), "vllm": {"colocated": True}}))
 
 

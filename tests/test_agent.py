@@ -6,6 +6,7 @@ what they should, and a run is the same whatever the batch size or tool-completi
 from __future__ import annotations
 
 import asyncio
+import dataclasses
 import random
 import time
 
@@ -146,11 +147,14 @@ def snapshot(loop, states):
     ]
 
 
-def test_same_trajectories_whatever_batch_size_and_tool_order(tokenizer):
+def test_same_trajectories_whatever_batch_size_tool_order_and_schedule(tokenizer):
+    """Per trajectory or in lockstep rounds, however many run together and in whatever order
+    their tool calls finish, the trajectories are the same."""
     names = list(SCRIPTS)
     reference = None
-    for batch_size, seed in ((len(names), 0), (1, 1), (3, 2), (len(names), 3)):
-        loop, _, states = run_loop(tokenizer, names, batch_size, seed)
+    for batch_size, seed, lockstep in ((len(names), 0, False), (1, 1, False), (3, 2, True), (len(names), 3, True)):
+        config = dataclasses.replace(SCRIPT_CONFIG, lockstep=lockstep)
+        loop, _, states = run_loop(tokenizer, names, batch_size, seed, config)
         shot = snapshot(loop, states)
         reference = reference or shot
         assert shot == reference

@@ -367,3 +367,21 @@ def test_a_request_that_continues_a_stopped_one_prefills_only_what_is_new(hf):
     # another session does not see it
     hf.generate([GenerationRequest(tuple(p + stopped.token_ids + result), max_new_tokens=2, session="other")])
     assert hf.counts["reused_tokens"] == before.get("reused_tokens", 0) + len(p) + len(stopped.token_ids) - 1
+
+
+def test_without_continuous_batching_each_call_is_decoded_by_itself(toy):
+    """continuous_batching off: concurrent calls never share a batch (the next one's rows wait
+    until the last one's are done) and nothing is kept between calls, so a row's numbers depend
+    on its own call only."""
+    engine = HFEngine(str(toy / "model"), max_batch_size=8, continuous_batching=False)
+    ps = prompts(engine)
+    calls = [[GenerationRequest(tuple(p), n=2, max_new_tokens=10 + 4 * k, seed=k, stop=("e",), session="s")] for k, p in enumerate(ps)]
+    alone = [engine.generate(c) for c in calls]
+
+    async def together():
+        return await asyncio.gather(*(engine.agenerate(c) for c in calls))
+
+    mixed = asyncio.run(together())
+    assert engine.counts["joined_running"] == 0 and engine.counts["reused_tokens"] == 0
+    assert [[s.token_ids for s in r[0]] for r in alone] == [[s.token_ids for s in r[0]] for r in mixed]
+    assert all(a.logprobs == b.logprobs for r, q in zip(alone, mixed) for a, b in zip(r[0], q[0]))

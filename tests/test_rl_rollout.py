@@ -348,3 +348,17 @@ def test_tree_settings_refuse_bad_numbers():
         TreeSettings(n=4, initial_rollouts=2, entropy="mean")
     with pytest.raises(ValueError, match="beam_size"):
         TreeSettings(n=4, initial_rollouts=2, beam_size=0)
+
+
+def test_the_tree_is_the_same_per_prompt_or_in_lockstep_rounds(tokenizer):
+    """Each prompt's tree grows in its own rounds with its own draws: run concurrently per prompt
+    or in rounds over every prompt at once, the groups are the same, path for path."""
+    calls = {"three": 3, "direct": 0, "two": 2, "one": 1}
+    engine, loop, prompts = setup(tokenizer, calls)
+    engine.entropy = lambda question, k: 0.3 * k + 0.1 * len(question)
+    alone = tree(n=8, roots=2, p=0.5).generate(loop, prompts, step=3, seed=1)
+    loop.config = replace(loop.config, lockstep=True)
+    rounds = tree(n=8, roots=2, p=0.5).generate(loop, prompts, step=3, seed=1)
+    shape = lambda out: [[(t.id, t.response_ids, t.provenance.parent) for t in g] for g in out.groups]  # noqa: E731
+    assert shape(alone) == shape(rounds)
+    assert alone.counts == rounds.counts

@@ -205,6 +205,10 @@ def check_engine_settings(cfg, prefix: str = "engine") -> None:
     kind = require_choice(root, f"{prefix}.kind", ("hf", "vllm", "openai"))
     require_model(root, f"{prefix}.model")
     require_int(root, f"{prefix}.max_batch_size")
+    if not isinstance(cfg.continuous_batching, bool):
+        from etagent.errors import SettingError
+
+        raise SettingError(f"{prefix}.continuous_batching", f"must be true or false, got {cfg.continuous_batching!r}")
     if kind == "vllm":
         require_int(root, f"{prefix}.vllm.max_model_len")
         require_number(root, f"{prefix}.vllm.gpu_memory_utilization", above=0, maximum=1)
@@ -224,7 +228,9 @@ def make_engine(cfg):
     if cfg.kind == "hf":
         from etagent.llm.hf import HFEngine
 
-        return HFEngine(cfg.model, device=cfg.device, dtype=cfg.dtype, max_batch_size=cfg.max_batch_size)
+        return HFEngine(
+            cfg.model, device=cfg.device, dtype=cfg.dtype, max_batch_size=cfg.max_batch_size, continuous_batching=cfg.continuous_batching
+        )
     if cfg.kind == "vllm":
         from etagent.llm.vllm_engine import VLLMEngine
 

@@ -190,7 +190,14 @@ class _Row:
 
 class HFEngine:
     def __init__(
-        self, model_path: str, *, device: str = "cpu", dtype: str = "float32", max_batch_size: int = 32, prefix_caching: bool = True
+        self,
+        model_path: str,
+        *,
+        device: str = "cpu",
+        dtype: str = "float32",
+        max_batch_size: int = 32,
+        continuous_batching: bool = True,
+        prefix_caching: bool = True,
     ):
         from transformers import AutoModelForCausalLM, AutoTokenizer
 
@@ -202,20 +209,25 @@ class HFEngine:
         folder = str(Path(model_path).parent) if gguf else model_path
         tokenizer = AutoTokenizer.from_pretrained(folder, **gguf)
         model = AutoModelForCausalLM.from_pretrained(folder, dtype=getattr(torch, dtype), **gguf).to(device).eval()
-        self._attach(model, tokenizer, max_batch_size, owns_model=True, name=model_path, prefix_caching=prefix_caching)
+        self._attach(model, tokenizer, max_batch_size, model_path, True, continuous_batching, prefix_caching)
 
     @classmethod
-    def from_model(cls, model, tokenizer, *, max_batch_size: int = 32, prefix_caching: bool = True) -> HFEngine:
+    def from_model(
+        cls, model, tokenizer, *, max_batch_size: int = 32, continuous_batching: bool = True, prefix_caching: bool = True
+    ) -> HFEngine:
         """An engine that samples from ``model`` itself (the trainer's module, no copy): weight
         updates are then the trainer's own optimizer steps, and sleep/wake_up leave it alone."""
         engine = cls.__new__(cls)
-        engine._attach(model, tokenizer, max_batch_size, owns_model=False, name=type(model).__name__, prefix_caching=prefix_caching)
+        engine._attach(model, tokenizer, max_batch_size, type(model).__name__, False, continuous_batching, prefix_caching)
         return engine
 
-    def _attach(self, model, tokenizer, max_batch_size: int, *, owns_model: bool, name: str, prefix_caching: bool) -> None:
+    def _attach(
+        self, model, tokenizer, max_batch_size: int, name: str, owns_model: bool, continuous_batching: bool, prefix_caching: bool
+    ) -> None:
         self.model, self.tokenizer, self.name = model, tokenizer, name
         self.owns_model = owns_model
         self.max_batch_size = max_batch_size
+        self.continuous_batching = continuous_batching
         eos = model.generation_config.eos_token_id if model.generation_config is not None else None
         eos = eos if isinstance(eos, list) else [eos]
         self.eos_ids = {i for i in eos + [tokenizer.eos_token_id] if i is not None}
@@ -229,8 +241,10 @@ class HFEngine:
         self._lock = threading.Lock()
         self._worker: threading.Thread | None = None
         # keys and values of rows that stopped, for the requests that continue them: at most what
-        # a full batch at full context holds (none with prefix_caching off)
-        self._prefixes = _PrefixStore(max_batch_size * self.max_model_len if prefix_caching else 0)
+        # a full batch at full context holds. None without continuous batching: a row's numbers
+        # would then depend on which earlier call left a prefix behind, and so on timing
+        kept = max_batch_size * self.max_model_len if prefix_caching and continuous_batching else 0
+        self._prefixes = _PrefixStore(kept)
         # what decoding cost so far: prompt tokens prefilled and those taken from stored prefixes,
         # decoding steps, and rows that joined a batch already running (benchmarks and tests read it)
         self.counts: Counter[str] = Counter()
@@ -337,7 +351,9 @@ class HFEngine:
         submitted join the running batch (up to ``max_batch_size``; their prompts are prefilled
         together, then their keys and values are left-padded into the batch's cache) and rows that
         finished leave it, so a request never waits for another one's longest row. The thread
-        ends when nothing is running or submitted.
+        ends when nothing is running or submitted. With ``continuous_batching`` off, the rows of
+        one generate call are decoded together and the next call's rows wait until they are done,
+        so that a row's numbers depend on its own call only (reproducible whatever the timing).
 
         A prefill costs about a decoding step whatever its size, so rows do not join one by one:
         they join when nothing runs, when a quarter of the batch can join at once, or when the
@@ -361,9 +377,13 @@ class HFEngine:
                             return
                     continue
                 room = self.max_batch_size - (len(running.rows) if running is not None else 0)
+                ready = len(waiting)
+                if not self.continuous_batching:  # only the rows of the call being decoded
+                    current = running.rows[0].submission if running is not None else waiting[0].submission
+                    ready = next((i for i, row in enumerate(waiting) if row.submission is not current), len(waiting))
                 joining = []
-                if running is None or min(len(waiting), room) >= max(1, self.max_batch_size // 4) or waited >= _PATIENCE:
-                    joining = [waiting.popleft() for _ in range(min(room, len(waiting)))]
+                if running is None or min(ready, room) >= max(1, self.max_batch_size // 4) or (ready and waited >= _PATIENCE):
+                    joining = [waiting.popleft() for _ in range(min(room, ready))]
                 waited = waited + 1 if waiting and not joining else 0
                 try:
                     if joining:
