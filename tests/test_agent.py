@@ -439,3 +439,38 @@ def test_a_tool_that_hangs_past_its_timeout_ends_only_its_own_trajectory(tokeniz
     assert hung.finish_reason == "timeout" and 0.5 <= finished[hung.id] - start < 2.0
     [call] = hung.tool_calls
     assert not call.ok and call.failure == "timeout" and "did not answer within 0.5 seconds" in call.output
+
+
+def test_streamed_sampling_keeps_its_window_and_writes_in_question_order(tokenizer):
+    """The sampling stages' stream: at most window x n trajectories unfinished at a time, a new
+    question started as soon as n have finished, and the groups handed over in question order
+    whatever order they finish in (tool latencies are random); the same groups as lockstep
+    rounds over batches of the same size."""
+    from etagent.sampling import Sampler
+
+    names = ["q-python", "q-search", "q-none", "q-budget", "q-eos", "q-fake", "q-long", "q-search"]
+    questions = [question(name).model_copy(update={"id": f"{name}#{i}"}) for i, name in enumerate(names)]
+    runs = {}
+    for lockstep in (False, True):
+        engine = ScriptedEngine(tokenizer, SCRIPTS)
+        executor = ToolExecutor([FakeSearch(random.Random(4)), FakePython(random.Random(5))])
+        sampler = Sampler(engine, executor, dataclasses.replace(SCRIPT_CONFIG, lockstep=lockstep), n=2, stage="test")
+        active, most = 0, 0
+        run_one = sampler.loop.run_one
+
+        async def counting(state, run_one=run_one):
+            nonlocal active, most
+            active += 1
+            most = max(most, active)
+            try:
+                return await run_one(state)
+            finally:
+                active -= 1
+
+        sampler.loop.run_one = counting
+        runs[lockstep] = list(sampler.stream(questions, window=3))
+        if not lockstep:
+            assert most == 6  # 3 questions x 2 trajectories in flight, never more
+    streamed, rounds = runs[False], runs[True]
+    assert [g.id for g in streamed] == [q.id for q in questions] == [g.id for g in rounds]
+    assert [[t.response_ids for t in g.trajectories] for g in streamed] == [[t.response_ids for t in g.trajectories] for g in rounds]
