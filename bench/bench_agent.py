@@ -23,15 +23,11 @@ import argparse
 import asyncio
 import dataclasses
 import os
-import subprocess
-import sys
 import tempfile
 import time
 from pathlib import Path
 
-import httpx
-
-ROOT = Path(__file__).resolve().parents[1]
+from toy_setup import toy_policy, toy_tools
 
 
 class CountingEngine:
@@ -77,47 +73,16 @@ def main() -> None:
     parser.add_argument("--questions", type=int, default=40)
     parser.add_argument("--n", type=int, default=2)
     args = parser.parse_args()
-    os.environ.update(HF_HUB_OFFLINE="1", VLLM_ENABLE_V1_MULTIPROCESSING="0", TOKENIZERS_PARALLELISM="false")
+    os.environ.update(VLLM_ENABLE_V1_MULTIPROCESSING="0")
     work = Path(tempfile.mkdtemp(prefix="etagent-bench-agent-"))
-    toy = Path(args.toy) if args.toy else work / "toy"
-    run = lambda *command: subprocess.run(command, check=True, cwd=ROOT, stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL)  # noqa: E731
-    if not args.toy:
-        run(sys.executable, "-m", "etagent.cli", "toy", "build", "--out", str(toy))
-    model = args.model
-    if model is None:
-        run(
-            sys.executable,
-            "-m",
-            "sft.run",
-            f"model={toy / 'model'}",
-            f"data.path={toy / 'sft.jsonl'}",
-            f"out_dir={work / 'sft'}",
-            "train.progress_bar=false",
-        )
-        model = str(work / "sft" / "model")
-    run(sys.executable, "-m", "retriever.build", f"corpus={toy / 'corpus.jsonl'}", f"index_dir={work / 'index'}")
-    port = 18500 + os.getpid() % 1000
-    server = subprocess.Popen(
-        [sys.executable, "-m", "retriever.server", f"index_dir={work / 'index'}", f"serve.port={port}"],
-        cwd=ROOT,
-        stdout=subprocess.DEVNULL,
-        stderr=subprocess.DEVNULL,
-    )
-    try:
-        for _ in range(240):
-            try:
-                if httpx.get(f"http://127.0.0.1:{port}/health", timeout=1).status_code == 200:
-                    break
-            except httpx.HTTPError:
-                time.sleep(0.5)
-        from etagent.config import load_config
+    toy, model = toy_policy(work, args.toy, args.model)
+    with toy_tools(work, toy) as tools:
         from etagent.llm.hf import HFEngine
         from etagent.llm.vllm_engine import VLLMEngine
         from etagent.records import read_questions
         from etagent.tools.executor import build_executor
 
         questions = read_questions(toy / "questions" / "test.jsonl")[: args.questions]
-        tools = load_config("tools", "tiny", [f"tools.search.local.url=http://127.0.0.1:{port}"]).tools
         rows = []
         with build_executor(tools) as executor:
             engines = {
@@ -131,8 +96,6 @@ def main() -> None:
                 reference = replay_without_stops(engine, counting.requests)
                 rows.append((name, len(states), seconds, counting.generated, kept, reference))
                 del engine
-    finally:
-        server.terminate()
     print(f"{os.cpu_count()} CPUs; tiny SFT'd toy policy; {args.questions} held-out questions x {args.n}; max 512 tokens per call")
     print(
         f"{'engine':<6} {'trajectories/s':>15} {'generated':>10} {'kept':>8} {'generated/kept':>15} {'no-stop design generated/kept':>31}"

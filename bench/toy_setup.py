@@ -1,7 +1,7 @@
 """What the rollout benchmarks share: the toy world, an SFT'd toy policy, and the real tools (the
 Python sandbox and a retriever service on 127.0.0.1 over the toy corpus).
 
-Not a benchmark itself: ``bench_rollout.py`` and ``bench_tree_rollout.py`` import it.
+Not a benchmark itself: ``bench_agent.py``, ``bench_rollout.py`` and ``bench_tree_rollout.py`` import it.
 """
 
 from __future__ import annotations
