@@ -8,7 +8,7 @@ through the same engine interface and decoded. The reflector is the policy's own
 paper's "self" reflection), so it costs no second copy of the model.
 
 The questions of a run are evolved concurrently; an in-process engine is not safe to call from
-several threads at once, so :class:`SharedBatches` queues the requests of every coroutine and
+several threads at once, so :class:`etagent.llm.SharedBatches` queues the requests of every coroutine and
 sends them to the engine as one batch at a time (the requests that arrive while a batch runs make
 the next one). A pool of servers needs none of this: its requests go out concurrently.
 
@@ -18,12 +18,11 @@ What this module does not do: decide what to ask (``flywheel.evolve``) or parse 
 
 from __future__ import annotations
 
-import asyncio
 import hashlib
 
 from omegaconf import DictConfig
 
-from etagent.llm import GenerationRequest, make_engine
+from etagent.llm import GenerationRequest, SharedBatches, make_engine
 from etagent.net import ExternalCallError
 
 
@@ -31,41 +30,6 @@ def derived_seed(*parts) -> int:
     """A 63-bit seed from any parts (run seed, question id, operation, round)."""
     digest = hashlib.sha256("/".join(map(str, parts)).encode()).digest()
     return int.from_bytes(digest[:8], "big") >> 1
-
-
-class SharedBatches:
-    """An in-process engine shared by concurrent coroutines: one batch in the engine at a time."""
-
-    def __init__(self, engine):
-        self.engine = engine
-        self.tokenizer, self.max_model_len = engine.tokenizer, engine.max_model_len
-        self._queue: list[tuple[list[GenerationRequest], asyncio.Future]] = []
-        self._worker: asyncio.Task | None = None
-
-    async def agenerate(self, requests: list[GenerationRequest]):
-        future = asyncio.get_running_loop().create_future()
-        self._queue.append((list(requests), future))
-        if self._worker is None or self._worker.done():
-            self._worker = asyncio.create_task(self._drain())
-        return await future
-
-    async def _drain(self) -> None:
-        while self._queue:
-            await asyncio.sleep(0)  # let the coroutines woken in this tick queue their requests too
-            batch, self._queue = self._queue, []
-            flat = [r for requests, _ in batch for r in requests]
-            try:
-                results = await self.engine.agenerate(flat)
-            except Exception as error:  # noqa: BLE001 - handed to every waiting caller
-                for _, future in batch:
-                    if not future.done():
-                        future.set_exception(error)
-                continue
-            start = 0
-            for requests, future in batch:
-                if not future.done():  # a question that timed out no longer waits
-                    future.set_result(results[start : start + len(requests)])
-                start += len(requests)
 
 
 def build_engine(cfg: DictConfig):

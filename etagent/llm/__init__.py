@@ -25,11 +25,15 @@ there is nothing to free) and ``max_model_len`` (prompt plus response tokens).
 Log-probabilities are the model's raw log-softmax, before temperature, top-p or top-k (vLLM's
 default): the same numbers from every engine, and what the trainer recomputes.
 
+:class:`PendingCalls` gathers concurrent calls into one batch at a time (the vllm engine's own
+calls; :class:`SharedBatches` wraps an engine that concurrent coroutines share that way).
+
 Use :func:`make_engine` to build one from the ``engine`` config group.
 """
 
 from __future__ import annotations
 
+import asyncio
 import math
 from collections.abc import Iterable, Iterator, Mapping
 from dataclasses import dataclass, field
@@ -121,6 +125,57 @@ class WeightStream:
             del tensor  # not held while the producer gathers the next one
         if next(announced, None) is not None:
             raise ValueError("weight stream: ended before every announced tensor came")
+
+
+class PendingCalls:
+    """Concurrent calls of an async ``generate(requests)`` gathered into one call at a time: the
+    calls made while one runs go together in the next one (their requests concatenated, each
+    caller handed its own part back). For an engine that takes one batch at a time (vLLM's
+    offline engine, an engine shared by concurrent coroutines) and should still see them as one
+    batch."""
+
+    def __init__(self, generate):
+        self.generate = generate
+        self._queue: list[tuple[list[GenerationRequest], asyncio.Future]] = []
+        self._worker: asyncio.Task | None = None
+
+    async def __call__(self, requests: list[GenerationRequest]) -> list[list[Sample]]:
+        future = asyncio.get_running_loop().create_future()
+        self._queue.append((list(requests), future))
+        if self._worker is None or self._worker.done():
+            self._worker = asyncio.create_task(self._drain())
+        return await future
+
+    async def _drain(self) -> None:
+        while self._queue:
+            await asyncio.sleep(0)  # let the coroutines woken in this tick queue their requests too
+            batch, self._queue = self._queue, []
+            flat = [r for requests, _ in batch for r in requests]
+            try:
+                results = await self.generate(flat)
+            except Exception as error:  # noqa: BLE001 - handed to every waiting caller
+                for _, future in batch:
+                    if not future.done():
+                        future.set_exception(error)
+                continue
+            start = 0
+            for requests, future in batch:
+                if not future.done():  # a caller that timed out no longer waits
+                    future.set_result(results[start : start + len(requests)])
+                start += len(requests)
+
+
+class SharedBatches:
+    """An engine shared by concurrent coroutines that get one batch in it at a time
+    (:class:`PendingCalls` over its ``agenerate``)."""
+
+    def __init__(self, engine):
+        self.engine = engine
+        self.tokenizer, self.max_model_len = engine.tokenizer, engine.max_model_len
+        self._calls = PendingCalls(engine.agenerate)
+
+    async def agenerate(self, requests: list[GenerationRequest]) -> list[list[Sample]]:
+        return await self._calls(requests)
 
 
 class Engine(Protocol):

@@ -39,7 +39,7 @@ import os
 import threading
 from collections.abc import Mapping
 
-from etagent.llm import GenerationRequest, Sample, WeightStream, check_weights, sample_seed
+from etagent.llm import GenerationRequest, PendingCalls, Sample, WeightStream, check_weights, sample_seed
 
 
 def _import_vllm():
@@ -71,9 +71,8 @@ class VLLMEngine:
         self._expected: dict[str, tuple[int, ...]] | None = None
         self._tied: set[str] = set()  # tied aliases an update may leave out
         self._lock = threading.Lock()  # one generate at a time: the offline engine is not reentrant
-        # agenerate calls waiting for the next generate call, and the task that makes it
-        self._pending: list[tuple[list[GenerationRequest], asyncio.Future]] = []
-        self._drainer: asyncio.Task | None = None
+        # agenerate calls waiting for the next generate call, which runs in a worker thread
+        self._calls = PendingCalls(lambda requests: asyncio.to_thread(self.generate, requests))
 
     @classmethod
     def load(
@@ -127,33 +126,10 @@ class VLLMEngine:
     async def agenerate(self, requests: list[GenerationRequest]) -> list[list[Sample]]:
         """The requests' samples. Calls made while a generate call runs (the agent loop makes one
         per trajectory) wait for it to end and then go to vLLM together, in one call, so that it
-        batches them: dynamic batching over the offline engine. A request does not join a
-        generate call already running (vLLM's AsyncLLM would allow that; not used here)."""
-        loop = asyncio.get_running_loop()
-        future = loop.create_future()
-        self._pending.append((requests, future))
-        if self._drainer is None or self._drainer.done():
-            self._drainer = loop.create_task(self._drain())
-        return await future
-
-    async def _drain(self) -> None:
-        """Send what is pending to vLLM, one generate call at a time, until nothing is."""
-        await asyncio.sleep(0)  # the calls made in the same turn of the event loop go together
-        while self._pending:
-            batch, self._pending = self._pending, []
-            flat = [r for requests, _ in batch for r in requests]
-            try:
-                results = await asyncio.to_thread(self.generate, flat)
-            except Exception as error:
-                for _, future in batch:
-                    if not future.done():
-                        future.set_exception(error)
-                continue
-            k = 0
-            for requests, future in batch:
-                if not future.done():
-                    future.set_result(results[k : k + len(requests)])
-                k += len(requests)
+        batches them: dynamic batching over the offline engine (:class:`PendingCalls`). A request
+        does not join a generate call already running (vLLM's AsyncLLM would allow that; not used
+        here)."""
+        return await self._calls(requests)
 
     def generate(self, requests: list[GenerationRequest]) -> list[list[Sample]]:
         from vllm import SamplingParams
