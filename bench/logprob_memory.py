@@ -57,7 +57,8 @@ def measure(method: str, vocab: int, tokens: int, hidden: int, chunk: int) -> di
         with torch.no_grad():
             entropy = -(log_probs.exp() * log_probs).sum(-1)
     else:
-        logprobs, entropy = policy(ids, mask, positions, prompt, with_entropy=True)
+        scored = torch.arange(prompt - 1, prompt + tokens - 1)[None]  # the positions predicting the response
+        logprobs, entropy = policy(ids, mask, positions, scored, with_entropy=True)
     logprobs.sum().backward()
     peak = resource.getrusage(resource.RUSAGE_SELF).ru_maxrss * 1024 - before
     return {

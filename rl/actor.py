@@ -2,11 +2,16 @@
 vLLM, the KL reference's) and the PPO update over the batch plan's mini-batches.
 
 The loss is an exact token mean over each mini-batch across its micro-batches and ranks
-(rl/algorithm.py); micro-batches are cut by padded tokens (``train.micro_batch_tokens``). What
+(rl/algorithm.py), so how rows are grouped into forward passes changes no number beyond
+rounding; micro-batches are rows grouped longest first within ``train.micro_batch_tokens``
+computed positions, packed into one sequence without padding where the policy's attention is
+flash-attention, padded to their longest row otherwise (rl/batch.py). What
 this module does not do: generate, score, or decide the plan (rl/batch.py).
 """
 
 from __future__ import annotations
+
+import math
 
 import torch
 import torch.distributed as dist
@@ -18,12 +23,29 @@ from rl.distributed import max_all, sum_all
 from rl.policy import Policy
 
 
+class NonFiniteUpdate(RuntimeError):
+    """A mini-batch's gradient norm was not finite. Raised before its optimizer step, so the
+    policy's weights (and every checkpoint) are those of before the step; the message says which
+    of the loss's inputs were not finite where."""
+
+
+def non_finite(values: dict[str, torch.Tensor], mask: torch.Tensor) -> list[str]:
+    """Which of ``values`` (each (B, R)) hold non-finite numbers at the policy tokens (``mask``)."""
+    tokens = mask.bool()
+    found = []
+    for name, tensor in values.items():
+        bad = int((~torch.isfinite(tensor[tokens])).sum())
+        if bad:
+            found.append(f"{name}: {bad} of {int(tokens.sum())} policy tokens")
+    return found
+
+
 def response_logprobs(policy: Policy, batch: Batch, budget: int) -> torch.Tensor:
     """Every response token's log-probability under ``policy``, micro-batch by micro-batch (the
     caller gathers the policy: ranks may run different numbers of micro-batches)."""
     logprobs = torch.zeros_like(batch.rollout_logprobs)
-    for part in micro_batches(batch.tokens(), budget):
-        micro = batch.select(part)
+    for part in micro_batches(batch.tokens(), budget, policy.packs_sequences):
+        micro = batch.micro(part, policy.packs_sequences)
         lp, _ = token_logprobs(policy, micro)
         logprobs[part, : micro.response_width] = lp.float()
     return logprobs
@@ -79,18 +101,23 @@ def update(
         )
     row_tokens = batch.tokens()
     for number, mini in enumerate(minis):
+        problems: list[str] = []  # micro-batches whose loss was not finite, and which of its inputs
+        largest_gap = 0.0  # the largest |log-prob - old log-prob| at a policy token
         tokens = max(sum_all([float(batch.loss_mask[mini].sum())], device)[0], 1.0)
-        parts = [[mini[i] for i in part] for part in micro_batches([row_tokens[i] for i in mini], cfg.train.micro_batch_tokens)]
+        packed = policy.packs_sequences
+        parts = [[mini[i] for i in part] for part in micro_batches([row_tokens[i] for i in mini], cfg.train.micro_batch_tokens, packed)]
         n_parts = int(max_all([len(parts)], device)[0])
         for k in range(n_parts):
             rows, weight = (parts[k], 1.0) if k < len(parts) else (parts[0], 0.0)
-            micro = batch.select(rows)
+            micro = batch.micro(rows, packed)
             logprobs, entropy = token_logprobs(policy, micro, with_entropy=True)
             if rollout_mismatch and number == 0:
                 gap = (logprobs.detach().float() - batch.rollout_logprobs[rows, : micro.response_width]).abs()
                 sums["mismatch"] += weight * float(masked_sum(gap, micro.loss_mask))
             micro_advantages = advantages[rows]
-            if cfg.algorithm.entropy_aware_advantage:  # AEPO: standardised over this micro-batch's tokens, as the reference
+            # AEPO: standardised over this micro-batch's tokens, as the reference (whose micro-batches were
+            # consecutive rows; ours are rows of similar length, rl/batch.py)
+            if cfg.algorithm.entropy_aware_advantage:
                 micro_advantages = entropy_aware_advantages(micro_advantages, entropy, micro.loss_mask)
             terms = policy_loss(
                 logprobs,
@@ -110,6 +137,20 @@ def update(
                 kl = masked_sum(kl_estimate(logprobs, ref[rows, : micro.response_width], cfg.algorithm.kl_estimator), micro.loss_mask)
                 loss = loss + cfg.algorithm.kl_coef * kl / (tokens / world)
                 sums["kl"] += weight * kl.item()
+            if not math.isfinite(loss.item()):
+                inputs = {"log-probabilities": logprobs.detach(), "old log-probabilities": old[rows, : micro.response_width]}
+                inputs["advantages"] = micro_advantages[:, None].expand_as(logprobs) if micro_advantages.dim() == 1 else micro_advantages
+                if weights is not None:
+                    inputs["importance weights"] = weights[rows, : micro.response_width]
+                found = non_finite(inputs, micro.loss_mask)
+                outside = int((~torch.isfinite(logprobs.detach()[micro.loss_mask == 0])).sum())
+                if outside:  # masked positions still reach the sum (0 x NaN is NaN)
+                    found.append(f"log-probabilities outside the loss mask: {outside}")
+                problems.append(f"rows {rows}: loss {loss.item()}; " + ("; ".join(found) or "its inputs finite"))
+            policy_tokens = micro.loss_mask.bool()
+            if policy_tokens.any():  # a ratio exp(log-prob - old) that overflows has a NaN gradient even where clipped
+                gap = (logprobs.detach().float() - old[rows, : micro.response_width].float())[policy_tokens].abs().max()
+                largest_gap = max(largest_gap, float(gap))
             (loss * weight).backward()
             sums["loss"] += weight * loss.item() / world
             sums["clipped_tokens"] += weight * terms.clipped_tokens.item()
@@ -118,6 +159,13 @@ def update(
         grad_norm = torch.nn.utils.clip_grad_norm_(policy.parameters(), cfg.optim.grad_clip)
         if isinstance(grad_norm, DTensor):
             grad_norm = grad_norm.full_tensor()
+        if not math.isfinite(float(grad_norm)):  # the same norm on every rank: all of them stop here
+            optimizer.zero_grad(set_to_none=True)
+            raise NonFiniteUpdate(
+                f"mini-batch {number + 1} of {len(minis)}: gradient norm {float(grad_norm)}, so its optimizer step was not taken "
+                f"(the weights are those before it). On this rank: {' | '.join(problems) or 'every micro-batch loss finite'}; "
+                f"largest |log-prob - old log-prob| at a policy token {largest_gap:.4g}"
+            )
         optimizer.step()
         optimizer.zero_grad(set_to_none=True)
         sums["policy_tokens"] += tokens

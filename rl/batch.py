@@ -6,8 +6,12 @@ tensors are (B, R). Token ids are the rollout's own (never re-tokenized). The lo
 the tokens the policy sampled in this rollout (``TokenOrigin.SAMPLED``): tool results and given
 text have no log-probability under the policy that generated the rollout.
 
-:func:`batch_plan` splits a step over the ranks and into mini-batches counted in sequences;
-:func:`micro_batches` cuts a mini-batch into forward passes within a token budget.
+:func:`batch_plan` splits a step over the ranks and into mini-batches counted in sequences, and
+:func:`balanced_partition` re-deals each mini-batch's sequences over the ranks by tokens;
+:func:`micro_batches` groups a mini-batch's rows, longest first, into forward passes within a
+token budget, and :meth:`Batch.micro` makes each one: padded (the least padding, for attention
+implementations that need a rectangle: sdpa, eager, on CPU) or packed into one sequence without
+any padding (flash-attention on GPUs).
 
 What this module does not do: compute losses (rl/algorithm.py) or shard anything.
 """
@@ -39,23 +43,40 @@ class Batch:
     def response_width(self) -> int:
         return self.loss_mask.shape[1]
 
-    def select(self, rows: list[int]) -> Batch:
-        """These rows, with the columns that are padding in all of them cut off (a micro-batch
-        of short sequences costs what they cost, not what the longest of the step does)."""
-        index = torch.tensor(rows, dtype=torch.long)
+    def micro(self, rows: list[int], packed: bool) -> MicroBatch:
+        """These rows as one forward pass. Padded: each row its own sequence, its real tokens
+        from column 0, padding after them up to the longest row of the pass (a pass of short
+        rows costs what they cost, not what the longest of the step does; and no query position
+        is left with nothing to attend to, which CUDA's attention kernels can turn into NaN
+        gradients). Packed: the rows' real tokens one after another in a single sequence whose
+        position ids restart at 0 for each row, so that no padding token is computed;
+        transformers' flash-attention reads such position ids as separate sequences (and its
+        other attention implementations as a block-diagonal mask)."""
+        device = self.input_ids.device
+        index = torch.tensor(rows, dtype=torch.long, device=device)
         attention = self.attention_mask[index]
-        used = attention.any(dim=0).nonzero().flatten()
-        left = min(int(used[0]), self.prompt_width - 1) if len(used) else 0
-        right = max(int(used[-1]) + 1, self.prompt_width + 1) if len(used) else self.prompt_width + 1
-        responses = right - self.prompt_width
-        return Batch(
-            self.input_ids[index, left:right],
-            attention[:, left:right],
-            self.position_ids[index, left:right],
-            self.loss_mask[index, :responses],
-            self.rollout_logprobs[index, :responses],
-            self.prompt_width - left,
-        )
+        prompt_lengths = attention[:, : self.prompt_width].sum(dim=1).tolist()
+        response_lengths = attention[:, self.prompt_width :].sum(dim=1).tolist()
+        width = max(max(response_lengths), 1)
+        loss_mask, rollout_logprobs = self.loss_mask[index, :width], self.rollout_logprobs[index, :width]
+        columns = torch.arange(width, device=device)
+        length = max(p + r for p, r in zip(prompt_lengths, response_lengths))
+        shape = (1, sum(prompt_lengths) + sum(response_lengths)) if packed else (len(rows), length)
+        input_ids = torch.zeros(shape, dtype=torch.long, device=device)
+        position_ids = torch.zeros(shape, dtype=torch.long, device=device)
+        attention_mask = None if packed else torch.zeros(shape, dtype=torch.long, device=device)
+        scored = torch.zeros(len(rows), width, dtype=torch.long, device=device)
+        offset = 0  # where row i starts in the flattened (b x L) positions
+        for i, (row, p, r) in enumerate(zip(rows, prompt_lengths, response_lengths)):
+            line, start = (0, offset) if packed else (i, 0)
+            input_ids[line, start : start + p + r] = self.input_ids[row, self.prompt_width - p : self.prompt_width + r]
+            position_ids[line, start : start + p + r] = torch.arange(p + r, device=device)
+            if attention_mask is not None:
+                attention_mask[i, : p + r] = 1
+            # response token j is predicted at position p - 1 + j; past the response, junk (masked)
+            scored[i] = torch.where(columns < r, offset + p - 1 + columns, offset)
+            offset += p + r if packed else length
+        return MicroBatch(rows, input_ids, attention_mask, position_ids, scored, loss_mask, rollout_logprobs)
 
     def to(self, device: torch.device) -> Batch:
         return Batch(
@@ -102,28 +123,85 @@ def tempered_rollouts(trajectories: list[TrajectoryState]) -> bool:
     return all(t.tempered_logprobs is not None for t in trajectories)
 
 
-def token_logprobs(policy, batch: Batch, with_entropy: bool = False) -> tuple[torch.Tensor, torch.Tensor | None]:
-    """Log-probabilities of every response token under ``policy`` (an rl.policy.Policy) (B, R),
-    and the entropy of the distribution each was drawn from when asked. Padding positions hold
-    junk: mask them."""
-    return policy(batch.input_ids, batch.attention_mask, batch.position_ids, batch.prompt_width, with_entropy)
+@dataclass
+class MicroBatch:
+    """Some rows of a :class:`Batch` as one forward pass (:meth:`Batch.micro`). ``input_ids`` and
+    ``position_ids`` are (b, L): b = the rows when padded (each row from column 0, padding on the
+    right), 1 when packed (then ``attention_mask`` is None: the position ids tell the sequences
+    apart). ``scored`` (rows, R) holds, for each response
+    token, the flat index into the (b x L) positions of the one that predicts it; ``loss_mask`` and
+    ``rollout_logprobs`` are the rows' own (rows, R)."""
+
+    rows: list[int]
+    input_ids: torch.Tensor
+    attention_mask: torch.Tensor | None
+    position_ids: torch.Tensor
+    scored: torch.Tensor
+    loss_mask: torch.Tensor
+    rollout_logprobs: torch.Tensor
+
+    @property
+    def response_width(self) -> int:
+        return self.loss_mask.shape[1]
+
+    def tokens(self) -> int:
+        """Positions the forward pass computes, padding included."""
+        return self.input_ids.numel()
+
+    def to(self, device: torch.device) -> MicroBatch:
+        mask = None if self.attention_mask is None else self.attention_mask.to(device)
+        return MicroBatch(
+            self.rows,
+            self.input_ids.to(device),
+            mask,
+            self.position_ids.to(device),
+            self.scored.to(device),
+            self.loss_mask.to(device),
+            self.rollout_logprobs.to(device),
+        )
 
 
-def micro_batches(tokens: list[int], max_tokens: int) -> list[list[int]]:
-    """Consecutive rows grouped so that each group's padded size (rows x its longest row) stays
-    within ``max_tokens``; a row longer than the budget goes alone."""
+def token_logprobs(policy, micro: MicroBatch, with_entropy: bool = False) -> tuple[torch.Tensor, torch.Tensor | None]:
+    """Log-probabilities of every response token of ``micro``'s rows under ``policy`` (an
+    rl.policy.Policy) (rows, R), and the entropy of the distribution each was drawn from when
+    asked. Positions past a row's response hold junk: mask them."""
+    return policy(micro.input_ids, micro.attention_mask, micro.position_ids, micro.scored, with_entropy)
+
+
+def micro_batches(tokens: list[int], max_tokens: int, packed: bool) -> list[list[int]]:
+    """Rows grouped into forward passes of at most ``max_tokens`` computed positions: packed, the
+    sum of the rows' tokens; padded, the rows times the longest of them. The rows go longest
+    first, each into the first group it fits (first-fit decreasing), so that padded groups hold
+    rows of similar lengths and packed groups are full; a row longer than the budget goes alone.
+    Each group lists its rows in their batch order."""
     groups: list[list[int]] = []
-    current: list[int] = []
-    longest = 0
-    for row, n in enumerate(tokens):
-        if current and max(longest, n) * (len(current) + 1) > max_tokens:
-            groups.append(current)
-            current, longest = [], 0
-        current.append(row)
-        longest = max(longest, n)
-    if current:
-        groups.append(current)
-    return groups
+    costs: list[tuple[int, int]] = []  # per group: its rows' tokens, and its longest row
+    for row in sorted(range(len(tokens)), key=lambda i: (-tokens[i], i)):
+        n = tokens[row]
+        for k, (total, longest) in enumerate(costs):
+            cost = total + n if packed else (len(groups[k]) + 1) * max(longest, n)
+            if cost <= max_tokens:
+                groups[k].append(row)
+                costs[k] = (total + n, max(longest, n))
+                break
+        else:
+            groups.append([row])
+            costs.append((n, n))
+    return [sorted(group) for group in groups]
+
+
+def balanced_partition(tokens: list[int], parts: int) -> list[list[int]]:
+    """The indices of ``tokens`` in ``parts`` groups of equal size (``len(tokens)`` must divide)
+    whose token sums are close: longest first, each to the group with the fewest tokens that still
+    has room. Each group lists its indices in order."""
+    size = len(tokens) // parts
+    groups: list[list[int]] = [[] for _ in range(parts)]
+    sums = [0] * parts
+    for i in sorted(range(len(tokens)), key=lambda i: (-tokens[i], i)):
+        k = min((k for k in range(parts) if len(groups[k]) < size), key=lambda k: (sums[k], k))
+        groups[k].append(i)
+        sums[k] += tokens[i]
+    return [sorted(group) for group in groups]
 
 
 @dataclass(frozen=True)

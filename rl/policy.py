@@ -54,24 +54,37 @@ class Policy(nn.Module):
         # distribution, as verl's actor computes them
         self.temperature = temperature
 
+    @property
+    def packs_sequences(self) -> bool:
+        """Whether a forward pass takes sequences packed into one row, without padding, at no
+        extra cost: flash-attention reads the restarting position ids as separate sequences;
+        sdpa and eager would attend through a dense block-diagonal mask over the whole row, so
+        they get padded micro-batches of similar lengths instead."""
+        return self.lm.config._attn_implementation.startswith("flash_attention")
+
     def forward(
         self,
         input_ids: torch.Tensor,
-        attention_mask: torch.Tensor,
+        attention_mask: torch.Tensor | None,
         position_ids: torch.Tensor,
-        prompt_width: int,
+        scored: torch.Tensor,
         with_entropy: bool = False,
     ) -> tuple[torch.Tensor, torch.Tensor | None]:
-        """Log-probabilities (B, R) of the tokens after ``prompt_width`` (each predicted from the
-        position before it) under the sampling temperature, and the entropy of each one's
-        distribution when asked (no gradient). Padding positions hold junk: mask them."""
+        """Log-probabilities, under the sampling temperature, of the tokens that follow the
+        positions ``scored`` names (flat indices into the (B x L) positions, any shape), in
+        ``scored``'s shape, and the entropy of each one's distribution when asked (no gradient).
+        ``attention_mask`` None with position ids that restart at 0: sequences packed in a row
+        (rl/batch.py). Entries that score padding hold junk: mask them."""
         hidden = self.lm.get_decoder()(
             input_ids=input_ids, attention_mask=attention_mask, position_ids=position_ids, use_cache=False
         ).last_hidden_state
-        responses = hidden[:, prompt_width - 1 : -1]
-        targets = input_ids[:, prompt_width:]
+        flat = scored.reshape(-1)
+        responses = hidden.reshape(-1, hidden.shape[-1])[flat][None]
+        # clamped: a junk entry may point at the very last position, which predicts nothing
+        targets = input_ids.reshape(-1)[(flat + 1).clamp(max=input_ids.numel() - 1)][None]
         weight = self.lm.get_output_embeddings().weight
-        return response_logprobs(responses, weight, targets, self.chunk_tokens, with_entropy, self.temperature)
+        logprobs, entropy = response_logprobs(responses, weight, targets, self.chunk_tokens, with_entropy, self.temperature)
+        return logprobs.reshape(scored.shape), (None if entropy is None else entropy.reshape(scored.shape))
 
 
 def response_logprobs(
@@ -124,6 +137,7 @@ def load_policy(
     compute_dtype: torch.dtype,
     chunk_tokens: int,
     gradient_checkpointing: bool = False,
+    attn_implementation: str = "sdpa",
     trainable: bool = True,
     weights: bool = True,
     temperature: float = 1.0,
@@ -131,7 +145,8 @@ def load_policy(
     """The policy in ``path`` (a save_pretrained folder), sharded with FSDP2 over every rank, with
     float32 parameters (the optimizer's copy) and ``compute_dtype`` for the forward and backward.
     ``weights=False`` leaves the shards unfilled for a resume to overwrite. A frozen copy
-    (``trainable=False``) serves as the KL reference. ``temperature`` is the rollouts' sampling
+    (``trainable=False``) serves as the KL reference. ``attn_implementation`` is transformers'
+    (flash_attention_2 makes :attr:`Policy.packs_sequences` true). ``temperature`` is the rollouts' sampling
     temperature (:class:`Policy`). Returns (policy, tokenizer)."""
     from accelerate import init_empty_weights
     from torch.distributed.checkpoint.state_dict import StateDictOptions, set_model_state_dict
@@ -144,7 +159,7 @@ def load_policy(
     # parameters on the meta device; buffers (rotary frequencies) computed for real, because no
     # checkpoint holds them
     with init_empty_weights():
-        lm = AutoModelForCausalLM.from_config(config, dtype=torch.float32)
+        lm = AutoModelForCausalLM.from_config(config, dtype=torch.float32, attn_implementation=attn_implementation)
     lm.tie_weights()  # accelerate's meta parameters replace the shared one: tie the output embedding again
     if not trainable:
         lm.requires_grad_(False).eval()
@@ -169,7 +184,7 @@ def load_policy(
     # the inner model, whose layers would each take themselves for a root if they came first
     with torch.no_grad():
         ids = torch.zeros(1, 2, dtype=torch.long, device=device)
-        policy(ids, torch.ones_like(ids), torch.arange(2, device=device)[None], 1)
+        policy(ids, torch.ones_like(ids), torch.arange(2, device=device)[None], torch.zeros(1, dtype=torch.long, device=device))
     policy.reshard()  # the root keeps its parameters gathered after a forward (for the backward)
     return policy, tokenizer
 

@@ -23,24 +23,28 @@ One step, as named and timed phases (``timing_s/<phase>`` in the metrics):
    asleep outside this phase and the validation;
 2. reward: the efficiency reward per prompt's group (rl/reward.py), sigmas decayed linearly over
    the run as in the paper;
-3. old_logprobs (vllm only; rl/actor.py): the policy's log-probabilities of the sampled tokens before the
+3. advantage: GRPO, the group's mean and unbiased std;
+4. balance (more than one rank): each mini-batch's sequences re-dealt over the ranks so that each
+   holds as many as the plan says and about as many tokens (rl/batch.py's balanced_partition);
+5. old_logprobs (vllm only; rl/actor.py): the policy's log-probabilities of the sampled tokens before the
    update, and their mismatch with vLLM's own; the update corrects for it by truncated importance
    sampling (``algorithm.tis_cap``, rl/algorithm.py). The hf engine samples with the
    policy module and its current weights, so its log-probabilities are the old ones already
    (their mismatch with the trainer's forward is measured in the update's first mini-batch).
    Every log-probability is of the distribution sampled from, softmax(logits / T), as verl's
    actor computes them;
-4. ref_logprobs (only with ``algorithm.kl_coef`` > 0): the same under a frozen copy of the
+6. ref_logprobs (only with ``algorithm.kl_coef`` > 0): the same under a frozen copy of the
    run's starting policy;
-5. advantage: GRPO, the group's mean and unbiased std;
-6. update (rl/actor.py): for each mini-batch (``mini_batch_prompts`` x n sequences over all ranks; rl/batch.py's
+7. update (rl/actor.py): for each mini-batch (``mini_batch_prompts`` x n sequences over all ranks; rl/batch.py's
    plan), the dual-clip PPO loss (plus the KL term, when on; AEPO's entropy-balanced clipping
    and entropy-aware advantage, when on) as an exact token mean over the mini-batch
-   (micro-batches by token budget), one AdamW step with gradient clipping;
-7. sync (vllm only): the updated weights streamed from their shards into the engine
+   (micro-batches: rows of similar length within a token budget, packed without padding under
+   flash-attention), one AdamW step with gradient clipping, none when the gradient is not finite
+   (the run stops there);
+8. sync (vllm only): the updated weights streamed from their shards into the engine
    (rl/weights.py);
-8. validate: every ``validate_every`` steps;
-9. save: the rollouts, then the sharded checkpoint every ``save_every`` steps (rl/checkpoint.py),
+9. validate: every ``validate_every`` steps;
+10. save: the rollouts, then the sharded checkpoint every ``save_every`` steps (rl/checkpoint.py),
    then the exported model when one is due.
 
 The policy is sharded with FSDP2 (rl/policy.py: ``fully_shard`` per decoder layer, then the
@@ -79,7 +83,7 @@ from etagent.timing import phase
 from etagent.tools.executor import check_tool_settings, degraded, describe_failures, failure_counts, merge_failure_counts
 from rl.actor import response_logprobs, update
 from rl.algorithm import grpo_advantages, logprob_mismatch
-from rl.batch import Batch, BatchPlan, batch_plan, pack, tempered_rollouts
+from rl.batch import Batch, BatchPlan, balanced_partition, batch_plan, pack, tempered_rollouts
 from rl.checkpoint import export_model, latest_checkpoint, load_checkpoint, save_checkpoint
 from rl.distributed import gather_objects, init_distributed, sum_all, training_device
 from rl.policy import Policy, gathered, load_policy
@@ -204,6 +208,7 @@ def setup(cfg: DictConfig) -> Trainer:
         compute_dtype=compute,
         chunk_tokens=cfg.train.logprob_chunk_tokens,
         gradient_checkpointing=cfg.train.gradient_checkpointing,
+        attn_implementation=cfg.train.attn_implementation,
         weights=checkpoint is None,
         temperature=cfg.agent.temperature,
     )
@@ -223,6 +228,7 @@ def setup(cfg: DictConfig) -> Trainer:
             device,
             compute_dtype=compute,
             chunk_tokens=cfg.train.logprob_chunk_tokens,
+            attn_implementation=cfg.train.attn_implementation,
             trainable=False,
             temperature=cfg.agent.temperature,
         )
@@ -306,8 +312,16 @@ def train_step(trainer: Trainer, step: int, loop: AgentLoop, greedy: AgentLoop, 
     with phase("reward", metrics):
         factor = sigma_factor(step, trainer.total) if cfg.reward.decay else 1.0
         rows = rewards_of(rollouts.groups, chosen, cfg, factor, loop)
-    pad_id = trainer.tokenizer.pad_token_id if trainer.tokenizer.pad_token_id is not None else trainer.tokenizer.eos_token_id
+    with phase("advantage", metrics):
+        scores = torch.tensor([r["reward"] for r in rows])
+        advantages = grpo_advantages(scores, torch.tensor([r["index"] for r in rows]), cfg.algorithm.eps)
     trajectories = [t for group in rollouts.groups for t in group]
+    if trainer.world > 1:
+        with phase("balance", metrics):
+            trajectories, advantages, imbalance = balance_over_ranks(trainer, trajectories, advantages)
+            metrics.update(imbalance)
+    advantages = advantages.to(trainer.device)
+    pad_id = trainer.tokenizer.pad_token_id if trainer.tokenizer.pad_token_id is not None else trainer.tokenizer.eos_token_id
     batch = pack(trajectories, pad_id).to(trainer.device)
     comparable = tempered_rollouts(trajectories)  # the engine's log-probabilities are at the sampling temperature
     if cfg.engine.kind == "hf":
@@ -321,9 +335,6 @@ def train_step(trainer: Trainer, step: int, loop: AgentLoop, greedy: AgentLoop, 
     if trainer.reference is not None:
         with phase("ref_logprobs", metrics), gathered(trainer.reference), torch.no_grad():
             ref = response_logprobs(trainer.reference, batch, cfg.train.micro_batch_tokens)
-    with phase("advantage", metrics):
-        scores = torch.tensor([r["reward"] for r in rows])
-        advantages = grpo_advantages(scores, torch.tensor([r["index"] for r in rows]), cfg.algorithm.eps).to(trainer.device)
     # rollouts from vLLM: corrected by truncated importance sampling against the trainer's old ones
     tis_cap = cfg.algorithm.tis_cap if cfg.engine.kind == "vllm" else None
     if tis_cap is not None and not comparable:
@@ -371,6 +382,32 @@ def step_prompts(prompts: list[Prompt], step: int, per_step: int, seed: int) -> 
     epoch, offset = divmod(step - 1, steps_per_epoch)
     order = np.random.default_rng([seed, epoch]).permutation(len(prompts))
     return [prompts[i] for i in order[offset * per_step : (offset + 1) * per_step]]
+
+
+def balance_over_ranks(
+    trainer: Trainer, trajectories: list[TrajectoryState], advantages: torch.Tensor
+) -> tuple[list[TrajectoryState], torch.Tensor, dict]:
+    """Each mini-batch's sequences, from every rank, dealt out again so that every rank holds the
+    plan's number of them and about as many tokens: the ranks' forward and backward passes then
+    take about as long, and none waits at the collectives for one that drew the long ones. Once
+    its advantage is known a sequence stands alone, and the loss, a token mean over the whole
+    mini-batch, is the same whichever rank computes it. Also returns the largest rank's tokens
+    over the mean, before and after (summed over the mini-batches)."""
+    size = trainer.plan.mini_batch_sequences_per_rank
+    everyone = gather_objects(list(zip(trajectories, advantages.tolist())))
+    mine: list = []
+    before, after = [0] * trainer.world, [0] * trainer.world
+    for start in range(0, len(trajectories), size):
+        pool = [item for part in everyone for item in part[start : start + size]]
+        tokens = [len(t.prompt_ids) + len(t.response_ids) for t, _ in pool]
+        groups = balanced_partition(tokens, trainer.world)
+        mine += [pool[i] for i in groups[trainer.rank]]
+        for rank in range(trainer.world):
+            before[rank] += sum(tokens[rank * size : (rank + 1) * size])
+            after[rank] += sum(tokens[i] for i in groups[rank])
+    mean = sum(before) / trainer.world
+    imbalance = {"balance/tokens_max_over_mean_before": max(before) / mean, "balance/tokens_max_over_mean_after": max(after) / mean}
+    return [t for t, _ in mine], torch.tensor([a for _, a in mine]), imbalance
 
 
 def rewards_of(groups: list[list[TrajectoryState]], prompts: list[Prompt], cfg: DictConfig, factor: float, loop: AgentLoop):

@@ -327,7 +327,7 @@ def test_kl_term_against_the_starting_policy(sft_model, parquet, server, tmp_pat
 def test_paper_preset_scaled_down_on_four_gloo_processes(sft_model, toy, server, tmp_path, monkeypatch):
     """The paper preset's shape (bf16 compute, gradient checkpointing, the tree rollout, prompts x
     rollouts split over the ranks, mini-batches of whole prompts' worth of sequences, sharded
-    checkpoints, bf16 exports) scaled down to the toy on 4 processes (torchrun, gloo) through
+    checkpoints, bf16 exports, each mini-batch re-dealt over the ranks by tokens) scaled down to the toy on 4 processes (torchrun, gloo) through
     scripts/rl.sh: 16 prompts x 4 rollouts, mini-batches of 2 prompts = 8 sequences, 2 per rank
     (which the first trainer refused: 2 prompts do not divide over 4 ranks). Two steps, then a
     rerun that resumes from the 4-way sharded checkpoint for a third."""
@@ -353,6 +353,7 @@ def test_paper_preset_scaled_down_on_four_gloo_processes(sft_model, toy, server,
         "engine.kind=hf",
         "engine.device=cpu",
         "wandb.enabled=false",
+        "train.attn_implementation=sdpa",  # the preset's flash-attention (packed micro-batches) needs the flash-attn package
         # the shape, scaled down: 64 x 16 -> 16 x 4, mini-batches of 4 -> 2 prompts, tree 8 -> 2 roots
         "data.prompts_per_step=16",
         "rollout.n=4",
@@ -380,6 +381,8 @@ def test_paper_preset_scaled_down_on_four_gloo_processes(sft_model, toy, server,
     for m in history:
         assert m["actor/optimizer_steps"] == 8 and m["actor/grad_norm"] > 0 and abs(m["actor/loss"]) < 10
         assert m["actor/policy_tokens"] > 0
+        # each mini-batch's sequences dealt over the 4 ranks by tokens: no worse than as drawn
+        assert 1.0 <= m["balance/tokens_max_over_mean_after"] <= m["balance/tokens_max_over_mean_before"]
     assert len((out / "rollouts" / "step_3.jsonl").read_text().splitlines()) == 64
     model = AutoModelForCausalLM.from_pretrained(out / "model")
     assert {p.dtype for p in model.parameters()} == {torch.bfloat16}  # the paper exports bf16

@@ -1,6 +1,7 @@
 """Rollouts as tensors: padding, the loss mask by token origin, log-probabilities equal to an
 unpadded forward pass of each sequence and to the full log-softmax (with a bounded peak memory at
-Qwen's vocabulary), micro-batches, the batch plan over ranks; the RL parquet read back as prompts."""
+Qwen's vocabulary), micro-batches (padded or packed: the same loss and gradients as one padded
+pass), the batch plan over ranks; the RL parquet read back as prompts."""
 
 from __future__ import annotations
 
@@ -15,8 +16,8 @@ from transformers import Qwen2Config, Qwen2ForCausalLM
 
 from etagent.agent import Budgets, TrajectoryState
 from etagent.records import Question, RecordError, RLRow, TokenOrigin, write_rl_parquet
-from rl.algorithm import entropy_from_logprobs
-from rl.batch import BatchPlan, batch_plan, micro_batches, pack, token_logprobs
+from rl.algorithm import entropy_from_logprobs, policy_loss
+from rl.batch import BatchPlan, balanced_partition, batch_plan, micro_batches, pack, token_logprobs
 from rl.policy import Policy
 from rl.rollout import read_prompts
 
@@ -60,14 +61,14 @@ def test_log_probs_of_the_padded_batch_equal_each_sequence_alone(model):
     ]
     batch = pack(trajectories, pad_id=0)
     with torch.no_grad():
-        logprobs, entropy = token_logprobs(model, batch, with_entropy=True)
+        logprobs, entropy = token_logprobs(model, batch.micro([0, 1, 2], packed=False), with_entropy=True)
         for i, t in enumerate(trajectories):
             ids = torch.tensor([t.prompt_ids + t.response_ids])
             alone = torch.log_softmax(model.lm(ids).logits[0].float(), -1)
             expected = [alone[len(t.prompt_ids) + k - 1, tok].item() for k, tok in enumerate(t.response_ids)]
             assert logprobs[i, : len(t.response_ids)].tolist() == pytest.approx(expected, abs=1e-5)
         # a micro-batch of some rows, trimmed of the columns only others needed, gives the same
-        part = batch.select([1, 2])
+        part = batch.micro([1, 2], packed=False)
         assert part.input_ids.shape[1] < batch.input_ids.shape[1]
         again, _ = token_logprobs(model, part)
         for row, original in ((0, 1), (1, 2)):
@@ -97,18 +98,101 @@ def test_log_probs_are_of_the_tempered_distribution_the_hf_engine_sampled(toy):
     assert batch.rollout_logprobs[0].tolist() == pytest.approx(sample.tempered_logprobs, abs=1e-6)
     assert sample.tempered_logprobs != pytest.approx(sample.logprobs, abs=1e-3)
     with torch.no_grad():
-        tempered, _ = token_logprobs(Policy(lm, chunk_tokens=4, temperature=0.7), batch)
-        raw, _ = token_logprobs(Policy(lm, chunk_tokens=4), batch)
+        tempered, _ = token_logprobs(Policy(lm, chunk_tokens=4, temperature=0.7), batch.micro([0], packed=False))
+        raw, _ = token_logprobs(Policy(lm, chunk_tokens=4), batch.micro([0], packed=False))
     assert tempered[0].tolist() == pytest.approx(sample.tempered_logprobs, abs=1e-4)
     assert raw[0].tolist() == pytest.approx(sample.logprobs, abs=1e-4)
     with pytest.raises(ValueError, match="temperature"):
         Policy(lm, chunk_tokens=4, temperature=0.0)
 
 
-def test_micro_batches_keep_to_the_token_budget():
-    assert micro_batches([10, 10, 10, 30, 5], 30) == [[0, 1, 2], [3], [4]]
-    assert micro_batches([50], 30) == [[0]]  # too long for the budget: alone
-    assert micro_batches([], 30) == []
+def test_micro_batches_group_rows_longest_first_within_the_token_budget():
+    # padded, a group costs its rows x its longest row; packed, the sum of its rows
+    assert micro_batches([5, 20, 5, 20, 10], 40, packed=False) == [[1, 3], [0, 2, 4]]
+    assert micro_batches([5, 20, 5, 20, 10], 50, packed=False) == [[1, 3], [0, 2, 4]]
+    assert micro_batches([5, 20, 5, 20, 10], 50, packed=True) == [[1, 3, 4], [0, 2]]
+    assert micro_batches([50], 30, packed=True) == [[0]]  # too long for the budget: alone
+    assert micro_batches([], 30, packed=False) == []
+
+
+def test_a_mini_batch_is_dealt_over_the_ranks_in_equal_counts_and_even_tokens():
+    tokens = [900, 100, 120, 880, 500, 510, 90, 110]  # as rank 0 drew 900, 100, 120, 880: 2000 against 1210
+    groups = balanced_partition(tokens, 2)
+    assert [len(g) for g in groups] == [4, 4] and sorted(i for g in groups for i in g) == list(range(8))
+    sums = [sum(tokens[i] for i in g) for g in groups]
+    assert max(sums) - min(sums) <= 40, sums
+    assert balanced_partition([5, 5, 5, 5], 4) == [[0], [1], [2], [3]]
+
+
+def test_a_packed_micro_batch_is_the_rows_real_tokens_with_restarting_positions():
+    a = trajectory([1, 2, 3], [([4, 5], TokenOrigin.SAMPLED), ([6], TokenOrigin.TOOL)])
+    b = trajectory([7], [([8, 9], TokenOrigin.SAMPLED)])
+    micro = pack([a, b], pad_id=0).micro([0, 1], packed=True)
+    assert micro.input_ids.tolist() == [[1, 2, 3, 4, 5, 6, 7, 8, 9]]
+    assert micro.attention_mask is None
+    assert micro.position_ids.tolist() == [[0, 1, 2, 3, 4, 5, 0, 1, 2]]
+    # each response token is predicted by the position before it; b's third column is past its end
+    assert micro.scored.tolist() == [[2, 3, 4], [6, 7, 6]]
+    assert micro.loss_mask.tolist() == [[1, 1, 0], [1, 1, 0]]
+
+
+DEVICES = [
+    "cpu",
+    pytest.param("cuda", marks=[pytest.mark.gpu, pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA GPU")]),
+]
+
+
+@pytest.mark.parametrize("device", DEVICES)
+def test_packed_and_padded_micro_batches_give_the_loss_and_gradients_of_one_padded_pass(device):
+    """The PPO loss (a token mean over the mini-batch) and every parameter's gradient, with the
+    rows in one padded forward pass (as before micro-batches were grouped by length), in padded
+    micro-batches of similar lengths, and packed into sequences without padding, agree to 1e-5.
+    The model attends with sdpa, which reads packed position ids as a block-diagonal mask (what
+    flash-attention, the GPU presets' implementation, reads as separate sequences)."""
+    torch.manual_seed(0)
+    config = Qwen2Config(
+        vocab_size=50, hidden_size=32, intermediate_size=64, num_hidden_layers=2, num_attention_heads=4, num_key_value_heads=2
+    )
+    policy = Policy(Qwen2ForCausalLM(config), chunk_tokens=8).to(device)
+    generator = torch.Generator().manual_seed(1)
+
+    def ids(n):
+        return torch.randint(1, 50, (n,), generator=generator).tolist()
+
+    trajectories = []
+    for prompt, segments in [(3, [4, 2, 5]), (7, [1]), (2, [9, 3, 2]), (5, [2]), (4, [6, 4, 1]), (1, [3])]:
+        pieces = [(ids(n), TokenOrigin.TOOL if k % 2 else TokenOrigin.SAMPLED) for k, n in enumerate(segments)]
+        trajectories.append(trajectory(ids(prompt), pieces))
+    batch = pack(trajectories, pad_id=0).to(torch.device(device))
+    old = batch.rollout_logprobs + 0.1 * torch.randn(batch.loss_mask.shape, generator=generator).to(device)
+    advantages = torch.tensor([1.0, -0.5, 0.25, -1.0, 0.75, 0.5], device=device)
+    tokens = float(batch.loss_mask.sum())
+
+    def loss_and_grads(groups, packed):
+        policy.zero_grad(set_to_none=True)
+        total = 0.0
+        for rows in groups:
+            micro = batch.micro(rows, packed)
+            logprobs, _ = token_logprobs(policy, micro)
+            terms = policy_loss(
+                logprobs, old[rows, : micro.response_width], advantages[rows], micro.loss_mask, tokens, clip_low=0.2, clip_high=0.28
+            )
+            terms.loss.backward()
+            total += terms.loss.item()
+        return total, {name: p.grad.clone() for name, p in policy.named_parameters()}
+
+    every_row = list(range(len(trajectories)))
+    expected_loss, expected_grads = loss_and_grads([every_row], packed=False)
+    row_tokens = batch.tokens()
+    for packed in (False, True):
+        groups = micro_batches(row_tokens, 30, packed)
+        assert len(groups) > 1 and sorted(r for g in groups for r in g) == every_row
+        loss, grads = loss_and_grads(groups, packed)
+        assert loss == pytest.approx(expected_loss, abs=1e-5)
+        for name, grad in grads.items():
+            torch.testing.assert_close(grad, expected_grads[name], atol=1e-5, rtol=1e-4, msg=f"{name}, packed={packed}")
+    # packed, the forward passes compute the real tokens and nothing else
+    assert sum(batch.micro(g, True).tokens() for g in micro_batches(row_tokens, 30, True)) == sum(row_tokens)
 
 
 def test_prompts_from_the_rl_parquet(tmp_path):
@@ -141,7 +225,8 @@ def test_chunked_log_probs_equal_the_full_log_softmax_with_their_gradients():
     ids = torch.randint(0, 3000, (4, prompt + width))
     mask, positions = torch.ones_like(ids), torch.arange(prompt + width)[None].expand(4, -1)
 
-    logprobs, entropy = chunked(ids, mask, positions, prompt, with_entropy=True)
+    scored = torch.arange(4)[:, None] * (prompt + width) + torch.arange(prompt - 1, prompt + width - 1)[None]  # row-major positions
+    logprobs, entropy = chunked(ids, mask, positions, scored, with_entropy=True)
     logprobs.sum().backward()
     ours = {name: p.grad.clone() for name, p in lm.named_parameters()}
     lm.zero_grad()
@@ -197,3 +282,46 @@ def test_a_mini_batch_that_does_not_split_over_the_ranks_is_refused():
         batch_plan(8, 2, 3, 1)
     with pytest.raises(ValueError, match=r"data.prompts_per_step: must be at least 1"):
         batch_plan(0, 2, 1, 1)
+
+
+def test_an_update_whose_gradient_is_not_finite_stops_before_its_optimizer_step(toy):
+    """A NaN among the old log-probabilities of one policy token (what a broken rollout engine
+    would give) makes the loss and the gradient NaN: the update raises NonFiniteUpdate naming the
+    mini-batch and the input, before the optimizer step, so the policy's weights are unchanged."""
+    import torch.distributed as dist
+    from omegaconf import OmegaConf
+
+    from rl.actor import NonFiniteUpdate, update
+    from rl.distributed import init_distributed
+    from rl.policy import load_policy
+
+    created = not dist.is_initialized()
+    init_distributed(torch.device("cpu"))
+    try:
+        policy, _ = load_policy(toy / "model", torch.device("cpu"), compute_dtype=torch.float32, chunk_tokens=64)
+        optimizer = torch.optim.AdamW(policy.parameters(), lr=1e-3)
+        trajectories = [trajectory([1, 2, 3], [([4 + i, 5, 6], TokenOrigin.SAMPLED)]) for i in range(4)]
+        batch = pack(trajectories, pad_id=0)
+        old = batch.rollout_logprobs.clone()
+        old[1, 2] = float("nan")
+        cfg = OmegaConf.create(
+            {
+                "train": {"micro_batch_tokens": 64},
+                "algorithm": {
+                    "clip_low": 0.2,
+                    "clip_high": 0.28,
+                    "clip_c": 3.0,
+                    "entropy_balanced_clipping": False,
+                    "entropy_aware_advantage": False,
+                },
+                "optim": {"grad_clip": 1.0},
+            }
+        )
+        before = {k: v.full_tensor().clone() for k, v in policy.state_dict().items()}
+        plan = batch_plan(prompts_per_step=2, n=2, mini_batch_prompts=1, world=1)
+        with pytest.raises(NonFiniteUpdate, match=r"mini-batch 1 of 2: gradient norm nan.*old log-probabilities: 1 of 6 policy tokens"):
+            update(policy, optimizer, plan, batch, torch.tensor([1.0, -1.0, 1.0, -1.0]), old, None, cfg, torch.device("cpu"))
+        assert all(torch.equal(v.full_tensor(), before[k]) for k, v in policy.state_dict().items())
+    finally:
+        if created:
+            dist.destroy_process_group()
