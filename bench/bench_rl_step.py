@@ -222,7 +222,9 @@ def run_floor(args) -> dict:
                     cache.batch_select_indices(torch.tensor(keep))
                     live, ids, mask, position = [live[k] for k in keep], ids[keep], mask[keep], position[keep]
                 mask, position = torch.cat([mask, torch.ones_like(ids)], dim=1), position + 1
-                out = model(input_ids=ids, attention_mask=mask, position_ids=position, past_key_values=cache, use_cache=True, logits_to_keep=1)
+                out = model(
+                    input_ids=ids, attention_mask=mask, position_ids=position, past_key_values=cache, use_cache=True, logits_to_keep=1
+                )
                 cache, ids = out.past_key_values, out.logits[:, -1].argmax(-1, keepdim=True)
         decoded = time.perf_counter()
         model.train()
