@@ -387,33 +387,28 @@ def test_without_continuous_batching_each_call_is_decoded_by_itself(toy):
     assert all(a.logprobs == b.logprobs for r, q in zip(alone, mixed) for a, b in zip(r[0], q[0]))
 
 
-def test_a_program_that_exits_right_after_generating_exits_cleanly(toy):
-    """The decoding thread may still be finishing a step (the rows of the call are done, the
-    step's last tensor work is not) when a program's last line has run; interpreter exit must
-    wait for it: torn down inside a torch operation, the process aborted with "terminate called
-    without an active exception" (status 134) after its work was done, in about half the runs of
-    this program before the fix. Real subprocesses, the toy policy, 64 rows, four calls."""
+def test_a_program_that_exits_while_the_engine_decodes_exits_cleanly(toy):
+    """A program whose main thread ends while the engine is still decoding (a generate call in
+    flight on another thread; the same window, shorter, follows every call's last step) exits
+    with status 0: interpreter exit stops the decoding thread between two steps and waits for
+    it. Torn down inside a torch operation, the process aborted with "terminate called without
+    an active exception" (status 134) every time before the fix. A real subprocess."""
     import subprocess
     import sys
     from pathlib import Path
 
     program = (
-        "from pathlib import Path\n"
+        "import threading, time\n"
         "from transformers import AutoModelForCausalLM, AutoTokenizer\n"
-        "from etagent import protocol\n"
         "from etagent.llm import GenerationRequest\n"
         "from etagent.llm.hf import HFEngine\n"
-        "from etagent.records import read_questions\n"
-        f"toy = Path({str(toy)!r})\n"
-        "tokenizer = AutoTokenizer.from_pretrained(toy / 'model')\n"
-        "model = AutoModelForCausalLM.from_pretrained(toy / 'model').eval()\n"
-        "engine = HFEngine.from_model(model, tokenizer, max_batch_size=64, continuous_batching=False)\n"
-        "prompts = [protocol.encode_prompt(tokenizer, q.question) for q in read_questions(toy / 'questions' / 'test.jsonl')[:8]]\n"
-        "for call in range(4):\n"
-        "    requests = [GenerationRequest(prompt_ids=tuple(p), max_new_tokens=128, temperature=1.0, seed=100 * i + k)\n"
-        "                for i, p in enumerate(prompts) for k in range(8)]\n"
-        "    engine.generate(requests)\n"
+        f"path = {str(toy / 'model')!r}\n"
+        "engine = HFEngine.from_model(AutoModelForCausalLM.from_pretrained(path).eval(), AutoTokenizer.from_pretrained(path))\n"
+        "requests = [GenerationRequest(prompt_ids=(5, 6, 7), max_new_tokens=1000, temperature=1.0, seed=i) for i in range(32)]\n"
+        "threading.Thread(target=engine.generate, args=(requests,), daemon=True).start()\n"
+        "time.sleep(1.0)\n"
+        "print('leaving while decoding', engine.counts['decode_steps'] > 0)\n"
     )
-    for _ in range(3):
-        done = subprocess.run([sys.executable, "-c", program], capture_output=True, text=True, timeout=300, cwd=Path(__file__).parents[1])
-        assert done.returncode == 0 and "terminate called" not in done.stderr, done.stderr[-2000:]
+    done = subprocess.run([sys.executable, "-c", program], capture_output=True, text=True, timeout=300, cwd=Path(__file__).parents[1])
+    assert done.returncode == 0 and "terminate called" not in done.stderr, done.stderr[-2000:]
+    assert done.stdout.strip() == "leaving while decoding True"
