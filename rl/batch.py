@@ -148,18 +148,6 @@ class MicroBatch:
         """Positions the forward pass computes, padding included."""
         return self.input_ids.numel()
 
-    def to(self, device: torch.device) -> MicroBatch:
-        mask = None if self.attention_mask is None else self.attention_mask.to(device)
-        return MicroBatch(
-            self.rows,
-            self.input_ids.to(device),
-            mask,
-            self.position_ids.to(device),
-            self.scored.to(device),
-            self.loss_mask.to(device),
-            self.rollout_logprobs.to(device),
-        )
-
 
 def token_logprobs(policy, micro: MicroBatch, with_entropy: bool = False) -> tuple[torch.Tensor, torch.Tensor | None]:
     """Log-probabilities of every response token of ``micro``'s rows under ``policy`` (an

@@ -59,6 +59,7 @@ What it does not do: choose a stage's data (pareto/) or chain the stages
 from __future__ import annotations
 
 import asyncio
+import importlib.util
 import json
 import logging
 import os
@@ -149,6 +150,13 @@ def check_settings(cfg: DictConfig) -> None:
         require_int(cfg, key)
     for key in ("train.max_steps", "train.export_every", "data.max_prompt_tokens"):
         require_int(cfg, key, optional=True)
+    require_choice(cfg, "train.attn_implementation", ("sdpa", "eager", "flash_attention_2"))
+    if cfg.train.attn_implementation == "flash_attention_2" and importlib.util.find_spec("flash_attn") is None:
+        raise SettingError(
+            "train.attn_implementation",
+            "flash_attention_2 needs the flash-attn package (pip install flash-attn --no-build-isolation, on a GPU machine); "
+            "without it set train.attn_implementation=sdpa",
+        )
     require_number(cfg, "optim.lr", above=0)
     require_number(cfg, "optim.weight_decay", minimum=0)
     require_number(cfg, "optim.grad_clip", above=0)
