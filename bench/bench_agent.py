@@ -1,4 +1,5 @@
-"""Agent-loop cost: tokens generated per token kept, and trajectories per second, hf vs vllm.
+"""Agent-loop cost: tokens generated per token kept, and trajectories per second, hf vs vllm
+(offline, as RL colocates it, and async, as the sampling stages build it).
 
     python bench/bench_agent.py [--model DIR] [--questions 40] [--n 2]
 
@@ -11,7 +12,10 @@ service) over held-out toy questions with each engine, and reports:
   text at the first closing tag afterwards (paper_eval_radar_retriever.md §1.5.1), so every call
   decodes to EOS or max_tokens. We replay each of our generation calls from the same prefix with
   no stop strings (same engine, same seed, same per-call max_tokens) and count what it generates.
-- trajectories per second for each engine, same questions, same settings.
+- trajectories per second for each engine, same questions, same settings: ``hf``; ``vllm
+  offline``, vLLM's ``LLM`` in this process, concurrent calls gathered into one batch at a time;
+  ``vllm async``, vLLM's ``AsyncLLM`` in its own process, each trajectory's request joining the
+  running batch as it comes.
 
 Without --model, builds the toy world and runs the tiny SFT preset first (a few minutes).
 Printed, never asserted.
@@ -78,7 +82,7 @@ def main() -> None:
     toy, model = toy_policy(work, args.toy, args.model)
     with toy_tools(work, toy) as tools:
         from etagent.llm.hf import HFEngine
-        from etagent.llm.vllm_engine import VLLMEngine
+        from etagent.llm.vllm_engine import AsyncVLLMEngine, VLLMEngine
         from etagent.records import read_questions
         from etagent.tools.executor import build_executor
 
@@ -87,7 +91,12 @@ def main() -> None:
         with build_executor(tools) as executor:
             engines = {
                 "hf": lambda: HFEngine(model),
-                "vllm": lambda: VLLMEngine.load(model, dtype="float32", max_model_len=2048, cpu_kv_cache_gb=1.0, enforce_eager=True),
+                "vllm offline": lambda: VLLMEngine.load(
+                    model, dtype="float32", max_model_len=2048, cpu_kv_cache_gb=1.0, enforce_eager=True
+                ),
+                "vllm async": lambda: AsyncVLLMEngine.load(
+                    model, dtype="float32", max_model_len=2048, cpu_kv_cache_gb=1.0, enforce_eager=True
+                ),
             }
             for name, make in engines.items():
                 engine = make()
@@ -95,13 +104,15 @@ def main() -> None:
                 counting, states, kept, seconds = run_loop(engine, executor, questions, args.n, seed=0)
                 reference = replay_without_stops(engine, counting.requests)
                 rows.append((name, len(states), seconds, counting.generated, kept, reference))
+                if name == "vllm async":
+                    engine.shutdown()  # its engine core's process
                 del engine
     print(f"{os.cpu_count()} CPUs; tiny SFT'd toy policy; {args.questions} held-out questions x {args.n}; max 512 tokens per call")
     print(
-        f"{'engine':<6} {'trajectories/s':>15} {'generated':>10} {'kept':>8} {'generated/kept':>15} {'no-stop design generated/kept':>31}"
+        f"{'engine':<12} {'trajectories/s':>15} {'generated':>10} {'kept':>8} {'generated/kept':>15} {'no-stop design generated/kept':>31}"
     )
     for name, count, seconds, generated, kept, reference in rows:
-        print(f"{name:<6} {count / seconds:>15.2f} {generated:>10} {kept:>8} {generated / kept:>15.3f} {reference / kept:>31.2f}")
+        print(f"{name:<12} {count / seconds:>15.2f} {generated:>10} {kept:>8} {generated / kept:>15.3f} {reference / kept:>31.2f}")
 
 
 if __name__ == "__main__":

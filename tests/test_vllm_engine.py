@@ -6,6 +6,7 @@ refused before the engine is touched), and requests beyond the context."""
 from __future__ import annotations
 
 import asyncio
+import concurrent.futures
 import json
 import os
 import subprocess
@@ -135,3 +136,60 @@ def test_concurrent_calls_go_to_vllm_together(engine):
         engine.llm.generate = generate
     assert [s.token_ids for [s] in separate] == [s.token_ids for [s] in together]
     assert sum(calls) == len(requests) and len(calls) < len(requests)
+
+
+@pytest.fixture(scope="module")
+def async_engine(toy):
+    """What a sampling stage builds from ``engine.kind=vllm``: vLLM's async engine."""
+    from etagent.config import load_config
+    from etagent.llm import make_engine
+
+    overrides = [f"engine.model={toy / 'model'}", "engine.kind=vllm", "engine.vllm.max_model_len=2048", "engine.vllm.enforce_eager=true"]
+    engine = make_engine(load_config("engine", "tiny", overrides + ["engine.vllm.cpu_kv_cache_gb=0.5"]).engine)
+    yield engine
+    engine.shutdown()
+
+
+def test_the_async_engine_answers_each_request_when_its_own_samples_are_done(async_engine, engine):
+    """vLLM's async engine, its engine core in another process (what the sampling stages build):
+    requests sent one by one from concurrent coroutines, as trajectories send them, give the
+    tokens each gives alone and that the offline engine gives (seeded); a one-token request sent
+    together with long ones comes back while they still run; a prompt with no room is an error
+    sample beside answered ones; an unseeded request with n = 3 gives 3 samples; a caller from
+    another thread and event loop is served by the same engine."""
+    requests = [
+        GenerationRequest(tuple(prompt(async_engine, f"What is {k} times 7?")), temperature=1.0, max_new_tokens=48, seed=k)
+        for k in range(8)
+    ]
+    offline = engine.generate(requests)
+    alone = [async_engine.generate([r])[0][0] for r in requests[:2]]
+    short = GenerationRequest(requests[0].prompt_ids, temperature=1.0, max_new_tokens=1, seed=99)
+
+    async def trajectories():
+        finished: list[str] = []
+
+        async def one(name, request):
+            [samples] = await async_engine.agenerate([request])
+            finished.append(name)
+            return samples
+
+        long = [asyncio.create_task(one(f"long {k}", r)) for k, r in enumerate(requests)]
+        first = await one("short", short)
+        return first, await asyncio.gather(*long), finished
+
+    first, crowd, finished = asyncio.run(trajectories())
+    assert [s.token_ids for [s] in crowd] == [s.token_ids for [s] in offline]
+    assert [s.token_ids for s in alone] == [s.token_ids for [s] in offline[:2]]
+    assert len(first[0].token_ids) == 1 and finished[0] == "short", finished
+    assert any(len(s.token_ids) > 1 for [s] in crowd)
+    too_long = GenerationRequest(tuple(requests[0].prompt_ids) * 200, max_new_tokens=4)
+    [failed], many = async_engine.generate([too_long, GenerationRequest(requests[1].prompt_ids, temperature=1.0, n=3, max_new_tokens=8)])
+    assert failed.finish_reason == "error" and "max_model_len 2048" in failed.error
+    assert len(many) == 3 and all(s.finish_reason != "error" for s in many)
+    with concurrent.futures.ThreadPoolExecutor(1) as pool:
+        [[other]] = pool.submit(asyncio.run, async_engine.agenerate([requests[2]])).result()
+    assert other.token_ids == offline[2][0].token_ids
+    # RL's engine is the colocated one: this one is in another process
+    assert type(async_engine).__name__ == "AsyncVLLMEngine"
+    with pytest.raises(RuntimeError, match="takes no new weights.*colocated"):
+        async_engine.update_weights({})

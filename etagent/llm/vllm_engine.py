@@ -1,29 +1,31 @@
-"""The ``vllm`` engine: vLLM's offline ``LLM`` with token-id prompts.
+"""The ``vllm`` engine: vLLM with token-id prompts, in two forms behind the same interface.
 
 Requests go in as ``TokensPrompt`` with their own ``SamplingParams`` (stop strings kept in the
-output, as the agent loop expects; log-probabilities on), in one ``generate`` call, so vLLM
-batches them and reuses shared prefixes from its cache; ``agenerate`` calls that arrive while one
-runs go together in the next. A seeded request with ``n > 1`` is sent
-as n seeded requests (seed derived per sample, as the hf engine does). A request whose prompt
-leaves no room in ``max_model_len`` is answered with an ``error`` sample, and ``max_tokens`` is
-capped to the room left; if vLLM still fails a batch, its requests are retried one by one so
-that only the failing ones come back as errors.
+output, as the agent loop expects; log-probabilities on), so vLLM batches them and reuses shared
+prefixes from its cache. A seeded request with ``n > 1`` is sent as n seeded requests (seed
+derived per sample, as the hf engine does). A request whose prompt leaves no room in
+``max_model_len`` is answered with an ``error`` sample, and ``max_tokens`` is capped to the room
+left.
 
-Two modes:
-
-- standalone (evaluation, sampling): vLLM's own engine process on GPUs; on CPU the engine core
-  runs in-process (``VLLM_ENABLE_V1_MULTIPROCESSING=0``);
-- ``colocated=True`` (RL): vLLM's ``external_launcher`` executor, in the trainer's own process
-  under ``torchrun``, one engine per rank, as verl and TRL colocate it. Weight updates need
-  this mode (or the in-process CPU core): tensors and the iterator that carries them stay in the
-  process, where an engine in another process would need every tensor serialised.
+- :class:`AsyncVLLMEngine` (``make_engine``'s choice for the sampling stages: flywheel, direct
+  rollout, evaluation): vLLM's ``AsyncLLM``, its engine core in a process of its own. Every request
+  goes to vLLM the moment a trajectory makes it and joins the running batch at vLLM's next step;
+  its caller gets it back as soon as its own samples are done (continuous batching, as the hf
+  engine does on CPU). It takes no new weights (they would have to cross processes).
+- :class:`VLLMEngine` (RL, ``colocated=True``): vLLM's offline ``LLM`` with its
+  ``external_launcher`` executor, in the trainer's own process under ``torchrun``, one engine per
+  rank, as verl and TRL colocate it, so that weight updates hand tensors over in the process.
+  ``agenerate`` calls that arrive while a ``generate`` call runs go together in the next one; if
+  vLLM fails a batch, its requests are retried one by one so that only the failing ones come back
+  as errors. On CPU it can also run standalone with its engine core in-process
+  (``VLLM_ENABLE_V1_MULTIPROCESSING=0``), which the tests of weight updates use.
 
 :meth:`VLLMEngine.update_weights` checks names and shapes against the checkpoint's own state
 dict first (a refused update leaves the engine as it was; a half-way reload would leave it
 unusable), lets the worker's ``reload_weights`` load them from an iterator (a
 :class:`~etagent.llm.WeightStream` is gathered tensor by tensor while vLLM loads it), and resets
-the prefix cache (it holds keys and values computed with the old weights). :meth:`sleep` /
-:meth:`wake_up` free and restore GPU memory around a training step with vLLM's levels and tags
+the prefix cache (it holds keys and values computed with the old weights). ``sleep`` /
+``wake_up`` (both forms) free and restore GPU memory around a training step with vLLM's levels and tags
 (vLLM 0.32-0.33: ``vllm/v1/executor/abstract.py`` tracks the sleeping tags, ``gpu_worker.py``
 frees and restores them); the engine keeps the same account, so it refuses to generate while any
 tag sleeps and to load weights while the weights sleep. On CPU sleep does nothing.
@@ -35,8 +37,11 @@ GPU machines: see the README's GPU section (``constraints/gpu.txt``). CPU machin
 from __future__ import annotations
 
 import asyncio
+import atexit
+import itertools
 import os
 import threading
+import uuid
 from collections.abc import Mapping
 
 from etagent.llm import GenerationRequest, PendingCalls, Sample, WeightStream, check_weights, sample_seed
@@ -91,34 +96,27 @@ class VLLMEngine:
         colocated: bool = False,
     ) -> VLLMEngine:
         vllm = _import_vllm()
-        import torch
 
-        on_gpu = torch.cuda.is_available()
         if colocated and "RANK" not in os.environ:
             raise RuntimeError("a colocated vllm engine runs in the trainer's process under torchrun (RANK is not set)")
-        kwargs = dict(
-            model=model_path,
-            dtype=dtype,
-            max_model_len=max_model_len,
-            tensor_parallel_size=tensor_parallel_size,
-            enable_prefix_caching=enable_prefix_caching,
-            enforce_eager=enforce_eager,
-            max_logprobs=max_logprobs,
-            seed=seed,
+        kwargs, on_gpu = _engine_arguments(
+            model_path,
+            dtype,
+            max_model_len,
+            gpu_memory_utilization,
+            tensor_parallel_size,
+            enable_prefix_caching,
+            enforce_eager,
+            cpu_kv_cache_gb,
+            max_logprobs,
+            seed,
         )
         if colocated:
             kwargs.update(distributed_executor_backend="external_launcher")
-        if on_gpu:
-            kwargs.update(gpu_memory_utilization=gpu_memory_utilization, enable_sleep_mode=True)
-        else:
-            if not colocated:
-                os.environ.setdefault("VLLM_ENABLE_V1_MULTIPROCESSING", "0")
-            # Chunked prefill on CPU crashes seeded sampling in vLLM 0.32 (it rewinds the offset of
-            # a CPU random generator, which has none): prefill whole prompts instead.
-            kwargs.update(kv_cache_memory_bytes=int(cpu_kv_cache_gb * (1 << 30)), enable_chunked_prefill=False)
+        elif not on_gpu:
+            os.environ.setdefault("VLLM_ENABLE_V1_MULTIPROCESSING", "0")
         # tensors can be handed over only where the engine core shares this process
         in_process = colocated or os.environ.get("VLLM_ENABLE_V1_MULTIPROCESSING") == "0"
-        # vLLM on CPU has no sleep mode (enable_sleep_mode raises there): sleep and wake_up do nothing
         return cls(vllm.LLM(**kwargs), model_path, sleep_mode=on_gpu, in_process=in_process)
 
     # -- generation -------------------------------------------------------------------------
@@ -132,46 +130,13 @@ class VLLMEngine:
         return await self._calls(requests)
 
     def generate(self, requests: list[GenerationRequest]) -> list[list[Sample]]:
-        from vllm import SamplingParams
-        from vllm.inputs import TokensPrompt
-
         if self.asleep:
             # vLLM would queue the requests behind its paused scheduler and never answer
             raise RuntimeError(f"generate on a vllm engine whose {sorted(self.asleep)} sleep: call wake_up() first")
-        results: list[list[Sample]] = [[] for _ in requests]
-        prompts, params, owners = [], [], []
-        for index, r in enumerate(requests):
-            room = self.max_model_len - len(r.prompt_ids)
-            if room <= 0 or not r.prompt_ids:
-                reason = f"a prompt of {len(r.prompt_ids)} tokens leaves no room for new tokens in max_model_len {self.max_model_len}"
-                results[index] = [Sample.failed(reason) for _ in range(r.n)]
-                continue
-            split = r.seed is not None and r.n > 1
-            for i in range(r.n if split else 1):
-                prompts.append(TokensPrompt(prompt_token_ids=list(r.prompt_ids)))
-                params.append(
-                    SamplingParams(
-                        n=1 if split else r.n,
-                        temperature=r.temperature,
-                        top_p=r.top_p,
-                        top_k=r.top_k if r.top_k > 0 else 0,
-                        min_p=r.min_p,
-                        repetition_penalty=r.repetition_penalty,
-                        max_tokens=min(r.max_new_tokens, room),
-                        stop=list(r.stop),
-                        include_stop_str_in_output=True,
-                        logprobs=r.logprobs,
-                        seed=sample_seed(r.seed, i) if split else r.seed,
-                        skip_special_tokens=False,
-                    )
-                )
-                owners.append(index)
-        for owner, output in zip(owners, self._run(prompts, params)):
-            if isinstance(output, Exception):
-                results[owner].append(Sample.failed(f"{type(output).__name__}: {output}"))
-                continue
-            for completion in output.outputs:
-                results[owner].append(self._sample(completion, requests[owner]))
+        results, calls = _vllm_requests(requests, self.max_model_len)
+        outputs = self._run([prompt for _, prompt, _ in calls], [params for _, _, params in calls])
+        for (owner, _, _), output in zip(calls, outputs):
+            _collect(results[owner], output, requests[owner])
         return results
 
     def _run(self, prompts: list, params: list) -> list:
@@ -187,30 +152,6 @@ class VLLMEngine:
                     except Exception as error:
                         outputs.append(error)
                 return outputs
-
-    @staticmethod
-    def _sample(completion, request: GenerationRequest) -> Sample:
-        k = request.logprobs
-        tokens = list(completion.token_ids)
-        positions = completion.logprobs or []
-        logprobs = [positions[i][t].logprob for i, t in enumerate(tokens)] if positions else [0.0] * len(tokens)
-        top = []
-        if k > 0:
-            window = len(tokens) if request.logprobs_window is None else min(len(tokens), request.logprobs_window)
-            for i, t in enumerate(tokens[:window]):
-                entries = positions[i]
-                ranked = sorted(entries.items(), key=lambda item: item[1].rank if item[1].rank is not None else 0)
-                chosen = {tid: lp.logprob for tid, lp in ranked[:k]}
-                chosen.setdefault(t, entries[t].logprob)
-                top.append(chosen)
-        if completion.finish_reason == "length":
-            finish, stop = "length", None
-        elif isinstance(completion.stop_reason, str):
-            finish, stop = "stop", completion.stop_reason
-        else:  # stop_reason is None (EOS) or a stop token id
-            finish, stop = "eos", None
-        tempered = logprobs if request.temperature == 1 else None
-        return Sample(tokens, logprobs, finish, stop, top, tempered_logprobs=tempered)
 
     # -- lifecycle ------------------------------------------------------------------------
 
@@ -286,3 +227,251 @@ def _with_aliases(stream: WeightStream, aliases: list[str]):
             for alias in aliases:
                 yield alias, tensor
         del tensor  # not held while the producer gathers the next one
+
+
+class AsyncVLLMEngine:
+    """vLLM's ``AsyncLLM`` (its engine core in a process of its own) for the sampling stages.
+
+    Each request goes to vLLM as soon as it is made and its caller gets its samples back as soon
+    as they are done, whatever else runs: vLLM schedules every pending request at each step. The
+    engine drives ``AsyncLLM`` from an event loop of its own, in a thread, so callers may come
+    from any thread and any event loop (a stage's ``asyncio.run``, a Ray actor, a plain
+    ``generate``). A caller that stops waiting (a trajectory cancelled) aborts its requests in
+    vLLM. It takes no new weights: RL's engine is :class:`VLLMEngine`, colocated."""
+
+    def __init__(self, llm, model_path: str, *, sleep_mode: bool):
+        self.llm = llm
+        self.model_path = model_path
+        self.sleep_mode = sleep_mode
+        self.tokenizer = llm.get_tokenizer()
+        self.max_model_len = llm.model_config.max_model_len
+        self.asleep: set[str] = set()  # as VLLMEngine keeps it
+        self._request_ids = (f"{uuid.uuid4().hex[:8]}-{i}" for i in itertools.count())
+        self._loop = asyncio.new_event_loop()
+        self._thread = threading.Thread(target=self._loop.run_forever, name="vllm-async-engine", daemon=True)
+        self._thread.start()
+        # registered after vLLM's own exit hooks, so it runs before them: the engine core is shut
+        # down from here, not killed under a running output handler (which then logs it as dead)
+        atexit.register(self.shutdown)
+
+    @classmethod
+    def load(
+        cls,
+        model_path: str,
+        *,
+        dtype: str = "auto",
+        max_model_len: int | None = None,
+        gpu_memory_utilization: float = 0.5,
+        tensor_parallel_size: int = 1,
+        enable_prefix_caching: bool = True,
+        enforce_eager: bool = False,
+        cpu_kv_cache_gb: float = 1.0,
+        max_logprobs: int = 20,
+        seed: int = 0,
+    ) -> AsyncVLLMEngine:
+        """The engine core starts in a new process (spawned on CPU: the program's main module
+        must be import-safe, as ``python -m <stage>.run`` modules are)."""
+        _import_vllm()
+        from vllm.engine.arg_utils import AsyncEngineArgs
+        from vllm.v1.engine.async_llm import AsyncLLM
+
+        kwargs, on_gpu = _engine_arguments(
+            model_path,
+            dtype,
+            max_model_len,
+            gpu_memory_utilization,
+            tensor_parallel_size,
+            enable_prefix_caching,
+            enforce_eager,
+            cpu_kv_cache_gb,
+            max_logprobs,
+            seed,
+        )
+        return cls(AsyncLLM.from_engine_args(AsyncEngineArgs(**kwargs)), model_path, sleep_mode=on_gpu)
+
+    # -- generation -------------------------------------------------------------------------
+
+    async def agenerate(self, requests: list[GenerationRequest]) -> list[list[Sample]]:
+        return await asyncio.wrap_future(self._submit(self._generate(requests)))
+
+    def generate(self, requests: list[GenerationRequest]) -> list[list[Sample]]:
+        return self._submit(self._generate(requests)).result()
+
+    def _submit(self, coroutine):
+        """``coroutine`` run on the engine's loop: a concurrent future of its result."""
+        if self._loop.is_closed():
+            coroutine.close()
+            raise RuntimeError("the vllm engine was shut down")
+        return asyncio.run_coroutine_threadsafe(coroutine, self._loop)
+
+    async def _generate(self, requests: list[GenerationRequest]) -> list[list[Sample]]:
+        """On the engine's loop: every sample of every request sent at once; a request vLLM fails
+        comes back as an error sample, alone."""
+        if self.asleep:
+            raise RuntimeError(f"generate on a vllm engine whose {sorted(self.asleep)} sleep: call wake_up() first")
+        results, calls = _vllm_requests(requests, self.max_model_len, final_only=True)
+        outputs = await asyncio.gather(*(self._one(prompt, params) for _, prompt, params in calls))
+        for (owner, _, _), output in zip(calls, outputs):
+            _collect(results[owner], output, requests[owner])
+        return results
+
+    async def _one(self, prompt, params):
+        """vLLM's final output for one request, or the exception it raised."""
+        final = None
+        try:
+            async for output in self.llm.generate(prompt, params, request_id=next(self._request_ids)):
+                final = output
+        except Exception as error:  # noqa: BLE001 - this request's error sample
+            return error
+        return final
+
+    def _wait(self, coroutine):
+        return self._submit(coroutine).result()
+
+    # -- lifecycle ------------------------------------------------------------------------
+
+    def update_weights(self, weights: Mapping[str, object] | WeightStream) -> None:
+        raise RuntimeError(
+            "a standalone vllm engine (its engine core in another process) takes no new weights: "
+            "RL builds its engine colocated (engine.vllm.colocated=true), in the trainer's process"
+        )
+
+    def sleep(self, level: int = 1) -> None:
+        """As :meth:`VLLMEngine.sleep`, through vLLM's async calls (nothing on CPU)."""
+        if self.sleep_mode and not self.asleep:
+            self._wait(self.llm.reset_prefix_cache())
+            self._wait(self.llm.sleep(level=level))
+            self.asleep = {"weights", "kv_cache"}
+
+    def wake_up(self, tags: list[str] | None = None) -> None:
+        """As :meth:`VLLMEngine.wake_up`."""
+        wanted = sorted(self.asleep if tags is None else self.asleep & set(tags))
+        if wanted:
+            self._wait(self.llm.wake_up(tags=wanted))
+            self.asleep -= set(wanted)
+
+    def shutdown(self) -> None:
+        """Stop the engine core's process and the engine's loop; a second call does nothing."""
+        if self._loop.is_closed():
+            return
+        atexit.unregister(self.shutdown)
+
+        async def stop() -> None:
+            # on the loop: vLLM cancels its output handler at once, before it can see the core gone
+            self.llm.shutdown()
+
+        self._wait(stop())
+        self._loop.call_soon_threadsafe(self._loop.stop)
+        self._thread.join(timeout=30)
+        self._loop.close()
+        # vLLM's own finalizer then runs now, not at interpreter teardown (where it fails on
+        # module globals already gone)
+        self.llm = None
+
+
+def _engine_arguments(
+    model_path: str,
+    dtype: str,
+    max_model_len: int | None,
+    gpu_memory_utilization: float,
+    tensor_parallel_size: int,
+    enable_prefix_caching: bool,
+    enforce_eager: bool,
+    cpu_kv_cache_gb: float,
+    max_logprobs: int,
+    seed: int,
+) -> tuple[dict, bool]:
+    """vLLM's engine arguments for either form, and whether they are for a GPU."""
+    import torch
+
+    on_gpu = torch.cuda.is_available()
+    kwargs = dict(
+        model=model_path,
+        dtype=dtype,
+        max_model_len=max_model_len,
+        tensor_parallel_size=tensor_parallel_size,
+        enable_prefix_caching=enable_prefix_caching,
+        enforce_eager=enforce_eager,
+        max_logprobs=max_logprobs,
+        seed=seed,
+    )
+    if on_gpu:
+        kwargs.update(gpu_memory_utilization=gpu_memory_utilization, enable_sleep_mode=True)
+    else:
+        # vLLM on CPU has no sleep mode (enable_sleep_mode raises there): sleep and wake_up do
+        # nothing. Chunked prefill on CPU crashes seeded sampling in vLLM 0.32 (it rewinds the
+        # offset of a CPU random generator, which has none): prefill whole prompts instead.
+        kwargs.update(kv_cache_memory_bytes=int(cpu_kv_cache_gb * (1 << 30)), enable_chunked_prefill=False)
+    return kwargs, on_gpu
+
+
+def _vllm_requests(requests: list[GenerationRequest], max_model_len: int, final_only: bool = False):
+    """The requests as vLLM's: ``(results, calls)``, ``results`` one list per request holding the
+    error samples of requests with no room, ``calls`` (request index, TokensPrompt, SamplingParams)
+    for the others. ``final_only``: vLLM reports each request once, when it is done (AsyncLLM
+    streams every step otherwise)."""
+    from vllm import SamplingParams
+    from vllm.inputs import TokensPrompt
+    from vllm.sampling_params import RequestOutputKind
+
+    results: list[list[Sample]] = [[] for _ in requests]
+    calls = []
+    for index, r in enumerate(requests):
+        room = max_model_len - len(r.prompt_ids)
+        if room <= 0 or not r.prompt_ids:
+            reason = f"a prompt of {len(r.prompt_ids)} tokens leaves no room for new tokens in max_model_len {max_model_len}"
+            results[index] = [Sample.failed(reason) for _ in range(r.n)]
+            continue
+        split = r.seed is not None and r.n > 1
+        for i in range(r.n if split else 1):
+            params = SamplingParams(
+                n=1 if split else r.n,
+                temperature=r.temperature,
+                top_p=r.top_p,
+                top_k=r.top_k if r.top_k > 0 else 0,
+                min_p=r.min_p,
+                repetition_penalty=r.repetition_penalty,
+                max_tokens=min(r.max_new_tokens, room),
+                stop=list(r.stop),
+                include_stop_str_in_output=True,
+                logprobs=r.logprobs,
+                seed=sample_seed(r.seed, i) if split else r.seed,
+                skip_special_tokens=False,
+                **({"output_kind": RequestOutputKind.FINAL_ONLY} if final_only else {}),
+            )
+            calls.append((index, TokensPrompt(prompt_token_ids=list(r.prompt_ids)), params))
+    return results, calls
+
+
+def _collect(samples: list[Sample], output, request: GenerationRequest) -> None:
+    """vLLM's output for one call of ``request`` (or the exception it raised) into its samples."""
+    if isinstance(output, Exception):
+        per_call = 1 if request.seed is not None and request.n > 1 else request.n  # as _vllm_requests splits them
+        samples.extend(Sample.failed(f"{type(output).__name__}: {output}") for _ in range(per_call))
+        return
+    for completion in output.outputs:
+        samples.append(_sample(completion, request))
+
+
+def _sample(completion, request: GenerationRequest) -> Sample:
+    k = request.logprobs
+    tokens = list(completion.token_ids)
+    positions = completion.logprobs or []
+    logprobs = [positions[i][t].logprob for i, t in enumerate(tokens)] if positions else [0.0] * len(tokens)
+    top = []
+    if k > 0:
+        window = len(tokens) if request.logprobs_window is None else min(len(tokens), request.logprobs_window)
+        for i, t in enumerate(tokens[:window]):
+            entries = positions[i]
+            ranked = sorted(entries.items(), key=lambda item: item[1].rank if item[1].rank is not None else 0)
+            chosen = {tid: lp.logprob for tid, lp in ranked[:k]}
+            chosen.setdefault(t, entries[t].logprob)
+            top.append(chosen)
+    if completion.finish_reason == "length":
+        finish, stop = "length", None
+    elif isinstance(completion.stop_reason, str):
+        finish, stop = "stop", completion.stop_reason
+    else:  # stop_reason is None (EOS) or a stop token id
+        finish, stop = "eos", None
+    tempered = logprobs if request.temperature == 1 else None
+    return Sample(tokens, logprobs, finish, stop, top, tempered_logprobs=tempered)
