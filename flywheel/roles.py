@@ -7,10 +7,12 @@ the role model's own chat template, optionally with the assistant turn pre-fille
 through the same engine interface and decoded. The reflector is the policy's own engine (the
 paper's "self" reflection), so it costs no second copy of the model.
 
-The questions of a run are evolved concurrently; an in-process engine is not safe to call from
-several threads at once, so :class:`etagent.llm.SharedBatches` queues the requests of every coroutine and
-sends them to the engine as one batch at a time (the requests that arrive while a batch runs make
-the next one). A pool of servers needs none of this: its requests go out concurrently.
+The questions of a run are evolved concurrently. The hf engine without continuous batching (the
+tiny presets, for reproducibility) decodes one call after the other, so it is wrapped in
+:class:`etagent.llm.SharedBatches`, which queues the requests of every coroutine and sends them as
+one batch at a time (the requests that arrive while a batch runs make the next one). The hf engine
+with continuous batching, vLLM's async engine and a pool of servers need none of this: requests
+go out as they come and join the running batch.
 
 What this module does not do: decide what to ask (``flywheel.evolve``) or parse replies
 (``flywheel.steps``).
@@ -33,9 +35,9 @@ def derived_seed(*parts) -> int:
 
 
 def build_engine(cfg: DictConfig):
-    """An engine for a role; in-process engines are shared through :class:`SharedBatches`."""
+    """An engine for a role; one that decodes a call at a time is shared through :class:`SharedBatches`."""
     engine = make_engine(cfg)
-    return engine if cfg.kind == "openai" else SharedBatches(engine)
+    return SharedBatches(engine) if cfg.kind == "hf" and not cfg.continuous_batching else engine
 
 
 class TextModel:
