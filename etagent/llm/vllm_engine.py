@@ -190,6 +190,11 @@ class VLLMEngine:
             )
             self.llm.reset_prefix_cache()
 
+    def reset_prefix_cache(self) -> None:
+        """Drop the keys and values vLLM keeps for prefixes (benchmarks start each way from none)."""
+        with self._lock:
+            self.llm.reset_prefix_cache()
+
     def sleep(self, level: int = 1) -> None:
         """Free GPU memory while the trainer steps: level 1 offloads the weights to host memory and
         drops the KV cache; level 2 drops both (the next update_weights brings the weights).
@@ -335,6 +340,10 @@ class AsyncVLLMEngine:
             "a standalone vllm engine (its engine core in another process) takes no new weights: "
             "RL builds its engine colocated (engine.vllm.colocated=true), in the trainer's process"
         )
+
+    def reset_prefix_cache(self) -> None:
+        """As :meth:`VLLMEngine.reset_prefix_cache`."""
+        self._wait(self.llm.reset_prefix_cache())
 
     def sleep(self, level: int = 1) -> None:
         """As :meth:`VLLMEngine.sleep`, through vLLM's async calls (nothing on CPU)."""
