@@ -150,6 +150,7 @@ def async_engine(toy):
     engine.shutdown()
 
 
+@pytest.mark.slow  # its engine core's process starts in about 12 s; the default run is at its 15-minute budget
 def test_the_async_engine_answers_each_request_when_its_own_samples_are_done(async_engine, engine):
     """vLLM's async engine, its engine core in another process (what the sampling stages build):
     requests sent one by one from concurrent coroutines, as trajectories send them, give the
