@@ -399,22 +399,23 @@ def balance_over_ranks(
     plan's number of them and about as many tokens: the ranks' forward and backward passes then
     take about as long, and none waits at the collectives for one that drew the long ones. Once
     its advantage is known a sequence stands alone, and the loss, a token mean over the whole
-    mini-batch, is the same whichever rank computes it. Also returns the largest rank's tokens
-    over the mean, before and after (summed over the mini-batches)."""
+    mini-batch, is the same whichever rank computes it. Also returns how long the ranks wait, as
+    tokens: the largest rank's tokens summed over the mini-batches (each optimizer step waits for
+    its slowest rank), over the mean rank's, before and after."""
     size = trainer.plan.mini_batch_sequences_per_rank
     everyone = gather_objects(list(zip(trajectories, advantages.tolist())))
     mine: list = []
-    before, after = [0] * trainer.world, [0] * trainer.world
+    largest_before = largest_after = total = 0
     for start in range(0, len(trajectories), size):
         pool = [item for part in everyone for item in part[start : start + size]]
         tokens = [len(t.prompt_ids) + len(t.response_ids) for t, _ in pool]
         groups = balanced_partition(tokens, trainer.world)
         mine += [pool[i] for i in groups[trainer.rank]]
-        for rank in range(trainer.world):
-            before[rank] += sum(tokens[rank * size : (rank + 1) * size])
-            after[rank] += sum(tokens[i] for i in groups[rank])
-    mean = sum(before) / trainer.world
-    imbalance = {"balance/tokens_max_over_mean_before": max(before) / mean, "balance/tokens_max_over_mean_after": max(after) / mean}
+        largest_before += max(sum(tokens[rank * size : (rank + 1) * size]) for rank in range(trainer.world))
+        largest_after += max(sum(tokens[i] for i in group) for group in groups)
+        total += sum(tokens)
+    mean = total / trainer.world
+    imbalance = {"balance/tokens_max_over_mean_before": largest_before / mean, "balance/tokens_max_over_mean_after": largest_after / mean}
     return [t for t, _ in mine], torch.tensor([a for _, a in mine]), imbalance
 
 

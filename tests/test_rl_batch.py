@@ -122,6 +122,8 @@ def test_a_mini_batch_is_dealt_over_the_ranks_in_equal_counts_and_even_tokens():
     sums = [sum(tokens[i] for i in g) for g in groups]
     assert max(sums) - min(sums) <= 40, sums
     assert balanced_partition([5, 5, 5, 5], 4) == [[0], [1], [2], [3]]
+    # longest first deals 4 2 1 | 2 2 1 (7 | 5); as drawn, 1 1 4 | 2 2 2 is 6 | 6 and stays
+    assert balanced_partition([1, 1, 4, 2, 2, 2], 2) == [[0, 1, 2], [3, 4, 5]]
 
 
 def test_a_packed_micro_batch_is_the_rows_real_tokens_with_restarting_positions():
