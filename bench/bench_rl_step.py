@@ -2,12 +2,13 @@
 generation length and batch shape, tools off for both, on CPU, in one run.
 
     pip install -e '.[bench]'                      # TRL (and datasets)
-    python bench/bench_rl_step.py [--toy runs/toy] [--prompts 8] [--n 8] [--mini 4]
+    python bench/bench_rl_step.py [--toy runs/toy] [--model DIR] [--prompts 8] [--n 8] [--mini 4]
                                   [--new-tokens 128] [--steps 6] [--threads 2]
 
 The model is the toy world's untrained policy (``runs/toy/model``: a random-init 1.35M-parameter
 Qwen2 with the toy tokenizer; ``etagent toy`` or the demo's first step builds it), so both sides
-sample long completions. The prompts are the toy's test questions in our prompt format; TRL gets
+sample long completions; ``--model`` takes another one with the toy tokenizer (a wider random
+Qwen2, to see how the ratios move as the model's own compute grows). The prompts are the toy's test questions in our prompt format; TRL gets
 the same text. A step is ``--prompts`` prompts x ``--n`` rollouts at temperature 1 (ours as
 plain GRPO, ``rollout.kind=group``: TRL has no ARPO tree, whose fill-ins wait for the roots), then one
 optimizer step per ``--mini`` prompts (TRL: ``steps_per_generation`` = prompts / mini), AdamW,
@@ -66,7 +67,7 @@ def run_ours(args, work: Path, engine: str) -> dict:
     parquet = write_rl_parquet([RLRow.for_question(q, i, "train") for i, q in enumerate(chosen)], work / "rl.parquet")
     out = work / f"ours-{engine}"
     overrides = [
-        f"model={args.toy / 'model'}",
+        f"model={args.model}",
         f"data.train={parquet}",
         f"out_dir={out}",
         f"data.prompts_per_step={args.prompts}",
@@ -112,9 +113,9 @@ def run_trl(args, work: Path) -> dict:
 
     from etagent import protocol
 
-    tokenizer = AutoTokenizer.from_pretrained(args.toy / "model")
+    tokenizer = AutoTokenizer.from_pretrained(args.model)
     tokenizer.padding_side = "left"
-    model = AutoModelForCausalLM.from_pretrained(args.toy / "model", dtype="float32")
+    model = AutoModelForCausalLM.from_pretrained(args.model, dtype="float32")
     chosen = questions(args.toy, args.prompts * args.steps)
     prompts = [tokenizer.decode(protocol.encode_prompt(tokenizer, q.question)) for q in chosen]
     dataset = Dataset.from_list([{"prompt": p} for p in prompts])
@@ -187,8 +188,8 @@ def run_floor(args) -> dict:
 
     from etagent import protocol
 
-    tokenizer = AutoTokenizer.from_pretrained(args.toy / "model")
-    model = AutoModelForCausalLM.from_pretrained(args.toy / "model", dtype="float32")
+    tokenizer = AutoTokenizer.from_pretrained(args.model)
+    model = AutoModelForCausalLM.from_pretrained(args.model, dtype="float32")
     optimizer = torch.optim.AdamW(model.parameters(), lr=1e-4)
     chosen = questions(args.toy, args.prompts)
     encoded = [protocol.encode_prompt(tokenizer, q.question) for q in chosen for _ in range(args.n)]
@@ -261,6 +262,7 @@ def run_side(args, side: str, *extra: str) -> dict:
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     parser.add_argument("--toy", type=Path, default=ROOT / "runs" / "toy")
+    parser.add_argument("--model", type=Path, help="a model folder with the toy tokenizer (default: the toy's untrained policy)")
     parser.add_argument("--prompts", type=int, default=8, help="prompts per step")
     parser.add_argument("--n", type=int, default=8, help="rollouts per prompt")
     parser.add_argument("--mini", type=int, default=4, help="prompts per optimizer step")
@@ -271,8 +273,9 @@ def main() -> None:
     parser.add_argument("--lengths", help=argparse.SUPPRESS)  # the floor's completion lengths (a JSON list)
     args = parser.parse_args()
     args.toy = args.toy.resolve()
-    if not (args.toy / "model").exists():
-        raise SystemExit(f"no toy model at {args.toy}/model: build the toy world first (etagent toy out_dir={args.toy})")
+    args.model = (args.model or args.toy / "model").resolve()
+    if not args.model.exists():
+        raise SystemExit(f"no model at {args.model}: build the toy world first (etagent toy out_dir={args.toy})")
     if args.prompts % args.mini:
         raise SystemExit("--prompts must be a multiple of --mini")
 

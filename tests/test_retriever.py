@@ -288,6 +288,7 @@ def fingerprint(index_dir: Path) -> dict:
     return {"faiss": hashlib.sha256((index_dir / "index.faiss").read_bytes()).hexdigest(), "docs": docs, "bm25": bm25}
 
 
+@pytest.mark.slow  # about 25 s: kept out of the default run's 15 minutes
 def test_kill_9_during_build_then_rerun_gives_the_same_index(toy, tmp_path):
     corpus = toy / "corpus.jsonl"
     settings = ["build.chunk_size=20", "build.keep_embeddings=true"]
@@ -324,6 +325,7 @@ def test_bad_corpus_line_names_file_line_and_field(tmp_path):
     assert f"{corpus}:2: field 'contents': missing or empty" in result.stderr
 
 
+@pytest.mark.slow  # about 25 s: kept out of the default run's 15 minutes
 def test_other_index_types_build_and_serve(toy, tmp_path):
     """HNSW and IVF-PQ through the same server code (in-process app, real index files)."""
     from fastapi.testclient import TestClient
