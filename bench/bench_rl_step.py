@@ -2,13 +2,14 @@
 generation length and batch shape, tools off for both, on CPU, in one run.
 
     pip install -e '.[bench]'                      # TRL (and datasets)
-    python bench/bench_rl_step.py [--toy runs/toy] [--model DIR] [--prompts 8] [--n 8] [--mini 4]
-                                  [--new-tokens 128] [--steps 6] [--threads 2]
+    python bench/bench_rl_step.py [--toy runs/toy] [--prompts 8] [--n 8] [--mini 4]
+                                  [--new-tokens 128] [--steps 6] [--threads 2] [--hidden H --layers L]
 
 The model is the toy world's untrained policy (``runs/toy/model``: a random-init 1.35M-parameter
 Qwen2 with the toy tokenizer; ``etagent toy`` or the demo's first step builds it), so both sides
-sample long completions; ``--model`` takes another one with the toy tokenizer (a wider random
-Qwen2, to see how the ratios move as the model's own compute grows). The prompts are the toy's test questions in our prompt format; TRL gets
+sample long completions. ``--hidden H --layers L`` runs every side on a wider random-init Qwen2
+with the toy tokenizer instead (H / 64 heads, H / 256 key-value heads, MLP 3 x H, seed 0), to
+see how the ratios move as the model's own compute grows against the per-token work around it. The prompts are the toy's test questions in our prompt format; TRL gets
 the same text. A step is ``--prompts`` prompts x ``--n`` rollouts at temperature 1 (ours as
 plain GRPO, ``rollout.kind=group``: TRL has no ARPO tree, whose fill-ins wait for the roots), then one
 optimizer step per ``--mini`` prompts (TRL: ``steps_per_generation`` = prompts / mini), AdamW,
@@ -58,6 +59,27 @@ def questions(toy: Path, count: int):
     if len(found) < count:
         raise SystemExit(f"{toy}/questions/test.jsonl has {len(found)} questions; the bench needs {count}")
     return found[:count]
+
+
+def wider_model(toy_model: Path, hidden: int, layers: int, out: Path) -> Path:
+    """A random-init Qwen2 of the given width and depth with the toy tokenizer, saved to ``out``."""
+    from transformers import AutoTokenizer
+
+    from etagent.toy.model import build_model, save_policy
+
+    tokenizer = AutoTokenizer.from_pretrained(toy_model)
+    model = build_model(
+        tokenizer,
+        hidden_size=hidden,
+        layers=layers,
+        heads=hidden // 64,
+        kv_heads=max(1, hidden // 256),
+        intermediate_size=3 * hidden,
+        max_positions=4096,
+        seed=0,
+    )
+    print(f"model: {sum(p.numel() for p in model.parameters()) / 1e6:.1f}M parameters (hidden {hidden}, {layers} layers)")
+    return save_policy(model, tokenizer, out)
 
 
 def run_ours(args, work: Path, engine: str) -> dict:
@@ -253,7 +275,7 @@ def run_floor(args) -> dict:
 
 def run_side(args, side: str, *extra: str) -> dict:
     """One side in a fresh process of its own, as the trainers run."""
-    argv = [sys.executable, __file__, "--side", side, *sys.argv[1:], *extra]
+    argv = [sys.executable, __file__, "--side", side, *sys.argv[1:], "--model", str(args.model), *extra]
     done = subprocess.run(argv, check=True, capture_output=True, text=True, cwd=ROOT)
     line = next(x for x in done.stdout.splitlines() if x.startswith("RESULT "))
     return json.loads(line.removeprefix("RESULT "))
@@ -262,7 +284,9 @@ def run_side(args, side: str, *extra: str) -> dict:
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     parser.add_argument("--toy", type=Path, default=ROOT / "runs" / "toy")
-    parser.add_argument("--model", type=Path, help="a model folder with the toy tokenizer (default: the toy's untrained policy)")
+    parser.add_argument("--hidden", type=int, help="a wider random model: hidden size (with --layers)")
+    parser.add_argument("--layers", type=int, help="a wider random model: layers (with --hidden)")
+    parser.add_argument("--model", type=Path, help=argparse.SUPPRESS)  # the sides' model folder, set by the main process
     parser.add_argument("--prompts", type=int, default=8, help="prompts per step")
     parser.add_argument("--n", type=int, default=8, help="rollouts per prompt")
     parser.add_argument("--mini", type=int, default=4, help="prompts per optimizer step")
@@ -273,9 +297,10 @@ def main() -> None:
     parser.add_argument("--lengths", help=argparse.SUPPRESS)  # the floor's completion lengths (a JSON list)
     args = parser.parse_args()
     args.toy = args.toy.resolve()
-    args.model = (args.model or args.toy / "model").resolve()
-    if not args.model.exists():
-        raise SystemExit(f"no model at {args.model}: build the toy world first (etagent toy out_dir={args.toy})")
+    if not (args.toy / "model").exists():
+        raise SystemExit(f"no toy model at {args.toy}/model: build the toy world first (etagent toy out_dir={args.toy})")
+    if (args.hidden is None) != (args.layers is None):
+        raise SystemExit("--hidden and --layers go together")
     if args.prompts % args.mini:
         raise SystemExit("--prompts must be a multiple of --mini")
 
@@ -287,6 +312,9 @@ def main() -> None:
             return
         os.environ.update(OMP_NUM_THREADS=str(args.threads), MKL_NUM_THREADS=str(args.threads), TOKENIZERS_PARALLELISM="false")
         os.environ.setdefault("HF_HUB_OFFLINE", "1")
+        args.model = (
+            args.toy / "model" if args.hidden is None else wider_model(args.toy / "model", args.hidden, args.layers, work / "model")
+        )
         print(
             f"one RL step: {args.prompts} prompts x {args.n} rollouts, up to {args.new_tokens} new tokens, "
             f"{args.prompts // args.mini} optimizer steps, {args.threads} threads; median of steps 2..{args.steps}"
