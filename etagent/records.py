@@ -43,19 +43,6 @@ from etagent.errors import MissingInput, UserError
 
 log = logging.getLogger(__name__)
 
-# Sources whose answers are scored as math. The reference's lists disagree (4, 5 or 6 names, see
-# paper_data_stages.md §8.16); this is the one list of the toolkit, plus the math benchmarks.
-MATH_SOURCES = frozenset(
-    {"openr1", "numina-tir", "numina-cot", "aime", "dapo", "still"}
-    | {"aime24", "aime25", "amc23", "math500", "gsm8k", "olympiadbench", "math"}
-)
-
-
-def kind_for_source(source: str) -> Literal["math", "qa"]:
-    """ "math" for the math training sources and benchmarks, "qa" for everything else."""
-    return "math" if source in MATH_SOURCES else "qa"
-
-
 class RecordError(UserError, ValueError):
     """A record that cannot be read: names the file, the line (or parquet row) and the field."""
 

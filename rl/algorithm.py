@@ -46,10 +46,6 @@ def masked_sum(values: torch.Tensor, mask: torch.Tensor) -> torch.Tensor:
     return (values * mask).sum()
 
 
-def masked_mean(values: torch.Tensor, mask: torch.Tensor) -> torch.Tensor:
-    return (values * mask).sum() / mask.sum().clamp(min=1)
-
-
 @dataclass(frozen=True)
 class LossTerms:
     """The loss to backpropagate (already divided by the mini-batch's token count) and its

@@ -48,14 +48,8 @@ def tokenize_example(example: SFTExample, tokenizer) -> Tokenized:
     """Token ids and labels for one example (see the module docstring for the rules)."""
     system = example.system or protocol.SYSTEM_PROMPT
     prompt = protocol.encode_prompt(tokenizer, example.question, system)
-    ids = getattr(example, "response_ids", None)
-    mask = getattr(example, "response_mask", None)
-    if (
-        ids is not None
-        and mask is not None
-        and len(ids) == len(mask)
-        and tokenizer.decode(ids, skip_special_tokens=False) == example.response
-    ):
+    ids, mask = example.response_ids, example.response_mask  # both or neither, of one length (SFTExample checks)
+    if ids is not None and tokenizer.decode(ids, skip_special_tokens=False) == example.response:
         response, response_labels, exact = list(ids), [t if m else IGNORE for t, m in zip(ids, mask)], True
     else:
         response, response_labels, exact = [], [], False

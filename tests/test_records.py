@@ -25,7 +25,6 @@ from etagent.records import (
     TrajectoryGroup,
     export_llamafactory,
     iter_jsonl,
-    kind_for_source,
     read_jsonl,
     read_questions,
     read_records,
@@ -48,13 +47,6 @@ def test_gold_answers_are_coerced_to_lists_of_strings():
     assert Question(id="a", question="x", answer=["a", 2], source="s", kind="qa").answer == ["a", "2"]
     with pytest.raises(ValueError):
         Question(id="a", question="x", answer=[], source="s", kind="qa")
-
-
-def test_kind_for_source_uses_one_list():
-    for source in ("openr1", "numina-tir", "numina-cot", "aime", "dapo", "still", "math500"):
-        assert kind_for_source(source) == "math"
-    for source in ("hotpotqa", "2wiki", "qa", "toy_search"):
-        assert kind_for_source(source) == "qa"
 
 
 def test_questions_round_trip_in_every_format_keeping_unknown_fields(tmp_path):

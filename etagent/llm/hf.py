@@ -56,7 +56,6 @@ from transformers.cache_utils import DynamicCache, DynamicLayer
 
 from etagent.llm import GenerationRequest, Sample, WeightStream, check_weights, sample_seed
 
-_MASK64 = (1 << 64) - 1
 # decoding steps a submitted row waits at most before it joins a running batch with room for it
 _PATIENCE = 8
 

@@ -79,7 +79,6 @@ MS_REMOUNT, MS_BIND, MS_REC, MS_PRIVATE = 32, 4096, 16384, 1 << 18
 MNT_DETACH = 2
 PR_SET_PDEATHSIG, PR_SET_DUMPABLE, PR_CAPBSET_DROP, PR_SET_NO_NEW_PRIVS = 1, 4, 24, 38
 NOBODY = 65534
-SAFE_PATH = "/usr/local/bin:/usr/bin:/bin"
 
 _libc = ctypes.CDLL(None, use_errno=True)
 # True when start-up had to create a user namespace (an unprivileged host user): the zygote is
@@ -287,7 +286,7 @@ def print_last_expression(code):
         if not (isinstance(value, ast.Call) and isinstance(value.func, ast.Name) and value.func.id == "print"):
             tree.body[-1] = ast.Expr(ast.Call(ast.Name("print", ast.Load()), [value], []))
             tree = ast.fix_missing_locations(tree)
-            return ast.unparse(tree) if hasattr(ast, "unparse") else code
+            return ast.unparse(tree)
     return code
 
 
