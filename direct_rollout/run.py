@@ -16,7 +16,7 @@ whose chains each carry the text, prediction, correctness (the judgement), tool 
 Correctness is what the paper's Pareto step reads but its code never computes
 (paper_data_stages.md §4.1): math, 0 or 1 by math equivalence (the MATH string rules or
 math-verify) against any gold answer; QA, the best token F1 over the gold answers (SQuAD
-normalisation), whose verdict is F1 >= 0.75, Pareto's bar.
+normalisation), whose verdict is F1 >= ``qa_pass_mark`` (0.75 in the presets, Pareto's bar).
 
 What this stage does not do: select questions (``pareto/``), or keep per-token arrays (token
 ids, masks, log-probabilities): nothing downstream reads them, RL samples its own rollouts, and
@@ -28,10 +28,12 @@ from __future__ import annotations
 
 import logging
 from collections.abc import Sequence
+from functools import partial
 
 from omegaconf import DictConfig, open_dict
 
 from etagent import scoring
+from etagent.config import require_number
 from etagent.errors import DegradedRun, exit_on_user_error
 from etagent.records import Judgement
 from etagent.sampling import run_sampling
@@ -39,24 +41,22 @@ from etagent.tools.executor import describe_failures
 
 log = logging.getLogger("direct_rollout")
 
-# A QA chain counts as correct from this F1 on: the bar of the paper's Pareto filter.
-QA_THRESHOLD = 0.75
-
-
-def chain_judgement(prediction: str, golds: Sequence[str], kind: str) -> Judgement:
-    """A chain's correctness: math 0/1 by equivalence with any gold answer, QA the best F1."""
+def chain_judgement(prediction: str, golds: Sequence[str], kind: str, qa_pass_mark: float) -> Judgement:
+    """A chain's correctness: math 0/1 by equivalence with any gold answer, QA the best F1
+    (correct from ``qa_pass_mark`` on)."""
     if kind == "math":
         score = float(scoring.math_equal(prediction, golds))
         return Judgement(metric="math_equal", score=score, verdict=score == 1.0)
     score = scoring.best_over_golds(scoring.f1, prediction, golds)
-    return Judgement(metric="f1", score=score, verdict=score >= QA_THRESHOLD, threshold=QA_THRESHOLD)
+    return Judgement(metric="f1", score=score, verdict=score >= qa_pass_mark, threshold=qa_pass_mark)
 
 
 def run(cfg: DictConfig) -> dict:
     """Roll out every question not yet in cfg.out_dir; return the summary metrics."""
+    require_number(cfg, "qa_pass_mark", 0, 1)
     with open_dict(cfg):
         cfg.stage = f"direct_rollout/stage{cfg.rl_stage}"
-    return run_sampling(cfg, judge=chain_judgement, token_arrays=False)
+    return run_sampling(cfg, judge=partial(chain_judgement, qa_pass_mark=cfg.qa_pass_mark), token_arrays=False)
 
 
 @exit_on_user_error

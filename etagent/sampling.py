@@ -1,8 +1,7 @@
 """Sample n rollouts per question with the agent loop, in one process or across a Ray cluster.
 
 :func:`run_sampling` writes ``out_dir/trajectories.jsonl`` (one :class:`TrajectoryGroup` per
-question, each rollout judged by the stage's judge, :func:`etagent.scoring.rule_judgement` unless
-it gives its own) and ``manifest.json``. Questions already in the output are skipped, so a killed
+question, each rollout judged by the stage's judge) and ``manifest.json``. Questions already in the output are skipped, so a killed
 run resumes where it stopped and never duplicates a question.
 
 With ``ray.workers: 0`` everything runs here: each trajectory advances on its own, at most
@@ -34,13 +33,12 @@ from tqdm import tqdm
 from etagent.agent import AgentConfig, AgentLoop
 from etagent.records import JsonlAppender, Judgement, Question, TrajectoryGroup, read_questions, write_manifest
 from etagent.rundir import claim_output
-from etagent.scoring import rule_judgement
 from etagent.tools.executor import degraded, describe_failures, failure_counts
 
 log = logging.getLogger(__name__)
 
-# A judge: (prediction, gold answers, kind) -> Judgement. A module-level function, so that Ray can
-# send it to its workers by name.
+# A judge: (prediction, gold answers, kind) -> Judgement. A module-level function (or a
+# functools.partial of one), so that Ray can send it to its workers by name.
 Judge = Callable[[str, Sequence[str], str], Judgement]
 
 # The per-token fields of a trajectory. A stage that only reads answers and counts (direct
@@ -55,7 +53,7 @@ def agent_config(cfg) -> AgentConfig:
 class Sampler:
     """An engine, the tools and the agent loop: turns questions into scored trajectory groups."""
 
-    def __init__(self, engine, executor, config: AgentConfig, n: int, stage: str, judge: Judge = rule_judgement, token_arrays: bool = True):
+    def __init__(self, engine, executor, config: AgentConfig, n: int, stage: str, judge: Judge, token_arrays: bool = True):
         self.loop = AgentLoop(engine, executor, config)
         self.n, self.stage, self.judge, self.token_arrays = n, stage, judge, token_arrays
 
@@ -224,7 +222,7 @@ def check_sampling_settings(cfg: DictConfig) -> None:
     check_tool_settings(cfg.tools)
 
 
-def run_sampling(cfg: DictConfig, judge: Judge = rule_judgement, token_arrays: bool = True) -> dict:
+def run_sampling(cfg: DictConfig, judge: Judge, token_arrays: bool = True) -> dict:
     """Sample every question of cfg.questions not yet in the output, judging each rollout with
     ``judge``; return summary metrics (``degraded`` when the tools failed on more than
     ``tools.max_failure_share`` of the calls). ``token_arrays=False`` leaves the per-token fields

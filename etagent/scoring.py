@@ -300,14 +300,14 @@ def rule_correctness(prediction: str, golds: Sequence[str], kind: str) -> float:
     return best_over_golds(f1_paper, prediction, golds)
 
 
-def rule_judgement(prediction: str, golds: Sequence[str], kind: str, qa_threshold: float = 0.8) -> Judgement:
+def rule_judgement(prediction: str, golds: Sequence[str], kind: str, qa_pass_mark: float) -> Judgement:
     """:func:`rule_correctness` as a :class:`Judgement`: math is right or wrong
-    (``math_equal``); QA's score is the paper's F1, counted correct at ``qa_threshold`` or above
-    (0.8 by default, the flywheel's bar)."""
+    (``math_equal``); QA's score is the paper's F1, counted correct at ``qa_pass_mark`` or above
+    (each stage's own setting of that name)."""
     score = rule_correctness(prediction, golds, kind)
     if kind == "math":
         return Judgement(metric="math_equal", score=score, verdict=score == 1.0)
-    return Judgement(metric="f1_paper", score=score, verdict=score >= qa_threshold, threshold=qa_threshold)
+    return Judgement(metric="f1_paper", score=score, verdict=score >= qa_pass_mark, threshold=qa_pass_mark)
 
 
 # ---------------------------------------------------------------------------------------------

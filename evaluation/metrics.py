@@ -9,8 +9,8 @@ succeeding (from the rollout's records); the length outside tool results; format
 
 Correctness c_i, as the paper's table uses it: the LLM judge's verdict for math (falling back to
 math equivalence where there is no judge or the judge failed; failures are counted), token F1
-with the paper's normalisation for QA. A sample is *solved* (for pass@k) when c_i >= 0.8 (for
-math c_i is 0 or 1; 0.8 is the flywheel's F1 rule for QA).
+with the paper's normalisation for QA. A sample is *solved* (for pass@k) when c_i reaches the
+evaluation's ``qa_pass_mark`` (0.8 in the presets, the flywheel's F1 rule; math's c_i is 0 or 1).
 
 Where a question says how many calls of each tool it needs (``needed_calls``; the toy world's
 do), each sample is also marked redundant (some tool called more often than needed) and/or
@@ -34,8 +34,6 @@ import numpy as np
 
 from etagent.scoring import correctness, efficiency, pass_at_k, tool_productivity
 
-SOLVED = 0.8
-
 
 def _bootstrap(values_per_question: list[list[float]], statistic, rng: np.random.Generator, rounds: int) -> tuple[float, float]:
     """95% interval of statistic(flattened values) when resampling questions with replacement."""
@@ -50,7 +48,7 @@ def _bootstrap(values_per_question: list[list[float]], statistic, rng: np.random
     return float(low), float(high)
 
 
-def aggregate(questions: Sequence[tuple[str, list[dict]]], bootstrap_rounds: int = 1000, seed: int = 0) -> dict:
+def aggregate(questions: Sequence[tuple[str, list[dict]]], qa_pass_mark: float, bootstrap_rounds: int = 1000, seed: int = 0) -> dict:
     """The dataset's aggregates from (kind, per-sample metrics) per question. Each question is
     scored by its own kind, so a dataset may mix math and QA (the toy world does)."""
     samples = [(kind, m) for kind, per_question in questions for m in per_question]
@@ -97,7 +95,7 @@ def aggregate(questions: Sequence[tuple[str, list[dict]]], bootstrap_rounds: int
         out["judge_failures"] = sum(m["llm_judge"] is None for m in judged)
     n = min(len(g) for _, g in questions)
     if n >= 1:
-        solved = [sum(correctness(m, kind) >= SOLVED for m in g[:n]) for kind, g in questions]
+        solved = [sum(correctness(m, kind) >= qa_pass_mark for m in g[:n]) for kind, g in questions]
         for k in sorted({k for k in (1, 2, 4, 8, 16, n) if k <= n}):
             per_question = [("", [pass_at_k(n, s, k)]) for s in solved]
             out[f"pass@{k}"] = round(100 * float(np.mean([v for _, [v] in per_question])), 2)
@@ -107,10 +105,10 @@ def aggregate(questions: Sequence[tuple[str, list[dict]]], bootstrap_rounds: int
     return out
 
 
-def behaviour(rows: Sequence[dict]) -> dict:
+def behaviour(rows: Sequence[dict], qa_pass_mark: float) -> dict:
     """Per source (kind of question) and over all: questions, samples, correctness, mean tool
     calls, redundant-call rate and insufficient-call rate (shares of all samples), and the
-    redundant-call rate among the solved samples (c_i >= SOLVED: over-calling that correctness
+    redundant-call rate among the solved samples (c_i >= qa_pass_mark: over-calling that correctness
     alone does not punish, the case the efficiency reward is for), from scored rows (``source``,
     ``kind`` and per-sample metrics). Only questions with known needed calls count; {} when there
     are none."""
@@ -122,7 +120,7 @@ def behaviour(rows: Sequence[dict]) -> dict:
 
     def summary(questions: list[tuple[str, list[dict]]]) -> dict:
         samples = [(kind, m) for kind, ms in questions for m in ms]
-        solved = [m for kind, m in samples if correctness(m, kind) >= SOLVED]
+        solved = [m for kind, m in samples if correctness(m, kind) >= qa_pass_mark]
         return {
             "questions": len(questions),
             "samples": len(samples),

@@ -28,6 +28,7 @@ from __future__ import annotations
 import json
 import logging
 import time
+from functools import partial
 from pathlib import Path
 
 from omegaconf import DictConfig, OmegaConf
@@ -39,7 +40,7 @@ from etagent.records import JsonlAppender, TrajectoryGroup, iter_jsonl, read_jso
 from etagent.rundir import claim_output
 from etagent.sampling import RESUME_FREE as SAMPLING_RESUME_FREE
 from etagent.sampling import run_sampling
-from etagent.scoring import sample_metrics
+from etagent.scoring import rule_judgement, sample_metrics
 from etagent.tools.executor import degraded, describe_failures
 from evaluation.benchmarks import BENCHMARKS, benchmark_file, load_benchmark
 from evaluation.metrics import aggregate, behaviour
@@ -161,6 +162,7 @@ def check_settings(cfg: DictConfig) -> None:
         require_int(cfg, key)
     require_int(cfg, "limit", optional=True)
     require_number(cfg, "judge.timeout_s", above=0)
+    require_number(cfg, "qa_pass_mark", 0, 1)
     check_engine_settings(cfg.engine)
     check_agent_settings(cfg.agent)
     check_tool_settings(cfg.tools)
@@ -194,13 +196,13 @@ def evaluate_dataset(cfg: DictConfig, name: str, questions: list, judge) -> dict
     out.mkdir(parents=True, exist_ok=True)
     path = benchmark_path(cfg, name)
     write_jsonl(out / "questions.jsonl", questions)
-    rollouts = run_sampling(sampling_config(cfg, name, out / "questions.jsonl", out))
+    rollouts = run_sampling(sampling_config(cfg, name, out / "questions.jsonl", out), judge=partial(rule_judgement, qa_pass_mark=cfg.qa_pass_mark))
     score(cfg, out, judge)
     wanted = {q.id for q in questions}
     scored = [row for _, row in iter_jsonl(out / "scored.jsonl") if row["id"] in wanted]
     metrics = {"dataset": name, "file": str(path), "kinds": sorted({row["kind"] for row in scored})}
-    metrics.update(aggregate([(row["kind"], row["samples"]) for row in scored], cfg.bootstrap_rounds, cfg.seed))
-    metrics["behaviour"] = behaviour(scored)
+    metrics.update(aggregate([(row["kind"], row["samples"]) for row in scored], cfg.qa_pass_mark, cfg.bootstrap_rounds, cfg.seed))
+    metrics["behaviour"] = behaviour(scored, cfg.qa_pass_mark)
     metrics["tool_failures"] = rollouts["tool_failures"]
     (out / "metrics.json").write_text(json.dumps(metrics, indent=2) + "\n")
     return metrics

@@ -25,8 +25,8 @@ Per question (paper_data_stages.md §2.5, §2.6):
 3. Every new trajectory is judged and kept, with its operation, parent, round and the step it
    edited (:class:`etagent.records.Provenance`); a round that makes nothing ends the rounds.
 
-Judging: QA by F1 above ``qa_threshold`` (0.8, SQuAD-normalised rather than the reference's raw
-whitespace F1); math by the rule (math equivalence against every gold answer), then the LLM judge
+Judging: QA by F1 from ``qa_pass_mark`` on (0.8 in the presets; the paper's evaluation
+normalisation, articles removed, rather than the reference's raw whitespace F1); math by the rule (math equivalence against every gold answer), then the LLM judge
 where one is configured and the rule said no.
 
 Continuations after an edit run with their own budgets (10 python, 10 search), counting the calls
@@ -87,10 +87,10 @@ STAT_FIELDS = ("attempted", "parsed", "succeeded", "correct")
 
 @dataclass(frozen=True)
 class FlywheelSettings:
+    qa_pass_mark: float  # a QA answer is correct from this F1 on (the stage's YAML states it)
     rounds: int = 3
     continuation_python_calls: int = 10
     continuation_search_calls: int = 10
-    qa_threshold: float = 0.8
     seed: int = 0
     # the editor's raw replies kept in the log, per reply
     reply_chars: int = 2000
@@ -138,7 +138,7 @@ class Flywheel:
         loop: AgentLoop,
         reflector: TextModel,
         editor: TextModel | None,
-        settings: FlywheelSettings = FlywheelSettings(),
+        settings: FlywheelSettings,
         judge: scoring.LLMJudge | None = None,
         stage: str = "flywheel",
     ):
@@ -359,7 +359,7 @@ class Flywheel:
 
     async def judgement(self, q: Question, prediction: str) -> Judgement:
         """QA: F1 over the threshold; math: the rule, then the LLM judge if configured."""
-        rule = scoring.rule_judgement(prediction, q.answer, q.kind, qa_threshold=self.settings.qa_threshold)
+        rule = scoring.rule_judgement(prediction, q.answer, q.kind, qa_pass_mark=self.settings.qa_pass_mark)
         if q.kind != "math" or rule.verdict or self.judge is None or not prediction.strip():
             return rule
         judged = await self.judge.ajudge(q.question, q.answer, prediction)

@@ -154,7 +154,7 @@ def check_settings(cfg: DictConfig) -> None:
         require_int(cfg, key)
     for key in ("flywheel.rounds", "flywheel.continuation_python_calls", "flywheel.continuation_search_calls"):
         require_int(cfg, key, minimum=0)
-    require_number(cfg, "flywheel.qa_threshold", 0, 1)
+    require_number(cfg, "flywheel.qa_pass_mark", 0, 1)
     require_number(cfg, "flywheel.question_timeout_s", above=0)
     check_engine_settings(cfg.engine)
     check_agent_settings(cfg.agent)

@@ -178,7 +178,7 @@ def check_settings(cfg: DictConfig) -> None:
     require_int(cfg, "count")
     require_choice(cfg, "method", ("pareto", "random"))
     require_number(cfg, "mixed_outcome.math_threshold", 0, 1)
-    require_number(cfg, "mixed_outcome.qa_threshold", 0, 1)
+    require_number(cfg, "mixed_outcome.qa_pass_mark", 0, 1)
     if not cfg.objectives:
         raise SettingError("objectives", "is empty: name at least one objective")
 
@@ -209,7 +209,7 @@ def choose(cfg: DictConfig, out: Path, config: dict) -> dict:
     questions, arrays, left_out = read_rollouts(rollouts)
     chains = Chains(**arrays, n_questions=len(questions))
     kinds = np.array([q.kind for q in questions])
-    threshold = np.where(kinds == "math", cfg.mixed_outcome.math_threshold, cfg.mixed_outcome.qa_threshold).astype(float)
+    threshold = np.where(kinds == "math", cfg.mixed_outcome.math_threshold, cfg.mixed_outcome.qa_pass_mark).astype(float)
     points = objectives(chains, names)
     mixed = mixed_outcome(chains, threshold)
     reasons = ineligibility(chains, threshold, mixed)

@@ -9,6 +9,7 @@ import asyncio
 import dataclasses
 import random
 import time
+from functools import partial
 
 import pytest
 from transformers import AutoTokenizer
@@ -17,6 +18,7 @@ from etagent import protocol
 from etagent.agent import AgentConfig, AgentLoop, Budgets
 from etagent.llm import GenerationRequest, Sample
 from etagent.records import Question, TokenOrigin
+from etagent.scoring import rule_judgement
 from etagent.tools import ToolOutput
 from etagent.tools.executor import ToolExecutor
 from tests.trajectories import mask_runs
@@ -454,7 +456,7 @@ def test_streamed_sampling_keeps_its_window_and_writes_in_question_order(tokeniz
     for lockstep in (False, True):
         engine = ScriptedEngine(tokenizer, SCRIPTS)
         executor = ToolExecutor([FakeSearch(random.Random(4)), FakePython(random.Random(5))])
-        sampler = Sampler(engine, executor, dataclasses.replace(SCRIPT_CONFIG, lockstep=lockstep), n=2, stage="test")
+        sampler = Sampler(engine, executor, dataclasses.replace(SCRIPT_CONFIG, lockstep=lockstep), n=2, stage="test", judge=partial(rule_judgement, qa_pass_mark=0.8))
         active, most = 0, 0
         run_one = sampler.loop.run_one
 

@@ -106,7 +106,7 @@ def test_efficiency_over_zero_one_two_tool_calls():
         ("math", [sample(math_equal=1.0, tool_calls=2, executed_calls=2, successful_calls=1)]),
         ("math", [sample(math_equal=0.0, tool_calls=3, executed_calls=3)]),
     ]
-    out = aggregate(questions, bootstrap_rounds=50)
+    out = aggregate(questions, 0.8, bootstrap_rounds=50)
     assert out["correctness"] == 75.0
     assert out["efficiency"] == pytest.approx(100 * (1 + 1 + 0.5 + 0) / 4)
     assert out["tool_calls"] == 1.5 and out["successful_execution"] == pytest.approx(2 / 6, abs=1e-4)
@@ -120,7 +120,7 @@ def test_correctness_uses_the_judge_for_math_and_f1_for_qa():
     assert correctness(sample(math_equal=1.0, llm_judge=None), "math") == 1.0  # judge failed: rule
     assert correctness(sample(math_equal=1.0), "math") == 1.0
     assert correctness(sample(f1_paper=0.4, math_equal=1.0), "qa") == 0.4
-    out = aggregate([("math", [sample(llm_judge=True)]), ("math", [sample(llm_judge=None, math_equal=0.0)])], bootstrap_rounds=10)
+    out = aggregate([("math", [sample(llm_judge=True)]), ("math", [sample(llm_judge=None, math_equal=0.0)])], 0.8, bootstrap_rounds=10)
     assert out["judge_failures"] == 1 and out["llm_judge"] == 100.0 and out["correctness"] == 50.0
 
 
@@ -161,7 +161,7 @@ def test_behaviour_per_kind_on_hand_made_groups():
     ]
     rows = [{"source": q[0][1], "kind": q[0][0], "samples": [m for _, _, m in q]} for q in questions]
     rows.append({"source": "hotpotqa", "kind": "qa", "samples": [sample()]})  # no needed calls: not counted
-    out = behaviour(rows)
+    out = behaviour(rows, 0.8)
     assert set(out) == {"toy_search", "toy_python", "toy_both", "toy_none", "all"}
     assert out["toy_search"] == {
         "questions": 2,
@@ -180,7 +180,7 @@ def test_behaviour_per_kind_on_hand_made_groups():
     assert out["all"]["samples"] == 10 and out["all"]["redundant_rate"] == 40.0 and out["all"]["insufficient_rate"] == 30.0
     # solved: 2 search, 1 python, 1 both, 2 none; redundant among them: search 1, both 1, none 1
     assert out["toy_python"]["redundant_when_solved"] == 0.0 and out["all"]["redundant_when_solved"] == 50.0
-    assert behaviour([{"source": "hotpotqa", "kind": "qa", "samples": [sample()]}]) == {}
+    assert behaviour([{"source": "hotpotqa", "kind": "qa", "samples": [sample()]}], 0.8) == {}
 
 
 def test_pass_at_k_in_aggregates_matches_brute_force():
@@ -188,7 +188,7 @@ def test_pass_at_k_in_aggregates_matches_brute_force():
 
     outcomes = [[1, 0, 0, 1], [0, 0, 0, 0], [1, 1, 1, 1], [0, 1, 0, 0]]
     questions = [("math", [sample(math_equal=float(o)) for o in row]) for row in outcomes]
-    out = aggregate(questions, bootstrap_rounds=10)
+    out = aggregate(questions, 0.8, bootstrap_rounds=10)
     for k in (1, 2, 4):
         brute = (
             sum(
@@ -280,7 +280,7 @@ def test_judge_timeouts_and_garbage_are_retried_then_counted_as_failures(tmp_pat
     for failing in ("q2", "q3", "q4"):
         assert verdicts[failing]["llm_judge"] is None and verdicts[failing]["llm_judge_reason"].startswith("failed")
     assert verdicts["q5"]["llm_judge"] is True and verdicts["q5"]["llm_judge_reason"] == "rule"
-    out = aggregate([("math", row["samples"]) for row in rows], bootstrap_rounds=10)
+    out = aggregate([("math", row["samples"]) for row in rows], 0.8, bootstrap_rounds=10)
     assert out["judge_failures"] == 3
 
 

@@ -122,7 +122,7 @@ def make_flywheel(tokenizer, executor, redundancy="Step: no", rewrite="Short rea
     loop = AgentLoop(engine, executor, AgentConfig(logprobs=0, timeout_s=None, max_response_tokens=600, seed=0))
     sampling = {"temperature": 1.0, "max_tokens": 200}
     edit = TextModel(SharedBatches(ScriptedModel(tokenizer, editor_replies(redundancy, rewrite))), sampling, "editor") if editor else None
-    return Flywheel(loop, TextModel(engine, sampling, "reflector"), edit, FlywheelSettings(rounds=rounds))
+    return Flywheel(loop, TextModel(engine, sampling, "reflector"), edit, FlywheelSettings(qa_pass_mark=0.8, rounds=rounds))
 
 
 def evolve(flywheel, question) -> QuestionRun:

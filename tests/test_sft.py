@@ -9,6 +9,7 @@ import signal
 import subprocess
 import sys
 import time
+from functools import partial
 from pathlib import Path
 
 import pytest
@@ -232,7 +233,7 @@ def test_tiny_preset_answers_held_out_questions_with_the_right_tools(sft_model, 
     from etagent.config import load_config
     from etagent.records import TrajectoryGroup, read_jsonl
     from etagent.sampling import run_sampling
-    from etagent.scoring import rule_correctness
+    from etagent.scoring import rule_correctness, rule_judgement
 
     manifest = json.loads((sft_model / "manifest.json").read_text())
     final_loss = manifest["metrics"]["final_logged_loss"]
@@ -253,7 +254,7 @@ def test_tiny_preset_answers_held_out_questions_with_the_right_tools(sft_model, 
             "batch_questions=50",
         ],
     )
-    run_sampling(cfg)
+    run_sampling(cfg, judge=partial(rule_judgement, qa_pass_mark=cfg.qa_pass_mark))
     groups = read_jsonl(out / "trajectories.jsonl", TrajectoryGroup)
     needed = {"toy_search": "search", "toy_python": "python", "toy_both": "search"}
     valid = sum(protocol.validate_format(g.trajectories[0].text) for g in groups) / len(groups)

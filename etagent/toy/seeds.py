@@ -158,7 +158,8 @@ def write_trajectory(q: ToyQuestion, behaviour: str, search: ToySearch, rng: ran
         text=b.text,
         tool_calls=b.calls,
         prediction=prediction,
-        judgement=rule_judgement(prediction, q.question.answer, q.question.kind),
+        # a seed writes the gold answer itself, so nothing short of an exact F1 of 1 is right
+        judgement=rule_judgement(prediction, q.question.answer, q.question.kind, qa_pass_mark=1.0),
         finish_reason="answer",
         provenance=Provenance(stage="toy", operation="seed", behaviour=behaviour),
     )
