@@ -131,7 +131,7 @@ def main() -> None:
     os.environ.update(HF_HUB_OFFLINE="1", OMP_NUM_THREADS=str(args.threads))
     work = Path(tempfile.mkdtemp(prefix="etagent-bench-"))
     subprocess.run(
-        [sys.executable, "-m", "etagent.cli", "toy", "build", "--out", str(work / "toy")], check=True, cwd=ROOT, stdout=subprocess.DEVNULL
+        [sys.executable, "-m", "launcher", "toy", "build", "--out", str(work / "toy")], check=True, cwd=ROOT, stdout=subprocess.DEVNULL
     )
     subprocess.run(
         [

@@ -28,7 +28,7 @@ def toy_policy(work: Path, toy: str | None, model: str | None) -> tuple[Path, st
     os.environ.update(HF_HUB_OFFLINE="1", TOKENIZERS_PARALLELISM="false")
     toy_dir = Path(toy) if toy else work / "toy"
     if not toy:
-        _run(sys.executable, "-m", "etagent.cli", "toy", "build", "--out", str(toy_dir))
+        _run(sys.executable, "-m", "launcher", "toy", "build", "--out", str(toy_dir))
     if model is None:
         _run(
             sys.executable,

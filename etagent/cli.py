@@ -1,22 +1,6 @@
-"""The ``etagent`` command: one subcommand per stage and a few utilities.
-
-    etagent toy build --out runs/toy [overrides]   build the toy world and tiny model
-    etagent retriever build|serve [overrides]      index a corpus / serve it (retriever/)
-    etagent flywheel [--preset P] [overrides]      evolve seed questions into trajectories (flywheel/run.py)
-    etagent flywheel export [--preset P] [...]     the flywheel's trajectories as SFT data (flywheel/export.py)
-    etagent direct-rollout [--preset P] [overrides] K chains per question for RL (direct_rollout/run.py)
-    etagent pareto [--preset P] [overrides]        choose a stage's RL questions (pareto/run.py)
-    etagent sft [--preset P] [overrides]           fine-tune on trajectories (sft/run.py)
-    etagent rl [--preset P] [overrides]            GRPO with the efficiency reward (rl/run.py)
-    etagent evaluate [--preset P] [overrides]      benchmarks and the paper's table (evaluation/run.py)
-    etagent radar [--preset P] [overrides]         radar metrics and chart (radar/run.py)
-    etagent score [FILE] [--judge-url URL ...]     score predictions, one JSON line each
-    etagent reward [FILE]                          the RL efficiency reward of groups, one JSON line each (rl/reward.py)
-    etagent tool python|search ...                 run one tool call, print its record
-
-Stage subcommands take ``--preset NAME`` (``configs/<stage>/NAME.yaml``, default ``tiny``) and
-Hydra overrides (``key=value``); each also runs as ``python -m <module>``.
-"""
+"""The core's own commands, ``etagent score`` and ``etagent tool`` (the ``etagent`` command
+itself, which also reaches every stage, is :mod:`launcher.main`, outside the core): scoring
+predictions given as JSON lines, and one tool call through the configured tool."""
 
 from __future__ import annotations
 
@@ -126,71 +110,3 @@ def tool_main(argv: list[str]) -> int:
                 line["isolation_note"] = backend.isolation_note
     print(json.dumps(line, ensure_ascii=False))
     return 0 if record.ok else 1
-
-
-# Stage commands: (sub-command or None, module whose main(argv) runs it, help). Each stage module
-# is also runnable as `python -m <module>`.
-STAGES = {
-    "toy": ("build", "etagent.toy.build", "build the toy world and tiny model: etagent toy build --out DIR"),
-    "retriever build": (None, "retriever.build", "index a corpus: etagent retriever build [overrides]"),
-    "retriever serve": (None, "retriever.server", "serve an index: etagent retriever serve [overrides]"),
-    "flywheel export": (
-        None,
-        "flywheel.export",
-        "the flywheel's trajectories as SFT data: etagent flywheel export [--preset P] [overrides]",
-    ),
-    "flywheel": (None, "flywheel.run", "evolve seed questions into judged trajectories: etagent flywheel [--preset P] [overrides]"),
-    "direct-rollout": (
-        None,
-        "direct_rollout.run",
-        "K judged chains per question with the policy: etagent direct-rollout [--preset P] [overrides]",
-    ),
-    "pareto": (None, "pareto.run", "Pareto selection of a stage's RL questions into rl.parquet: etagent pareto [--preset P] [overrides]"),
-    "sft": (None, "sft.run", "fine-tune on trajectories with tool results masked: etagent sft [--preset P] [overrides]"),
-    "rl": (None, "rl.run", "GRPO with the efficiency reward on a stage's rl.parquet: etagent rl [--preset P] [overrides]"),
-    "evaluate": (None, "evaluation.run", "benchmarks, metrics and the paper's table: etagent evaluate [--preset P] [overrides]"),
-    "reward": (None, "rl.reward", "the RL efficiency reward of groups given as JSON lines: etagent reward [FILE]"),
-    "radar": (None, "radar.run", "radar metrics and chart over evaluation runs: etagent radar [--preset P] [overrides]"),
-}
-UTILITIES = {
-    "score": "score predictions given as JSON lines",
-    "tool": "run one tool call (python or search) with the tools config",
-    "configs": "write every preset, resolved, into configs/resolved/ (--check: fail if one is stale)",
-}
-
-
-def main(argv: list[str] | None = None) -> int:
-    import importlib
-
-    argv = list(sys.argv[1:] if argv is None else argv)
-    two_words = " ".join(argv[:2])
-    name = two_words if two_words in STAGES else (argv[0] if argv else "")
-    if name in STAGES:
-        sub, module, _ = STAGES[name]
-        rest = argv[len(name.split()) :]
-        if sub is not None:
-            if not rest or rest[0] != sub:
-                print(f"usage: etagent {name} {sub} ...", file=sys.stderr)
-                return 2
-            rest = rest[1:]
-        importlib.import_module(module).main(rest)
-        return 0
-    if name == "tool":
-        return tool_main(argv[1:])
-    if name == "score":
-        return score_main(argv[1:])
-    if name == "configs":
-        from etagent.config import configs_main
-
-        return configs_main(argv[1:])
-    print(__doc__.strip())
-    print("\ncommands:")
-    for command, (_, _, help_text) in STAGES.items():
-        print(f"  {command:<16} {help_text}")
-    for command, help_text in UTILITIES.items():
-        print(f"  {command:<16} {help_text}")
-    return 0 if not argv or argv[0] in ("-h", "--help") else 2
-
-
-if __name__ == "__main__":
-    sys.exit(main())

@@ -19,7 +19,7 @@ ROOT = Path(__file__).parents[1]
 
 
 def test_the_committed_resolved_presets_are_current():
-    result = subprocess.run([sys.executable, "-m", "etagent.cli", "configs", "--check"], capture_output=True, text=True, cwd=ROOT)
+    result = subprocess.run([sys.executable, "-m", "launcher", "configs", "--check"], capture_output=True, text=True, cwd=ROOT)
     assert result.returncode == 0, result.stdout + result.stderr
 
 

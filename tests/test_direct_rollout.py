@@ -41,11 +41,14 @@ def pareto_cfg(rollouts: Path, out: Path, *extra: str):
 
 
 def test_chain_judgement_is_what_pareto_reads():
-    assert chain_judgement("42", ["42.0", "x"], "math").score == 1.0
-    assert chain_judgement("41", ["42"], "math").score == 0.0
-    partial = chain_judgement("the river Kess", ["Kess river bank"], "qa")
-    assert partial.metric == "f1" and 0 < partial.score < 1 and partial.threshold == 0.75
-    assert chain_judgement("Kess River", ["Pell", "the Kess river"], "qa").score == 1.0  # best over golds
+    assert chain_judgement("42", ["42.0", "x"], "math", 0.75).score == 1.0
+    assert chain_judgement("41", ["42"], "math", 0.75).score == 0.0
+    partial = chain_judgement("the river Kess", ["Kess river bank"], "qa", 0.75)
+    assert partial.metric == "f1" and partial.score == pytest.approx(0.8) and partial.threshold == 0.75 and partial.verdict
+    assert not chain_judgement("the river Kess", ["Kess river bank"], "qa", 0.85).verdict  # below the mark
+    assert chain_judgement("Kess River", ["Pell", "the Kess river"], "qa", 0.75).score == 1.0  # best over golds
+    # the stage's setting is Pareto's bar
+    assert load_config("direct_rollout", "tiny", []).qa_pass_mark == load_config("pareto", "tiny", []).mixed_outcome.qa_pass_mark
 
 
 def test_direct_rollout_resumes_without_duplicates(sft_model, toy, server, tmp_path, monkeypatch):

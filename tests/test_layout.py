@@ -1,10 +1,13 @@
 """The repository's rules that code review alone would let slip: no stage imports another stage
-(shared code lives in etagent/), and the core imports no stage. Read from the source with ast,
-so an import inside a function counts too."""
+(shared code lives in etagent/), and the core imports no stage, not even by a module name
+written as a string (for importlib or ``python -m``); only the launcher (the ``etagent``
+command) reaches every stage. Read from the source with ast, so an import inside a function
+counts too."""
 
 from __future__ import annotations
 
 import ast
+import re
 import time
 from pathlib import Path
 
@@ -38,6 +41,40 @@ def test_no_stage_imports_another_stage(package):
         if name != package
     ]
     assert not offences, "stages share code through etagent/, never through each other:\n" + "\n".join(offences)
+
+
+def module_names_in_strings(path: Path) -> set[str]:
+    """String constants that name a module of a stage that exists in this repository
+    ("rl.run", "evaluation.metrics"; not "rl.parquet" or "sft.jsonl")."""
+    pattern = re.compile(rf"^({'|'.join(STAGES)})(\.[A-Za-z_]\w*)+$")
+    names = set()
+    for node in ast.walk(ast.parse(path.read_text(), filename=str(path))):
+        if isinstance(node, ast.Constant) and isinstance(node.value, str) and pattern.match(node.value):
+            module = ROOT.joinpath(*node.value.split("."))
+            if module.with_suffix(".py").is_file() or (module / "__init__.py").is_file():
+                names.add(node.value)
+    return names
+
+
+@pytest.mark.parametrize("package", STAGES + ("etagent",))
+def test_no_module_of_another_stage_is_named_in_a_string(package):
+    offences = [
+        f"{path.relative_to(ROOT)} names {name}"
+        for path in sorted((ROOT / package).rglob("*.py"))
+        for name in sorted(module_names_in_strings(path))
+        if name.split(".")[0] != package
+    ]
+    assert not offences, "a module name in a string is an import the rule above cannot see:\n" + "\n".join(offences)
+
+
+def test_the_string_rule_sees_module_names_and_not_file_names(tmp_path):
+    module = tmp_path / "m.py"
+    module.write_text('import importlib\nimportlib.import_module("rl.run")\nARGS = ["-m", "evaluation.run"]\nOUT = "rl.parquet"\n')
+    assert module_names_in_strings(module) == {"rl.run", "evaluation.run"}
+
+
+def test_the_launcher_reaches_every_stage():
+    assert imported_packages(ROOT / "launcher" / "main.py") >= set(STAGES)
 
 
 def test_the_rule_sees_imports_inside_functions(tmp_path):

@@ -109,13 +109,13 @@ def test_etagent_reward_command(tmp_path):
     ]
     path = tmp_path / "groups.jsonl"
     path.write_text("".join(json.dumps(g) + "\n" for g in groups))
-    out = subprocess.run([sys.executable, "-m", "etagent.cli", "reward", str(path)], capture_output=True, text=True, check=True)
+    out = subprocess.run([sys.executable, "-m", "launcher", "reward", str(path)], capture_output=True, text=True, check=True)
     lines = [json.loads(line) for line in out.stdout.splitlines()]
     assert set(lines[0]) == {"rewards", "raw", "tool_calls", "f_tool", "f_length", "f_format"}
     assert lines[0] == efficiency_reward(**{k: v for k, v in groups[0].items()}).to_json()
     assert lines[1]["raw"] == [1.0]  # paper mode: "kessriver" against "kessriver" (the article normalised away first)
     bad = json.dumps({**groups[0], "lengths": [1, 2]})
-    failed = subprocess.run([sys.executable, "-m", "etagent.cli", "reward"], input=bad + "\n", capture_output=True, text=True)
+    failed = subprocess.run([sys.executable, "-m", "launcher", "reward"], input=bad + "\n", capture_output=True, text=True)
     assert failed.returncode != 0 and "<stdin>:1: field 'lengths'" in failed.stderr
 
 

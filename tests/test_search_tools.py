@@ -362,7 +362,7 @@ def test_etagent_tool_cli(retriever, tmp_path):
 
     def run(*args, stdin=None):
         return subprocess.run(
-            [sys.executable, "-m", "etagent.cli", "tool", *args], input=stdin, capture_output=True, text=True, timeout=120
+            [sys.executable, "-m", "launcher", "tool", *args], input=stdin, capture_output=True, text=True, timeout=120
         )  # noqa: E731
 
     out = run("python", stdin="x = 6\nx * 7\n")

@@ -1,0 +1,160 @@
+"""The ``etagent`` command: one subcommand per stage and a few utilities.
+
+    etagent toy build --out runs/toy [overrides]   build the toy world and tiny model
+    etagent retriever build|serve [overrides]      index a corpus / serve it (retriever/)
+    etagent flywheel [--preset P] [overrides]      evolve seed questions into trajectories (flywheel/run.py)
+    etagent flywheel export [--preset P] [...]     the flywheel's trajectories as SFT data (flywheel/export.py)
+    etagent direct-rollout [--preset P] [overrides] K chains per question for RL (direct_rollout/run.py)
+    etagent pareto [--preset P] [overrides]        choose a stage's RL questions (pareto/run.py)
+    etagent sft [--preset P] [overrides]           fine-tune on trajectories (sft/run.py)
+    etagent rl [--preset P] [overrides]            GRPO with the efficiency reward (rl/run.py)
+    etagent evaluate [--preset P] [overrides]      benchmarks and the paper's table (evaluation/run.py)
+    etagent radar [--preset P] [overrides]         radar metrics and chart (radar/run.py)
+    etagent score [FILE] [--judge-url URL ...]     score predictions, one JSON line each
+    etagent reward [FILE]                          the RL efficiency reward of groups, one JSON line each (rl/reward.py)
+    etagent tool python|search ...                 run one tool call, print its record
+    etagent configs [--check]                      write every preset, resolved, into configs/resolved/
+
+Stage subcommands take ``--preset NAME`` (``configs/<stage>/NAME.yaml``, default ``tiny``) and
+Hydra overrides (``key=value``); each also runs as ``python -m <module>``. A stage is imported
+only when its command runs (``etagent score`` does not load torch), by an import statement in
+its command's function, so that tests/test_layout.py sees which modules the launcher reaches.
+"""
+
+from __future__ import annotations
+
+import sys
+from collections.abc import Callable
+
+
+def toy(argv: list[str]) -> None:
+    from etagent.toy.build import main
+
+    main(argv)
+
+
+def retriever_build(argv: list[str]) -> None:
+    from retriever.build import main
+
+    main(argv)
+
+
+def retriever_serve(argv: list[str]) -> None:
+    from retriever.server import main
+
+    main(argv)
+
+
+def flywheel_export(argv: list[str]) -> None:
+    from flywheel.export import main
+
+    main(argv)
+
+
+def flywheel(argv: list[str]) -> None:
+    from flywheel.run import main
+
+    main(argv)
+
+
+def direct_rollout(argv: list[str]) -> None:
+    from direct_rollout.run import main
+
+    main(argv)
+
+
+def pareto(argv: list[str]) -> None:
+    from pareto.run import main
+
+    main(argv)
+
+
+def sft(argv: list[str]) -> None:
+    from sft.run import main
+
+    main(argv)
+
+
+def rl(argv: list[str]) -> None:
+    from rl.run import main
+
+    main(argv)
+
+
+def evaluate(argv: list[str]) -> None:
+    from evaluation.run import main
+
+    main(argv)
+
+
+def reward(argv: list[str]) -> None:
+    from rl.reward import main
+
+    main(argv)
+
+
+def radar(argv: list[str]) -> None:
+    from radar.run import main
+
+    main(argv)
+
+
+# command: (the sub-command it requires or None, what runs it, help)
+STAGES: dict[str, tuple[str | None, Callable[[list[str]], None], str]] = {
+    "toy": ("build", toy, "build the toy world and tiny model: etagent toy build --out DIR"),
+    "retriever build": (None, retriever_build, "index a corpus: etagent retriever build [overrides]"),
+    "retriever serve": (None, retriever_serve, "serve an index: etagent retriever serve [overrides]"),
+    "flywheel export": (None, flywheel_export, "the flywheel's trajectories as SFT data: etagent flywheel export [--preset P] [overrides]"),
+    "flywheel": (None, flywheel, "evolve seed questions into judged trajectories: etagent flywheel [--preset P] [overrides]"),
+    "direct-rollout": (
+        None,
+        direct_rollout,
+        "K judged chains per question with the policy: etagent direct-rollout [--preset P] [overrides]",
+    ),
+    "pareto": (None, pareto, "Pareto selection of a stage's RL questions into rl.parquet: etagent pareto [--preset P] [overrides]"),
+    "sft": (None, sft, "fine-tune on trajectories with tool results masked: etagent sft [--preset P] [overrides]"),
+    "rl": (None, rl, "GRPO with the efficiency reward on a stage's rl.parquet: etagent rl [--preset P] [overrides]"),
+    "evaluate": (None, evaluate, "benchmarks, metrics and the paper's table: etagent evaluate [--preset P] [overrides]"),
+    "reward": (None, reward, "the RL efficiency reward of groups given as JSON lines: etagent reward [FILE]"),
+    "radar": (None, radar, "radar metrics and chart over evaluation runs: etagent radar [--preset P] [overrides]"),
+}
+UTILITIES = {
+    "score": "score predictions given as JSON lines",
+    "tool": "run one tool call (python or search) with the tools config",
+    "configs": "write every preset, resolved, into configs/resolved/ (--check: fail if one is stale)",
+}
+
+
+def main(argv: list[str] | None = None) -> int:
+    argv = list(sys.argv[1:] if argv is None else argv)
+    two_words = " ".join(argv[:2])
+    name = two_words if two_words in STAGES else (argv[0] if argv else "")
+    if name in STAGES:
+        sub, command, _ = STAGES[name]
+        rest = argv[len(name.split()) :]
+        if sub is not None:
+            if not rest or rest[0] != sub:
+                print(f"usage: etagent {name} {sub} ...", file=sys.stderr)
+                return 2
+            rest = rest[1:]
+        command(rest)
+        return 0
+    if name == "tool":
+        from etagent.cli import tool_main
+
+        return tool_main(argv[1:])
+    if name == "score":
+        from etagent.cli import score_main
+
+        return score_main(argv[1:])
+    if name == "configs":
+        from etagent.config import configs_main
+
+        return configs_main(argv[1:])
+    print(__doc__.strip())
+    print("\ncommands:")
+    for command_name, (_, _, help_text) in STAGES.items():
+        print(f"  {command_name:<16} {help_text}")
+    for command_name, help_text in UTILITIES.items():
+        print(f"  {command_name:<16} {help_text}")
+    return 0 if not argv or argv[0] in ("-h", "--help") else 2
