@@ -11,6 +11,7 @@ from pathlib import Path
 
 import pytest
 import yaml
+from omegaconf import DictConfig
 
 from etagent.config import config_dir, load_config, presets, stages
 from etagent.errors import UserError
@@ -98,3 +99,17 @@ def _value(cfg, key):
     from omegaconf import OmegaConf
 
     return OmegaConf.select(cfg, key)
+
+
+@pytest.mark.parametrize("stage", stages())
+def test_a_misspelt_key_in_any_preset_is_refused_before_work_naming_it(stage):
+    """An override of a key no YAML defines fails at load time, naming the key, for every preset
+    of every stage: a top-level typo, and one inside a group the stage has (its first group's
+    first key with a letter dropped)."""
+    for preset in presets(stage):
+        cfg = load_config(stage, preset)
+        group = next(key for key, value in cfg.items() if isinstance(value, DictConfig))
+        leaf = next(iter(cfg[group]))
+        for typo in (f"lerning_rate_{stage}", f"{group}.{leaf[:-1]}"):
+            with pytest.raises(UserError, match=f"Could not override '{typo}'"):
+                load_config(stage, preset, [f"{typo}=1"])
