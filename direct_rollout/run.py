@@ -41,6 +41,7 @@ from etagent.tools.executor import describe_failures
 
 log = logging.getLogger("direct_rollout")
 
+
 def chain_judgement(prediction: str, golds: Sequence[str], kind: str, qa_pass_mark: float) -> Judgement:
     """A chain's correctness: math 0/1 by equivalence with any gold answer, QA the best F1
     (correct from ``qa_pass_mark`` on)."""

@@ -43,6 +43,7 @@ from etagent.errors import MissingInput, UserError
 
 log = logging.getLogger(__name__)
 
+
 class RecordError(UserError, ValueError):
     """A record that cannot be read: names the file, the line (or parquet row) and the field."""
 

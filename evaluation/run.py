@@ -196,7 +196,9 @@ def evaluate_dataset(cfg: DictConfig, name: str, questions: list, judge) -> dict
     out.mkdir(parents=True, exist_ok=True)
     path = benchmark_path(cfg, name)
     write_jsonl(out / "questions.jsonl", questions)
-    rollouts = run_sampling(sampling_config(cfg, name, out / "questions.jsonl", out), judge=partial(rule_judgement, qa_pass_mark=cfg.qa_pass_mark))
+    rollouts = run_sampling(
+        sampling_config(cfg, name, out / "questions.jsonl", out), judge=partial(rule_judgement, qa_pass_mark=cfg.qa_pass_mark)
+    )
     score(cfg, out, judge)
     wanted = {q.id for q in questions}
     scored = [row for _, row in iter_jsonl(out / "scored.jsonl") if row["id"] in wanted]

@@ -27,6 +27,9 @@ from omegaconf import DictConfig
 from etagent.llm import GenerationRequest, SharedBatches, make_engine
 from etagent.net import ExternalCallError
 
+# what a role's sampling may set: GenerationRequest's own names
+ROLE_SAMPLING = ("temperature", "top_p", "top_k", "min_p", "repetition_penalty", "max_new_tokens")
+
 
 def derived_seed(*parts) -> int:
     """A 63-bit seed from any parts (run seed, question id, operation, round)."""
@@ -43,11 +46,15 @@ def build_engine(cfg: DictConfig):
 class TextModel:
     """A role that reads and writes text: chat in, text out, through any engine.
 
-    ``sampling`` holds the role's settings (temperature, top_p, top_k, repetition_penalty,
-    max_tokens). Every request is seeded from the caller's ``seed`` parts, so a rerun asks the
-    same thing and, on a seeded engine, gets the same answer."""
+    ``sampling`` holds the role's settings under :class:`etagent.llm.GenerationRequest`'s names
+    (temperature, top_p, top_k, min_p, repetition_penalty, max_new_tokens); another name is an
+    error here, not a setting silently left out. Every request is seeded from the caller's
+    ``seed`` parts, so a rerun asks the same thing and, on a seeded engine, gets the same answer."""
 
     def __init__(self, engine, sampling: dict, name: str):
+        unknown = sorted(set(sampling) - set(ROLE_SAMPLING))
+        if unknown:
+            raise ValueError(f"{name}: unknown sampling settings {', '.join(unknown)} (known: {', '.join(ROLE_SAMPLING)})")
         self.engine, self.name = engine, name
         self.tokenizer = engine.tokenizer
         self.sampling = dict(sampling)
@@ -61,23 +68,16 @@ class TextModel:
         self, messages: list[dict], *, prefill: str = "", stop: tuple[str, ...] = (), seed: int | None = None, **overrides
     ) -> str:
         """The model's continuation of the rendered chat (special tokens left out)."""
-        settings = {**self.sampling, **overrides}
         ids = self.tokenizer.encode(self.render(messages, prefill), add_special_tokens=False)
-        request = GenerationRequest(
-            prompt_ids=tuple(ids),
-            temperature=settings["temperature"],
-            top_p=settings.get("top_p", 1.0),
-            top_k=settings.get("top_k", 0),
-            repetition_penalty=settings.get("repetition_penalty", 1.0),
-            max_new_tokens=settings["max_tokens"],
-            stop=tuple(stop),
-            seed=seed,
-        )
+        request = GenerationRequest(prompt_ids=tuple(ids), stop=tuple(stop), seed=seed, **{**self.sampling, **overrides})
         [[sample]] = await self.engine.agenerate([request])
         if sample.finish_reason == "error":
             raise ExternalCallError(f"{self.name}: the engine failed the request: {sample.error}")
         return self.tokenizer.decode(sample.token_ids, skip_special_tokens=True)
 
     async def chat(self, messages: list[dict], *, session: str | None = None, **sampling) -> str:
-        """The :class:`etagent.scoring.LLMJudge` interface (a judge of any engine)."""
+        """The :class:`etagent.scoring.LLMJudge` interface (a judge of any engine; it says
+        ``max_tokens``, as OpenAI's API does)."""
+        if "max_tokens" in sampling:
+            sampling["max_new_tokens"] = sampling.pop("max_tokens")
         return await self.complete(messages, **sampling)

@@ -53,7 +53,7 @@ from etagent.tools import ToolOutput
 from etagent.tools.executor import build_executor, check_tool_settings, degraded, describe_failures, failure_counts
 from flywheel import prompts
 from flywheel.evolve import OPERATIONS, STAT_FIELDS, Flywheel, FlywheelSettings, QuestionRun
-from flywheel.roles import TextModel, build_engine, derived_seed
+from flywheel.roles import ROLE_SAMPLING, TextModel, build_engine, derived_seed
 
 log = logging.getLogger("flywheel")
 
@@ -150,11 +150,15 @@ def check_settings(cfg: DictConfig) -> None:
         )
     require_file(cfg, "questions")
     require_int(cfg, "limit", optional=True)
-    for key in ("flywheel.concurrency", "judge.attempts", "judge.max_tokens", "reflector.sampling.max_tokens"):
+    for key in ("flywheel.concurrency", "judge.attempts", "judge.max_tokens", "reflector.sampling.max_new_tokens"):
         require_int(cfg, key)
     for key in ("flywheel.rounds", "flywheel.continuation_python_calls", "flywheel.continuation_search_calls"):
         require_int(cfg, key, minimum=0)
     require_number(cfg, "flywheel.qa_pass_mark", 0, 1)
+    for role in ("reflector", "editor"):
+        for key in cfg[role].sampling:
+            if key not in ROLE_SAMPLING:
+                raise SettingError(f"{role}.sampling.{key}", f"is not a sampling setting (known: {', '.join(ROLE_SAMPLING)})")
     require_number(cfg, "flywheel.question_timeout_s", above=0)
     check_engine_settings(cfg.engine)
     check_agent_settings(cfg.agent)

@@ -456,7 +456,14 @@ def test_streamed_sampling_keeps_its_window_and_writes_in_question_order(tokeniz
     for lockstep in (False, True):
         engine = ScriptedEngine(tokenizer, SCRIPTS)
         executor = ToolExecutor([FakeSearch(random.Random(4)), FakePython(random.Random(5))])
-        sampler = Sampler(engine, executor, dataclasses.replace(SCRIPT_CONFIG, lockstep=lockstep), n=2, stage="test", judge=partial(rule_judgement, qa_pass_mark=0.8))
+        sampler = Sampler(
+            engine,
+            executor,
+            dataclasses.replace(SCRIPT_CONFIG, lockstep=lockstep),
+            n=2,
+            stage="test",
+            judge=partial(rule_judgement, qa_pass_mark=0.8),
+        )
         active, most = 0, 0
         run_one = sampler.loop.run_one
 

@@ -120,7 +120,7 @@ def executor():
 def make_flywheel(tokenizer, executor, redundancy="Step: no", rewrite="Short reasoning.</think>", rounds=1, editor=True):
     engine = SharedBatches(ScriptedModel(tokenizer, policy))
     loop = AgentLoop(engine, executor, AgentConfig(logprobs=0, timeout_s=None, max_response_tokens=600, seed=0))
-    sampling = {"temperature": 1.0, "max_tokens": 200}
+    sampling = {"temperature": 1.0, "max_new_tokens": 200}
     edit = TextModel(SharedBatches(ScriptedModel(tokenizer, editor_replies(redundancy, rewrite))), sampling, "editor") if editor else None
     return Flywheel(loop, TextModel(engine, sampling, "reflector"), edit, FlywheelSettings(qa_pass_mark=0.8, rounds=rounds))
 
@@ -359,7 +359,7 @@ def test_the_llm_judge_is_asked_only_when_the_rule_says_wrong(tokenizer, executo
 
     replies = ScriptedModel(tokenizer, lambda prompt: "Correct")
     flywheel = make_flywheel(tokenizer, executor)
-    flywheel.judge = LLMJudge(TextModel(SharedBatches(replies), {"temperature": 0.0, "max_tokens": 8}, "judge"))
+    flywheel.judge = LLMJudge(TextModel(SharedBatches(replies), {"temperature": 0.0, "max_new_tokens": 8}, "judge"))
     right = asyncio.run(flywheel.judgement(RIGHT, "612"))
     assert (right.metric, right.verdict) == ("math_equal", True) and not replies.prompts
     judged = asyncio.run(flywheel.judgement(RIGHT, "six hundred and twelve"))
@@ -383,7 +383,7 @@ def test_search_results_are_summarised_by_the_summariser(tokenizer, toy, server,
     with build_executor(tools) as ex:
         plain = ex.run_sync([ToolCall("search", name)])[0]
         ex.tools["search"] = SummarisedSearch(
-            ex.tools["search"], TextModel(SharedBatches(summariser), {"temperature": 0.0, "max_tokens": 64}, "s")
+            ex.tools["search"], TextModel(SharedBatches(summariser), {"temperature": 0.0, "max_new_tokens": 64}, "s")
         )
         [record] = ex.run_sync([ToolCall("search", name)])
     assert plain.ok and name in plain.output
