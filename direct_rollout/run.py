@@ -30,7 +30,7 @@ import logging
 from collections.abc import Sequence
 from functools import partial
 
-from omegaconf import DictConfig, open_dict
+from omegaconf import DictConfig
 
 from etagent import scoring
 from etagent.config import require_number
@@ -55,9 +55,8 @@ def chain_judgement(prediction: str, golds: Sequence[str], kind: str, qa_pass_ma
 def run(cfg: DictConfig) -> dict:
     """Roll out every question not yet in cfg.out_dir; return the summary metrics."""
     require_number(cfg, "qa_pass_mark", 0, 1)
-    with open_dict(cfg):
-        cfg.stage = f"direct_rollout/stage{cfg.rl_stage}"
-    return run_sampling(cfg, judge=partial(chain_judgement, qa_pass_mark=cfg.qa_pass_mark), token_arrays=False)
+    stage = f"direct_rollout/stage{cfg.rl_stage}"
+    return run_sampling(cfg, stage, judge=partial(chain_judgement, qa_pass_mark=cfg.qa_pass_mark), token_arrays=False)
 
 
 @exit_on_user_error

@@ -130,18 +130,18 @@ def _batches(items: Sequence, size: int) -> Iterator[list]:
         yield list(items[start : start + size])
 
 
-def _local(cfg: DictConfig, todo: list[Question], judge: Judge, token_arrays: bool) -> Iterator[list[TrajectoryGroup]]:
+def _local(cfg: DictConfig, stage: str, todo: list[Question], judge: Judge, token_arrays: bool) -> Iterator[list[TrajectoryGroup]]:
     from etagent.llm import make_engine
     from etagent.tools.executor import build_executor
 
     engine = make_engine(cfg.engine)
     with build_executor(cfg.tools) as executor:
-        sampler = Sampler(engine, executor, agent_config(cfg.agent), cfg.n, cfg.stage, judge, token_arrays)
+        sampler = Sampler(engine, executor, agent_config(cfg.agent), cfg.n, stage, judge, token_arrays)
         for group in sampler.stream(todo, window=cfg.batch_questions):
             yield [group]
 
 
-def _ray(cfg: DictConfig, todo: list[Question], judge: Judge, token_arrays: bool) -> Iterator[list[TrajectoryGroup]]:
+def _ray(cfg: DictConfig, stage: str, todo: list[Question], judge: Judge, token_arrays: bool) -> Iterator[list[TrajectoryGroup]]:
     import ray
     from ray.util import ActorPool
 
@@ -154,7 +154,7 @@ def _ray(cfg: DictConfig, todo: list[Question], judge: Judge, token_arrays: bool
 
     @ray.remote
     class SamplingWorker:
-        def __init__(self, config: dict, judge: Judge, token_arrays: bool):
+        def __init__(self, config: dict, stage: str, judge: Judge, token_arrays: bool):
             import torch
 
             from etagent.llm import make_engine
@@ -164,14 +164,14 @@ def _ray(cfg: DictConfig, todo: list[Question], judge: Judge, token_arrays: bool
             torch.set_num_threads(max(1, config.ray.num_cpus_per_worker))
             self.executor = build_executor(config.tools)
             engine = make_engine(config.engine)
-            self.sampler = Sampler(engine, self.executor, agent_config(config.agent), config.n, config.stage, judge, token_arrays)
+            self.sampler = Sampler(engine, self.executor, agent_config(config.agent), config.n, stage, judge, token_arrays)
 
         def sample(self, questions: list[dict]) -> list[dict]:
             groups = self.sampler.sample([Question.model_validate(q) for q in questions])
             return [g.to_json() for g in groups]
 
     options = {"num_cpus": cfg.ray.num_cpus_per_worker, "num_gpus": cfg.ray.num_gpus_per_worker}
-    workers = [SamplingWorker.options(**options).remote(plain, judge, token_arrays) for _ in range(cfg.ray.workers)]
+    workers = [SamplingWorker.options(**options).remote(plain, stage, judge, token_arrays) for _ in range(cfg.ray.workers)]
     pool = ActorPool(workers)
     batches = [[q.to_json() for q in batch] for batch in _batches(todo, cfg.batch_questions)]
     for result in pool.map_unordered(lambda worker, batch: worker.sample.remote(batch), batches):
@@ -222,9 +222,10 @@ def check_sampling_settings(cfg: DictConfig) -> None:
     check_tool_settings(cfg.tools)
 
 
-def run_sampling(cfg: DictConfig, judge: Judge, token_arrays: bool = True) -> dict:
-    """Sample every question of cfg.questions not yet in the output, judging each rollout with
-    ``judge``; return summary metrics (``degraded`` when the tools failed on more than
+def run_sampling(cfg: DictConfig, stage: str, judge: Judge, token_arrays: bool = True) -> dict:
+    """Sample every question of cfg.questions not yet in the output for ``stage`` (the name in
+    each trajectory's provenance and the manifest), judging each rollout with ``judge``; return
+    summary metrics (``degraded`` when the tools failed on more than
     ``tools.max_failure_share`` of the calls). ``token_arrays=False`` leaves the per-token fields
     out."""
     started = time.time()
@@ -233,11 +234,11 @@ def run_sampling(cfg: DictConfig, judge: Judge, token_arrays: bool = True) -> di
     questions = read_questions(cfg.questions, partial_ok=cfg.partial_input_ok)
     if cfg.limit is not None:
         questions = questions[: cfg.limit]
-    with claim_output(cfg.out_dir, stage=cfg.stage, config=config, free=RESUME_FREE) as out:
-        metrics = _sample(cfg, out, questions, judge, token_arrays, started)
+    with claim_output(cfg.out_dir, stage=stage, config=config, free=RESUME_FREE) as out:
+        metrics = _sample(cfg, stage, out, questions, judge, token_arrays, started)
         write_manifest(
             out,
-            stage=cfg.stage,
+            stage=stage,
             config=config,
             inputs=[cfg.questions],
             counts={"questions": metrics["questions"], "trajectories": metrics["trajectories"]},
@@ -251,14 +252,14 @@ def run_sampling(cfg: DictConfig, judge: Judge, token_arrays: bool = True) -> di
     return metrics
 
 
-def _sample(cfg: DictConfig, out: Path, questions: list[Question], judge: Judge, token_arrays: bool, started: float) -> dict:
+def _sample(cfg: DictConfig, stage: str, out: Path, questions: list[Question], judge: Judge, token_arrays: bool, started: float) -> dict:
     with JsonlAppender(out / "trajectories.jsonl") as writer:
         todo = [q for q in questions if q.id not in writer.done]
         log.info("%d questions, %d already done, %d to sample x %d", len(questions), len(questions) - len(todo), len(todo), cfg.n)
         progress = tqdm(total=len(todo), desc="sampling", unit="question", dynamic_ncols=True, disable=None)
         runner = _ray if cfg.ray.workers > 0 else _local
         trajectories, done, logged = 0, 0, time.time()
-        for groups in runner(cfg, todo, judge, token_arrays):
+        for groups in runner(cfg, stage, todo, judge, token_arrays):
             for group in groups:
                 writer.write(group)
             trajectories += sum(len(g.trajectories) for g in groups)

@@ -67,7 +67,6 @@ def sampling_config(cfg: DictConfig, name: str, questions_path: Path, out: Path)
             "out_dir": str(out),
             "n": cfg.n,
             "batch_questions": cfg.batch_questions,
-            "stage": f"evaluation/{name}",
         }
     )
 
@@ -197,7 +196,9 @@ def evaluate_dataset(cfg: DictConfig, name: str, questions: list, judge) -> dict
     path = benchmark_path(cfg, name)
     write_jsonl(out / "questions.jsonl", questions)
     rollouts = run_sampling(
-        sampling_config(cfg, name, out / "questions.jsonl", out), judge=partial(rule_judgement, qa_pass_mark=cfg.qa_pass_mark)
+        sampling_config(cfg, name, out / "questions.jsonl", out),
+        f"evaluation/{name}",
+        judge=partial(rule_judgement, qa_pass_mark=cfg.qa_pass_mark),
     )
     score(cfg, out, judge)
     wanted = {q.id for q in questions}

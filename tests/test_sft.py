@@ -243,7 +243,6 @@ def test_tiny_preset_answers_held_out_questions_with_the_right_tools(sft_model, 
         "direct_rollout",
         "tiny",
         [
-            "+stage=sft-check",
             f"engine.model={sft_model / 'model'}",
             f"questions={toy / 'questions' / 'test.jsonl'}",
             f"out_dir={out}",
@@ -254,7 +253,7 @@ def test_tiny_preset_answers_held_out_questions_with_the_right_tools(sft_model, 
             "batch_questions=50",
         ],
     )
-    run_sampling(cfg, judge=partial(rule_judgement, qa_pass_mark=cfg.qa_pass_mark))
+    run_sampling(cfg, "sft-check", judge=partial(rule_judgement, qa_pass_mark=cfg.qa_pass_mark))
     groups = read_jsonl(out / "trajectories.jsonl", TrajectoryGroup)
     needed = {"toy_search": "search", "toy_python": "python", "toy_both": "search"}
     valid = sum(protocol.validate_format(g.trajectories[0].text) for g in groups) / len(groups)
