@@ -255,6 +255,7 @@ def test_a_second_run_on_the_same_output_directory_is_refused(toy, tmp_path):
     assert not (out / "trajectories.jsonl").exists()
 
 
+@pytest.mark.slow  # 20-35 s: kept out of the default run's 15 minutes
 def test_tool_failures_over_the_share_end_the_run_degraded(sft_model, toy, tmp_path):
     """The retriever is down (nothing listens on the port): every search fails. Direct rollout
     and evaluation write their outputs, say so in the summary and manifest, and exit 3."""

@@ -113,6 +113,7 @@ def test_steps_checkpoints_and_an_exact_resume(sft_model, parquet, server, tmp_p
     assert [numbers(m) for m in metrics_of(resumed)] == [numbers(m) for m in history]
 
 
+@pytest.mark.slow  # 20-35 s: kept out of the default run's 15 minutes
 def test_a_kill_during_a_save_resumes_from_the_last_complete_checkpoint(sft_model, parquet, server, tmp_path, monkeypatch):
     """SIGKILL while step 2's sharded checkpoint is being written (its files are in
     checkpoints/step_2.tmp, not yet renamed): the rerun resumes from step 1's, redoes step 2 and
@@ -301,6 +302,7 @@ def test_a_prompt_over_the_limit_names_its_row(toy, tmp_path):
         read_prompts(path, tokenizer, 200)
 
 
+@pytest.mark.slow  # 20-35 s: kept out of the default run's 15 minutes
 def test_kl_term_against_the_starting_policy(sft_model, parquet, server, tmp_path, monkeypatch):
     """algorithm.kl_coef > 0 loads a frozen reference (the stage's starting policy) and adds a
     ref_logprobs phase. Step 1's first mini-batch runs at the reference's weights, where k3 and
