@@ -1,8 +1,8 @@
 """Sample n rollouts per question with the agent loop, in one process or across a Ray cluster.
 
 :func:`run_sampling` writes ``out_dir/trajectories.jsonl`` (one :class:`TrajectoryGroup` per
-question, each rollout judged by the stage's judge) and ``manifest.json``. Questions already in the output are skipped, so a killed
-run resumes where it stopped and never duplicates a question.
+question, each rollout judged by the stage's judge) and ``manifest.json``. Questions already in
+the output are skipped, so a killed run resumes where it stopped and never duplicates a question.
 
 With ``ray.workers: 0`` everything runs here: each trajectory advances on its own, at most
 ``batch_questions`` x n are unfinished at a time (a new question starts as soon as n have
