@@ -79,7 +79,7 @@ def main() -> None:
     args = parser.parse_args()
 
     from etagent.agent import STOPS
-    from etagent.llm import GenerationRequest
+    from etagent.llm import GenerationRequest, Sampling
     from etagent.llm.hf import HFEngine
 
     model, tokenizer = build(151_936, 151_665, args.hidden, args.layers, args.heads, args.kv_heads, args.device, args.dtype)
@@ -106,7 +106,8 @@ def main() -> None:
 
     def engine_run(**extra):
         requests = [
-            GenerationRequest(tuple(p), max_new_tokens=args.new_tokens, seed=i, **sampling, **extra) for i, p in enumerate(prompts.tolist())
+            GenerationRequest(tuple(p), sampling=Sampling(**sampling), max_new_tokens=args.new_tokens, seed=i, **extra)
+            for i, p in enumerate(prompts.tolist())
         ]
 
         def run():

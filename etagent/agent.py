@@ -55,12 +55,12 @@ import asyncio
 import copy
 import hashlib
 import time
-from dataclasses import dataclass, field
+from dataclasses import asdict, dataclass, field
 
 from tokenizers.decoders import DecodeStream
 
 from etagent import protocol
-from etagent.llm import GenerationRequest, Sample, exact_segment_entropy, topk_segment_entropy
+from etagent.llm import GenerationRequest, Sample, Sampling, check_sampling, exact_segment_entropy, topk_segment_entropy
 from etagent.records import Provenance, Question, TokenOrigin, ToolCallRecord, Trajectory
 from etagent.tools.executor import BUDGET_MESSAGE_START, budget_exhausted_record
 
@@ -96,12 +96,7 @@ class AgentConfig:
     max_segment_tokens: int = 4096
     # Wall-clock seconds per trajectory; None: no limit (reproducible runs, RL).
     timeout_s: float | None = 1200.0
-    # Sampling.
-    temperature: float = 1.0
-    top_p: float = 1.0
-    top_k: int = 0
-    min_p: float = 0.0
-    repetition_penalty: float = 1.0
+    sampling: Sampling = field(default_factory=Sampling)
     # Top log-probabilities returned per position, and positions per segment, for ARPO's entropy.
     logprobs: int = 10
     entropy_window: int = 20
@@ -115,29 +110,20 @@ class AgentConfig:
     def budgets(self) -> Budgets:
         return Budgets(self.max_python_calls, self.max_search_calls, self.max_tool_calls, self.max_response_tokens)
 
-    def sampling(self) -> dict:
-        return dict(
-            temperature=self.temperature, top_p=self.top_p, top_k=self.top_k, min_p=self.min_p, repetition_penalty=self.repetition_penalty
-        )
-
 
 def check_agent_settings(cfg, prefix: str = "agent") -> None:
     """The ``agent`` group's budgets and sampling in their ranges."""
-    from omegaconf import OmegaConf
 
-    from etagent.config import require_int, require_number
+    from etagent.config import placed, require_int, require_number
 
-    root = OmegaConf.create({prefix: cfg})
-    for key in ("max_python_calls", "max_search_calls", "max_budget_messages", "top_k"):
+    root = placed(cfg, prefix)
+    for key in ("max_python_calls", "max_search_calls", "max_budget_messages"):
         require_int(root, f"{prefix}.{key}", minimum=0)
     require_int(root, f"{prefix}.max_tool_calls", minimum=0, optional=True)
     for key in ("max_response_tokens", "max_segment_tokens", "entropy_window"):
         require_int(root, f"{prefix}.{key}")
     require_int(root, f"{prefix}.logprobs", minimum=0)
-    require_number(root, f"{prefix}.temperature", minimum=0)
-    require_number(root, f"{prefix}.top_p", above=0, maximum=1)
-    require_number(root, f"{prefix}.min_p", 0, 1)
-    require_number(root, f"{prefix}.repetition_penalty", above=0)
+    check_sampling(cfg.sampling, f"{prefix}.sampling")
     if not isinstance(cfg.lockstep, bool):
         from etagent.errors import SettingError
 
@@ -486,7 +472,7 @@ class AgentLoop:
             logprobs_window=c.entropy_window,
             seed=self._seed(s),
             session=s.question.id,
-            **c.sampling(),
+            sampling=c.sampling,
         )
 
     def take_segment(self, s: TrajectoryState, sample: Sample, pending: list) -> None:
@@ -541,7 +527,7 @@ class AgentLoop:
             tempered_logprobs=state.tempered_logprobs,
             entropies=state.entropies,
             entropies_exact=state.entropies_exact or None,
-            sampling={**self.config.sampling(), "seed": state.seed},
+            sampling={**asdict(self.config.sampling), "seed": state.seed},
             policy_version=state.policy_version,
             provenance=state.provenance,
         )

@@ -21,10 +21,13 @@ from __future__ import annotations
 import os
 from collections.abc import Sequence
 from pathlib import Path
+from typing import TypeVar
 
 from omegaconf import DictConfig
 
 from etagent.errors import MissingInput, SettingError, UserError
+
+T = TypeVar("T")
 
 
 def config_dir() -> Path:
@@ -72,6 +75,15 @@ def load_config(stage: str, preset: str = "tiny", overrides: Sequence[str] = ())
             "set them in the preset or on the command line"
         )
     return cfg
+
+
+def build(schema: type[T], cfg) -> T:
+    """The dataclass ``schema`` made from a config group, nested dataclasses included: the one way
+    a config becomes an object. Keys and types are the schema's (OmegaConf refuses an unknown key
+    or a value of the wrong type); ranges are each stage's ``check_settings``."""
+    from omegaconf import OmegaConf
+
+    return OmegaConf.to_object(OmegaConf.merge(OmegaConf.structured(schema), cfg))
 
 
 def parse_stage_args(stage: str, argv: Sequence[str] | None, prog: str, doc: str | None = None) -> DictConfig:
@@ -135,6 +147,16 @@ def configs_main(argv: list[str]) -> int:
 # Checking settings before work starts. Each stage's ``check_settings`` calls these for the keys
 # it reads, so a count of 0, a learning rate of "fast" or a model path that does not exist is
 # refused at start, naming the key, instead of failing (or silently doing nothing) later.
+
+
+def placed(cfg: DictConfig, prefix: str) -> DictConfig:
+    """A config holding ``cfg`` at the dotted ``prefix`` (``editor.engine``), so a shared group's
+    checks name its keys as the stage's config spells them."""
+    from omegaconf import OmegaConf
+
+    root = OmegaConf.create({})
+    OmegaConf.update(root, prefix, cfg, force_add=True)
+    return root
 
 
 def _value(cfg: DictConfig, key: str):

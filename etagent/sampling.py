@@ -31,6 +31,7 @@ from omegaconf import DictConfig, OmegaConf
 from tqdm import tqdm
 
 from etagent.agent import AgentConfig, AgentLoop
+from etagent.config import build
 from etagent.records import JsonlAppender, Judgement, Question, TrajectoryGroup, read_questions, write_manifest
 from etagent.rundir import claim_output
 from etagent.tools.executor import degraded, describe_failures, failure_counts
@@ -47,7 +48,7 @@ TOKEN_ARRAYS = frozenset({"prompt_ids", "response_ids", "response_mask", "respon
 
 
 def agent_config(cfg) -> AgentConfig:
-    return AgentConfig(**OmegaConf.to_container(cfg, resolve=True))
+    return build(AgentConfig, cfg)
 
 
 class Sampler:

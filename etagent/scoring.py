@@ -42,6 +42,7 @@ from collections import Counter
 from collections.abc import Callable, Mapping, Sequence
 
 from etagent import protocol
+from etagent.llm import Sampling
 from etagent.llm.openai_engine import OpenAIEngine
 from etagent.net import ExternalCallError
 from etagent.records import Judgement, Question, Trajectory
@@ -465,7 +466,7 @@ class LLMJudge:
         reply, error = "", ""
         for attempt in range(1, self.attempts + 1):
             try:
-                reply = await self.engine.chat(messages, temperature=self.temperature, max_tokens=self.max_tokens)
+                reply = await self.engine.chat(messages, Sampling(temperature=self.temperature), max_new_tokens=self.max_tokens)
             except ExternalCallError as exc:  # the engine has retried and failed over already
                 return Judgement(metric="llm_judge", score=None, verdict=None, reply=reply, attempts=attempt, error=str(exc))
             except (KeyError, IndexError, TypeError) as exc:  # an answer without a message: ask again

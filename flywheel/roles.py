@@ -21,14 +21,12 @@ What this module does not do: decide what to ask (``flywheel.evolve``) or parse 
 from __future__ import annotations
 
 import hashlib
+from collections.abc import Sequence
 
 from omegaconf import DictConfig
 
-from etagent.llm import GenerationRequest, SharedBatches, make_engine
+from etagent.llm import GenerationRequest, Sampling, SharedBatches, make_engine
 from etagent.net import ExternalCallError
-
-# what a role's sampling may set: GenerationRequest's own names
-ROLE_SAMPLING = ("temperature", "top_p", "top_k", "min_p", "repetition_penalty", "max_new_tokens")
 
 
 def derived_seed(*parts) -> int:
@@ -44,20 +42,13 @@ def build_engine(cfg: DictConfig):
 
 
 class TextModel:
-    """A role that reads and writes text: chat in, text out, through any engine.
-
-    ``sampling`` holds the role's settings under :class:`etagent.llm.GenerationRequest`'s names
-    (temperature, top_p, top_k, min_p, repetition_penalty, max_new_tokens); another name is an
-    error here, not a setting silently left out. Every request is seeded from the caller's
+    """A role that reads and writes text: chat in, text out, through any engine, sampled with the
+    role's :class:`etagent.llm.Sampling` and token cap. Every request is seeded from the caller's
     ``seed`` parts, so a rerun asks the same thing and, on a seeded engine, gets the same answer."""
 
-    def __init__(self, engine, sampling: dict, name: str):
-        unknown = sorted(set(sampling) - set(ROLE_SAMPLING))
-        if unknown:
-            raise ValueError(f"{name}: unknown sampling settings {', '.join(unknown)} (known: {', '.join(ROLE_SAMPLING)})")
-        self.engine, self.name = engine, name
+    def __init__(self, engine, sampling: Sampling, max_new_tokens: int, name: str):
+        self.engine, self.sampling, self.max_new_tokens, self.name = engine, sampling, max_new_tokens, name
         self.tokenizer = engine.tokenizer
-        self.sampling = dict(sampling)
 
     def render(self, messages: list[dict], prefill: str = "") -> str:
         """The prompt text: the chat with the assistant turn opened, and ``prefill`` in it."""
@@ -65,19 +56,40 @@ class TextModel:
         return prompt + prefill
 
     async def complete(
-        self, messages: list[dict], *, prefill: str = "", stop: tuple[str, ...] = (), seed: int | None = None, **overrides
+        self,
+        messages: list[dict],
+        *,
+        prefill: str = "",
+        stop: Sequence[str] = (),
+        seed: int | None = None,
+        sampling: Sampling | None = None,
+        max_new_tokens: int | None = None,
     ) -> str:
-        """The model's continuation of the rendered chat (special tokens left out)."""
+        """The model's continuation of the rendered chat (special tokens left out); ``sampling``
+        and ``max_new_tokens`` replace the role's for this call."""
         ids = self.tokenizer.encode(self.render(messages, prefill), add_special_tokens=False)
-        request = GenerationRequest(prompt_ids=tuple(ids), stop=tuple(stop), seed=seed, **{**self.sampling, **overrides})
+        request = GenerationRequest(
+            prompt_ids=tuple(ids),
+            sampling=sampling or self.sampling,
+            max_new_tokens=max_new_tokens or self.max_new_tokens,
+            stop=tuple(stop),
+            seed=seed,
+        )
         [[sample]] = await self.engine.agenerate([request])
         if sample.finish_reason == "error":
             raise ExternalCallError(f"{self.name}: the engine failed the request: {sample.error}")
         return self.tokenizer.decode(sample.token_ids, skip_special_tokens=True)
 
-    async def chat(self, messages: list[dict], *, session: str | None = None, **sampling) -> str:
-        """The :class:`etagent.scoring.LLMJudge` interface (a judge of any engine; it says
-        ``max_tokens``, as OpenAI's API does)."""
-        if "max_tokens" in sampling:
-            sampling["max_new_tokens"] = sampling.pop("max_tokens")
-        return await self.complete(messages, **sampling)
+    async def chat(
+        self,
+        messages: list[dict],
+        sampling: Sampling | None = None,
+        *,
+        max_new_tokens: int | None = None,
+        stop: Sequence[str] = (),
+        seed: int | None = None,
+        session: str | None = None,
+    ) -> str:
+        """:class:`etagent.llm.openai_engine.OpenAIEngine`'s text interface, so a judge takes
+        either (``session`` only pins a server in a pool; nothing to pin here)."""
+        return await self.complete(messages, stop=stop, seed=seed, sampling=sampling, max_new_tokens=max_new_tokens)

@@ -42,9 +42,9 @@ from tqdm import tqdm
 
 from etagent import scoring
 from etagent.agent import AgentLoop, check_agent_settings
-from etagent.config import require_file, require_int, require_number
+from etagent.config import build, require_file, require_int, require_number
 from etagent.errors import DegradedRun, SettingError, exit_on_user_error
-from etagent.llm import check_engine_settings
+from etagent.llm import Sampling, check_engine_settings, check_sampling
 from etagent.records import JsonlAppender, Question, TrajectoryGroup, read_jsonl, read_questions, write_manifest
 from etagent.rundir import claim_output
 from etagent.sampling import RESUME_FREE as SAMPLING_RESUME_FREE
@@ -53,7 +53,7 @@ from etagent.tools import ToolOutput
 from etagent.tools.executor import build_executor, check_tool_settings, degraded, describe_failures, failure_counts
 from flywheel import prompts
 from flywheel.evolve import OPERATIONS, STAT_FIELDS, Flywheel, FlywheelSettings, QuestionRun
-from flywheel.roles import ROLE_SAMPLING, TextModel, build_engine, derived_seed
+from flywheel.roles import TextModel, build_engine, derived_seed
 
 log = logging.getLogger("flywheel")
 
@@ -150,15 +150,13 @@ def check_settings(cfg: DictConfig) -> None:
         )
     require_file(cfg, "questions")
     require_int(cfg, "limit", optional=True)
-    for key in ("flywheel.concurrency", "judge.attempts", "judge.max_tokens", "reflector.sampling.max_new_tokens"):
+    for key in ("flywheel.concurrency", "judge.attempts", "judge.max_tokens", "reflector.max_new_tokens", "editor.max_new_tokens"):
         require_int(cfg, key)
     for key in ("flywheel.rounds", "flywheel.continuation_python_calls", "flywheel.continuation_search_calls"):
         require_int(cfg, key, minimum=0)
     require_number(cfg, "flywheel.qa_pass_mark", 0, 1)
     for role in ("reflector", "editor"):
-        for key in cfg[role].sampling:
-            if key not in ROLE_SAMPLING:
-                raise SettingError(f"{role}.sampling.{key}", f"is not a sampling setting (known: {', '.join(ROLE_SAMPLING)})")
+        check_sampling(cfg[role].sampling, f"{role}.sampling")
     require_number(cfg, "flywheel.question_timeout_s", above=0)
     check_engine_settings(cfg.engine)
     check_agent_settings(cfg.agent)
@@ -193,12 +191,12 @@ def evolve(cfg: DictConfig, out: Path, questions: list[Question]) -> dict:
     policy = build_engine(cfg.engine)
     editor = judge = None
     if cfg.editor.enabled:
-        editor = TextModel(build_engine(cfg.editor.engine), OmegaConf.to_container(cfg.editor.sampling), "editor")
+        editor = TextModel(build_engine(cfg.editor.engine), build(Sampling, cfg.editor.sampling), cfg.editor.max_new_tokens, "editor")
         if cfg.judge.llm:
             judge = scoring.LLMJudge(editor, attempts=cfg.judge.attempts, max_tokens=cfg.judge.max_tokens)
     else:
         log.warning("no editor configured (editor.enabled=false): A2, A3, B0, B1 and B2 are skipped; A1 and B3 run")
-    reflector = TextModel(policy, OmegaConf.to_container(cfg.reflector.sampling), "reflector")
+    reflector = TextModel(policy, build(Sampling, cfg.reflector.sampling), cfg.reflector.max_new_tokens, "reflector")
     settings = FlywheelSettings(**{k: cfg.flywheel[k] for k in FlywheelSettings.__dataclass_fields__})
     with build_executor(cfg.tools) as executor, JsonlAppender(out / "trajectories.jsonl") as writer:
         if cfg.summariser.enabled:

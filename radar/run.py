@@ -33,6 +33,7 @@ from omegaconf import DictConfig, OmegaConf
 
 from etagent.config import require_choice, require_int, require_model
 from etagent.errors import MissingInput, SettingError, UserError, exit_on_user_error
+from etagent.llm import Sampling
 from etagent.records import JsonlAppender, TrajectoryGroup, iter_jsonl, read_jsonl, write_manifest
 from etagent.rundir import claim_output
 from etagent.scoring import correctness
@@ -65,9 +66,8 @@ async def _votes(engine, cfg: DictConfig, group: TrajectoryGroup, text: str, key
         try:
             reply = await engine.chat(
                 [{"role": "user", "content": prompt}],
-                temperature=j.temperature,
-                top_p=j.top_p,
-                max_tokens=j.max_tokens,
+                Sampling(temperature=j.temperature, top_p=j.top_p),
+                max_new_tokens=j.max_tokens,
                 stop=["</answer>"],
                 session=f"{key}/{round_}",
             )

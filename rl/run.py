@@ -75,7 +75,7 @@ import torch.distributed as dist
 from omegaconf import DictConfig, OmegaConf
 
 from etagent.agent import AgentConfig, AgentLoop, TrajectoryState, check_agent_settings
-from etagent.config import require_choice, require_file, require_int, require_model, require_number
+from etagent.config import build, require_choice, require_file, require_int, require_model, require_number
 from etagent.errors import DegradedRun, SettingError, exit_on_user_error
 from etagent.records import write_manifest
 from etagent.rundir import claim_output
@@ -166,16 +166,16 @@ def check_settings(cfg: DictConfig) -> None:
     require_number(cfg, "algorithm.kl_coef", minimum=0)
     if cfg.algorithm.tis_cap is not None:
         require_number(cfg, "algorithm.tis_cap", minimum=1)
-    if cfg.engine.kind == "vllm" and cfg.algorithm.tis_cap is not None and cfg.agent.temperature != 1:
+    if cfg.engine.kind == "vllm" and cfg.algorithm.tis_cap is not None and cfg.agent.sampling.temperature != 1:
         # vLLM reports raw log-probabilities; only at T = 1 are they of the distribution sampled from
         raise SettingError(
             "algorithm.tis_cap",
-            f"needs vLLM's log-probabilities of the sampled distribution, which it reports at agent.temperature 1 only "
-            f"(it is {cfg.agent.temperature}): set algorithm.tis_cap=null or agent.temperature=1",
+            f"needs vLLM's log-probabilities of the sampled distribution, which it reports at agent.sampling.temperature 1 only "
+            f"(it is {cfg.agent.sampling.temperature}): set algorithm.tis_cap=null or agent.sampling.temperature=1",
         )
     check_agent_settings(cfg.agent)
     # the policy gradient is of the distribution the rollouts were drawn from: softmax(logits / T)
-    require_number(cfg, "agent.temperature", above=0)
+    require_number(cfg, "agent.sampling.temperature", above=0)
     check_tool_settings(cfg.tools)
 
 
@@ -218,7 +218,7 @@ def setup(cfg: DictConfig) -> Trainer:
         gradient_checkpointing=cfg.train.gradient_checkpointing,
         attn_implementation=cfg.train.attn_implementation,
         weights=checkpoint is None,
-        temperature=cfg.agent.temperature,
+        temperature=cfg.agent.sampling.temperature,
     )
     optimizer = torch.optim.AdamW(
         policy.parameters(), lr=cfg.optim.lr, betas=tuple(cfg.optim.betas), weight_decay=cfg.optim.weight_decay, eps=cfg.optim.eps
@@ -238,7 +238,7 @@ def setup(cfg: DictConfig) -> Trainer:
             chunk_tokens=cfg.train.logprob_chunk_tokens,
             attn_implementation=cfg.train.attn_implementation,
             trainable=False,
-            temperature=cfg.agent.temperature,
+            temperature=cfg.agent.sampling.temperature,
         )
 
     prompts = read_prompts(cfg.data.train, tokenizer, cfg.data.max_prompt_tokens)
@@ -569,11 +569,11 @@ def train(cfg: DictConfig) -> list[dict]:
             dir=str(trainer.out),
             config=OmegaConf.to_container(cfg, resolve=True),
         )
-    config = AgentConfig(**OmegaConf.to_container(cfg.agent, resolve=True))
+    config = build(AgentConfig, cfg.agent)
     history = []
     with build_executor(cfg.tools) as executor:
         loop = AgentLoop(trainer.engine, executor, config)
-        greedy = AgentLoop(trainer.engine, executor, replace(config, temperature=0.0))
+        greedy = AgentLoop(trainer.engine, executor, replace(config, sampling=replace(config.sampling, temperature=0.0)))
         rollout = make_rollout(cfg.rollout)
         progress = tqdm(
             total=trainer.total,

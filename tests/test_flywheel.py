@@ -17,7 +17,7 @@ from transformers import AutoTokenizer
 from etagent import protocol
 from etagent.agent import AgentConfig, AgentLoop
 from etagent.config import load_config
-from etagent.llm import Sample
+from etagent.llm import GREEDY, Sample, Sampling
 from etagent.records import Question, TokenOrigin
 from etagent.tools.executor import build_executor
 from flywheel import prompts
@@ -120,9 +120,12 @@ def executor():
 def make_flywheel(tokenizer, executor, redundancy="Step: no", rewrite="Short reasoning.</think>", rounds=1, editor=True):
     engine = SharedBatches(ScriptedModel(tokenizer, policy))
     loop = AgentLoop(engine, executor, AgentConfig(logprobs=0, timeout_s=None, max_response_tokens=600, seed=0))
-    sampling = {"temperature": 1.0, "max_new_tokens": 200}
-    edit = TextModel(SharedBatches(ScriptedModel(tokenizer, editor_replies(redundancy, rewrite))), sampling, "editor") if editor else None
-    return Flywheel(loop, TextModel(engine, sampling, "reflector"), edit, FlywheelSettings(qa_pass_mark=0.8, rounds=rounds))
+    edit = (
+        TextModel(SharedBatches(ScriptedModel(tokenizer, editor_replies(redundancy, rewrite))), Sampling(), 200, "editor")
+        if editor
+        else None
+    )
+    return Flywheel(loop, TextModel(engine, Sampling(), 200, "reflector"), edit, FlywheelSettings(qa_pass_mark=0.8, rounds=rounds))
 
 
 def evolve(flywheel, question) -> QuestionRun:
@@ -359,7 +362,7 @@ def test_the_llm_judge_is_asked_only_when_the_rule_says_wrong(tokenizer, executo
 
     replies = ScriptedModel(tokenizer, lambda prompt: "Correct")
     flywheel = make_flywheel(tokenizer, executor)
-    flywheel.judge = LLMJudge(TextModel(SharedBatches(replies), {"temperature": 0.0, "max_new_tokens": 8}, "judge"))
+    flywheel.judge = LLMJudge(TextModel(SharedBatches(replies), GREEDY, 8, "judge"))
     right = asyncio.run(flywheel.judgement(RIGHT, "612"))
     assert (right.metric, right.verdict) == ("math_equal", True) and not replies.prompts
     judged = asyncio.run(flywheel.judgement(RIGHT, "six hundred and twelve"))
@@ -382,9 +385,7 @@ def test_search_results_are_summarised_by_the_summariser(tokenizer, toy, server,
     tools = load_config("tools", "tiny", [f"tools.search.local.url={server}", "tools.search.local.token_env=RETRIEVER_TOKEN"]).tools
     with build_executor(tools) as ex:
         plain = ex.run_sync([ToolCall("search", name)])[0]
-        ex.tools["search"] = SummarisedSearch(
-            ex.tools["search"], TextModel(SharedBatches(summariser), {"temperature": 0.0, "max_new_tokens": 64}, "s")
-        )
+        ex.tools["search"] = SummarisedSearch(ex.tools["search"], TextModel(SharedBatches(summariser), GREEDY, 64, "s"))
         [record] = ex.run_sync([ToolCall("search", name)])
     assert plain.ok and name in plain.output
     assert record.ok and record.output == "**Final Information** " + plain.output[:40].strip()

@@ -120,7 +120,7 @@ def test_a_real_llm_in_the_editor_role(toy, sft_model, server, tmp_path):
     out = tmp_path / "flywheel"
     command = flywheel_command(
         sft_model / "model", toy / "questions" / "test.jsonl", out, server, "limit=6", "flywheel.rounds=1",
-        "editor.enabled=true", f"editor.engine.model={gguf}", "editor.sampling.max_new_tokens=96", "editor.sampling.temperature=0.7",
+        "editor.enabled=true", f"editor.engine.model={gguf}", "editor.max_new_tokens=96", "editor.sampling.temperature=0.7",
     )  # fmt: skip
     done = subprocess.run(command, env=dict(os.environ, RETRIEVER_TOKEN=TOKEN), capture_output=True, text=True, timeout=1200)
     assert done.returncode == 0, done.stderr[-3000:]

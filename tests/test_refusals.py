@@ -76,7 +76,7 @@ def evaluate_args(model: Path, questions: Path, out: Path, server: str = "http:/
         ("limit=0", "setting limit: must be an integer >= 1 or null, got 0"),
         ("limit=-2", "setting limit: must be an integer >= 1 or null, got -2"),
         ("batch_questions=0", "setting batch_questions: must be an integer >= 1, got 0"),
-        ("agent.temperature=hot", "setting agent.temperature: must be a number >= 0, got 'hot'"),
+        ("agent.sampling.temperature=hot", "setting agent.sampling.temperature: must be a number >= 0, got 'hot'"),
         ("tools.max_failure_share=2", "setting tools.max_failure_share: must be a number >= 0.0 and <= 1.0, got 2"),
         ("engine.model=runs/no/such/model", "setting engine.model: no model at 'runs/no/such/model'"),
     ],
@@ -126,7 +126,7 @@ def rl_parquet(toy, tmp_path) -> Path:
         ("data.prompts_per_step=0", "setting data.prompts_per_step: must be an integer >= 1, got 0"),
         ("optim.lr=fast", "setting optim.lr: must be a number > 0, got 'fast'"),
         ("reward.sigma_tool=-1", "setting reward.sigma_tool: must be a number >= 0, got -1"),
-        ("agent.temperature=0", "setting agent.temperature: must be a number > 0, got 0"),
+        ("agent.sampling.temperature=0", "setting agent.sampling.temperature: must be a number > 0, got 0"),
         ("model=runs/no/such/model", "setting model: no model at 'runs/no/such/model'"),
     ],
 )

@@ -283,7 +283,7 @@ def test_paper_preset_has_the_papers_numbers():
     assert (cfg.algorithm.clip_low, cfg.algorithm.clip_high, cfg.algorithm.clip_c) == (0.2, 0.2, 3.0)
     assert (cfg.data.max_prompt_tokens, cfg.agent.max_response_tokens, cfg.engine.vllm.max_model_len) == (2000, 4096, 6096)
     assert (cfg.engine.kind, cfg.train.compute_dtype, cfg.train.gradient_checkpointing) == ("vllm", "bfloat16", True)
-    assert (cfg.agent.temperature, cfg.agent.top_p, cfg.agent.max_tool_calls) == (1.0, 1.0, 6)
+    assert (cfg.agent.sampling.temperature, cfg.agent.sampling.top_p, cfg.agent.max_tool_calls) == (1.0, 1.0, 6)
     assert (cfg.train.save_every, cfg.train.validate_every) == (30, 10)
 
 

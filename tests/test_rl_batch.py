@@ -84,14 +84,16 @@ def test_log_probs_are_of_the_tempered_distribution_the_hf_engine_sampled(toy):
     carries those (not the raw ones) as the rollout's."""
     from transformers import AutoModelForCausalLM, AutoTokenizer
 
-    from etagent.llm import GenerationRequest
+    from etagent.llm import GenerationRequest, Sampling
     from etagent.llm.hf import HFEngine
 
     tokenizer = AutoTokenizer.from_pretrained(toy / "model")
     lm = AutoModelForCausalLM.from_pretrained(toy / "model", dtype=torch.float32).eval()
     engine = HFEngine.from_model(lm, tokenizer)
     prompt = tokenizer.encode("<|im_start|>user\nWho works as a baker?<|im_end|>\n<|im_start|>assistant\n", add_special_tokens=False)
-    [[sample]] = engine.generate([GenerationRequest(prompt_ids=tuple(prompt), max_new_tokens=12, temperature=0.7, seed=3)])
+    [[sample]] = engine.generate(
+        [GenerationRequest(sampling=Sampling(temperature=0.7), prompt_ids=tuple(prompt), max_new_tokens=12, seed=3)]
+    )
     t = TrajectoryState(id="t", question=QUESTION, prompt_ids=prompt, budgets=Budgets(6, 6, None, 100))
     t.append(list(sample.token_ids), TokenOrigin.SAMPLED, list(sample.logprobs), sample.tempered_logprobs)
     batch = pack([t], pad_id=0)

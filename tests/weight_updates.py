@@ -50,10 +50,10 @@ def check_weight_update(engine, model_dir) -> dict:
     from transformers import AutoModelForCausalLM
 
     from etagent import protocol
-    from etagent.llm import GenerationRequest
+    from etagent.llm import GenerationRequest, Sampling
 
     prompt = protocol.encode_prompt(engine.tokenizer, "What is 12 times 7?")
-    greedy = GenerationRequest(tuple(prompt), temperature=0, max_new_tokens=12)
+    greedy = GenerationRequest(tuple(prompt), sampling=Sampling(temperature=0), max_new_tokens=12)
     original = {k: v.detach().clone() for k, v in AutoModelForCausalLM.from_pretrained(model_dir).state_dict().items()}
     before = engine.generate([greedy])[0][0]
     new = other_weights(model_dir)

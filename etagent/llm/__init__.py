@@ -39,24 +39,59 @@ from __future__ import annotations
 import asyncio
 import math
 from collections.abc import Iterable, Iterator, Mapping
-from dataclasses import dataclass, field
+from dataclasses import asdict, dataclass, field, fields
 from typing import Protocol
 
 
-@dataclass(frozen=True)
-class GenerationRequest:
-    """One prompt and how to sample from it. ``top_k=0`` and ``top_p=1`` disable those filters;
-    ``temperature=0`` is greedy. ``logprobs`` is how many top log-probabilities to return per
-    position (the sampled token's own log-probability is always returned). ``seed`` makes the
-    request's samples reproducible (sample i uses a seed derived from seed and i)."""
+@dataclass
+class Sampling:
+    """How tokens are drawn: the one sampling type of the toolkit, read by every engine, set by
+    the agent loop (``agent.sampling``) and by each of the flywheel's roles (``<role>.sampling``).
+    ``temperature=0`` is greedy; ``top_k=0``, ``top_p=1`` and ``min_p=0`` disable those filters;
+    ``repetition_penalty=1`` disables the penalty. (Not frozen: it is also the schema of the YAML
+    groups, which Hydra fills in place.)"""
 
-    prompt_ids: tuple[int, ...]
-    n: int = 1
     temperature: float = 1.0
     top_p: float = 1.0
     top_k: int = 0
     min_p: float = 0.0
     repetition_penalty: float = 1.0
+
+
+# what judges ask with, unless told otherwise
+GREEDY = Sampling(temperature=0.0)
+
+
+def check_sampling(cfg, prefix: str) -> None:
+    """A ``sampling`` group's values in their ranges (``prefix``: where it sits, for the messages)."""
+    from omegaconf import OmegaConf
+
+    from etagent.config import placed, require_int, require_number
+    from etagent.errors import SettingError
+
+    known = [f.name for f in fields(Sampling)]
+    unknown = sorted(set(cfg) - set(known))
+    if unknown:
+        raise SettingError(f"{prefix}.{unknown[0]}", f"is not a sampling setting (known: {', '.join(known)})")
+    # a role's YAML may set a few fields: the others are the type's defaults
+    root = placed(OmegaConf.merge(asdict(Sampling()), cfg), prefix)
+    require_number(root, f"{prefix}.temperature", minimum=0)
+    require_number(root, f"{prefix}.top_p", above=0, maximum=1)
+    require_int(root, f"{prefix}.top_k", minimum=0)
+    require_number(root, f"{prefix}.min_p", 0, 1)
+    require_number(root, f"{prefix}.repetition_penalty", above=0)
+
+
+@dataclass(frozen=True)
+class GenerationRequest:
+    """One prompt and how to sample from it (``sampling``). ``logprobs`` is how many top
+    log-probabilities to return per position (the sampled token's own log-probability is always
+    returned). ``seed`` makes the request's samples reproducible (sample i uses a seed derived
+    from seed and i)."""
+
+    prompt_ids: tuple[int, ...]
+    n: int = 1
+    sampling: Sampling = field(default_factory=Sampling)
     max_new_tokens: int = 512
     stop: tuple[str, ...] = ()
     logprobs: int = 0
@@ -255,11 +290,9 @@ def exact_segment_entropy(entropy: list[float] | None, vocab_size: int, window: 
 def check_engine_settings(cfg, prefix: str = "engine") -> None:
     """The ``engine`` group's choices and counts in range, and its model present (a local
     directory, or a hub id where downloads are possible: see etagent.config.require_model)."""
-    from omegaconf import OmegaConf
+    from etagent.config import placed, require_choice, require_int, require_model, require_number
 
-    from etagent.config import require_choice, require_int, require_model, require_number
-
-    root = OmegaConf.create({prefix: cfg})
+    root = placed(cfg, prefix)
     kind = require_choice(root, f"{prefix}.kind", ("hf", "vllm", "openai"))
     require_model(root, f"{prefix}.model")
     require_int(root, f"{prefix}.max_batch_size")

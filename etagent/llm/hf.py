@@ -456,7 +456,7 @@ class HFEngine:
     def _sample(row: _Row) -> Sample:
         if row.error is not None:
             return Sample.failed(row.error)
-        tempered = row.tempered if row.request.temperature > 0 else None
+        tempered = row.tempered if row.request.sampling.temperature > 0 else None
         entropy = row.entropy if row.request.logprobs > 0 else None
         return Sample(row.tokens, row.logprobs, row.finish, row.stop, row.top, entropy, tempered_logprobs=tempered)
 
@@ -675,7 +675,7 @@ class _Settings:
         def column(values, dtype=torch.float32):
             return torch.tensor(values, dtype=dtype, device=device).unsqueeze(1)
 
-        requests = [r.request for r in rows]
+        requests = [r.request.sampling for r in rows]
         greedy = [q.temperature <= 0 for q in requests]
         return cls(
             temperature=column([max(q.temperature, 1e-6) for q in requests]),

@@ -6,8 +6,8 @@ Two uses:
   ``/v1/completions`` and reads the generated token ids back (vLLM's
   ``return_tokens_as_token_ids``), with their log-probabilities, so the loop keeps working on
   token ids;
-- **judge, editor and summariser** models: ``complete`` (text prompt) and ``chat`` (messages)
-  return text.
+- **judge, editor and summariser** models: ``chat`` (messages in, text out, the server applying
+  the model's chat template).
 
 Every sampling setting is sent, including ``top_k``, ``min_p`` and ``repetition_penalty`` (the
 reference's client silently dropped the first two). A request with a ``session`` (the agent loop
@@ -26,11 +26,12 @@ import asyncio
 import itertools
 import os
 import threading
+from collections.abc import Sequence
 from typing import Any
 
 import httpx
 
-from etagent.llm import GenerationRequest, Sample
+from etagent.llm import GREEDY, GenerationRequest, Sample, Sampling
 from etagent.net import ExternalCallError, post_json
 
 
@@ -100,16 +101,14 @@ class OpenAIEngine:
         raise ExternalCallError(f"every server failed: {' | '.join(errors)}")
 
     @staticmethod
-    def _sampling(
-        temperature: float, top_p: float, top_k: int, min_p: float, repetition_penalty: float, max_tokens: int, stop, seed
-    ) -> dict:
+    def _sampling(sampling: Sampling, max_new_tokens: int, stop, seed: int | None) -> dict:
         body = {
-            "temperature": temperature,
-            "top_p": top_p,
-            "top_k": top_k if top_k > 0 else -1,
-            "min_p": min_p,
-            "repetition_penalty": repetition_penalty,
-            "max_tokens": max_tokens,
+            "temperature": sampling.temperature,
+            "top_p": sampling.top_p,
+            "top_k": sampling.top_k if sampling.top_k > 0 else -1,
+            "min_p": sampling.min_p,
+            "repetition_penalty": sampling.repetition_penalty,
+            "max_tokens": max_new_tokens,
             "stop": list(stop),
             "include_stop_str_in_output": True,
         }
@@ -144,7 +143,7 @@ class OpenAIEngine:
             "logprobs": max(1, r.logprobs),
             "return_tokens_as_token_ids": True,
             "skip_special_tokens": False,
-            **self._sampling(r.temperature, r.top_p, r.top_k, r.min_p, r.repetition_penalty, r.max_new_tokens, r.stop, r.seed),
+            **self._sampling(r.sampling, r.max_new_tokens, r.stop, r.seed),
         }
         try:
             answer = await self._post("/completions", body, r.session)
@@ -181,36 +180,24 @@ class OpenAIEngine:
             finish, stop = "stop", stop_reason
         else:
             finish, stop = "eos", None
-        tempered = sampled if request.temperature == 1 else None
+        tempered = sampled if request.sampling.temperature == 1 else None
         return Sample(tokens, sampled, finish, stop, top, tempered_logprobs=tempered)
 
     # -- text models (judge, editor, summariser) --------------------------------------------
 
-    async def complete(self, prompt: str, *, session: str | None = None, **sampling) -> str:
-        """Text completion of a raw prompt. ``sampling``: temperature (default 0), top_p, top_k,
-        min_p, repetition_penalty, max_tokens (default 1024), stop, seed."""
-        answer = await self._post("/completions", {"model": self.model, "prompt": prompt, **self._text_sampling(sampling)}, session)
-        return answer["choices"][0]["text"]
-
-    async def chat(self, messages: list[dict], *, session: str | None = None, **sampling) -> str:
-        """Chat completion (the server applies the model's chat template); sampling as complete()."""
-        answer = await self._post(
-            "/chat/completions", {"model": self.model, "messages": messages, **self._text_sampling(sampling)}, session
-        )
+    async def chat(
+        self,
+        messages: list[dict],
+        sampling: Sampling = GREEDY,
+        *,
+        max_new_tokens: int = 1024,
+        stop: Sequence[str] = (),
+        seed: int | None = None,
+        session: str | None = None,
+    ) -> str:
+        """Chat completion, the server applying the model's chat template (the text interface of
+        judge, editor and summariser models, which the flywheel's roles also offer for
+        engines in this process)."""
+        body = {"model": self.model, "messages": messages, **self._sampling(sampling, max_new_tokens, stop, seed)}
+        answer = await self._post("/chat/completions", body, session)
         return answer["choices"][0]["message"]["content"] or ""
-
-    def _text_sampling(self, sampling: dict) -> dict:
-        settings = {
-            "temperature": 0.0,
-            "top_p": 1.0,
-            "top_k": 0,
-            "min_p": 0.0,
-            "repetition_penalty": 1.0,
-            "max_tokens": 1024,
-            "stop": (),
-            "seed": None,
-        }
-        unknown = set(sampling) - set(settings)
-        if unknown:
-            raise TypeError(f"unknown sampling settings: {', '.join(sorted(unknown))}")
-        return self._sampling(**{**settings, **sampling})

@@ -435,11 +435,11 @@ def _vllm_requests(requests: list[GenerationRequest], max_model_len: int, final_
         for i in range(r.n if split else 1):
             params = SamplingParams(
                 n=1 if split else r.n,
-                temperature=r.temperature,
-                top_p=r.top_p,
-                top_k=r.top_k if r.top_k > 0 else 0,
-                min_p=r.min_p,
-                repetition_penalty=r.repetition_penalty,
+                temperature=r.sampling.temperature,
+                top_p=r.sampling.top_p,
+                top_k=r.sampling.top_k if r.sampling.top_k > 0 else 0,
+                min_p=r.sampling.min_p,
+                repetition_penalty=r.sampling.repetition_penalty,
                 max_tokens=min(r.max_new_tokens, room),
                 stop=list(r.stop),
                 include_stop_str_in_output=True,
@@ -482,5 +482,5 @@ def _sample(completion, request: GenerationRequest) -> Sample:
         finish, stop = "stop", completion.stop_reason
     else:  # stop_reason is None (EOS) or a stop token id
         finish, stop = "eos", None
-    tempered = logprobs if request.temperature == 1 else None
+    tempered = logprobs if request.sampling.temperature == 1 else None
     return Sample(tokens, logprobs, finish, stop, top, tempered_logprobs=tempered)

@@ -111,11 +111,10 @@ def budget_exhausted_record(call: ToolCall, used: int, limit: int, scope: str) -
 def check_tool_settings(cfg, prefix: str = "tools") -> None:
     """The ``tools`` group's counts, limits and choices in their ranges (``prefix``: where the
     group sits in the stage's config, for the messages)."""
-    from omegaconf import OmegaConf
 
-    from etagent.config import require_choice, require_int, require_number
+    from etagent.config import placed, require_choice, require_int, require_number
 
-    root = OmegaConf.create({prefix: cfg})
+    root = placed(cfg, prefix)
     require_number(root, f"{prefix}.max_failure_share", 0.0, 1.0)
     require_choice(root, f"{prefix}.python.backend", ("sandbox", "sandbox_fusion"))
     require_choice(root, f"{prefix}.search.backend", ("local", "serper", "brightdata", "bing"))
