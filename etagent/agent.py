@@ -81,9 +81,11 @@ class Budgets:
     response_tokens: int = 4096
 
 
-@dataclass(frozen=True)
+@dataclass
 class AgentConfig:
-    """Budgets and sampling for the loop (the paper's rollout numbers are the defaults)."""
+    """Budgets and sampling for the loop (the paper's rollout numbers are the defaults); also the
+    schema of the ``agent`` config group (configs/agent/), which Hydra fills in place (so not
+    frozen)."""
 
     # Executed calls allowed per trajectory, per tool; and in total (None: no total limit).
     max_python_calls: int = 6
@@ -250,8 +252,8 @@ class TrajectoryState:
 
 
 class AgentLoop:
-    def __init__(self, engine, executor, config: AgentConfig = AgentConfig()):
-        self.engine, self.executor, self.config = engine, executor, config
+    def __init__(self, engine, executor, config: AgentConfig | None = None):
+        self.engine, self.executor, self.config = engine, executor, config or AgentConfig()
         self.tokenizer = engine.tokenizer
         # ARPO normalises entropy by ln |V| with |V| the tokenizer's vocabulary
         self.vocab_size = len(self.tokenizer)

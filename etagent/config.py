@@ -50,6 +50,21 @@ def presets(stage: str) -> list[str]:
     return sorted(p.stem for p in (config_dir() / stage).glob("*.yaml") if not p.stem.startswith("_"))
 
 
+def register_schemas() -> None:
+    """The shared groups' dataclasses as Hydra structured configs: each group's ``_base.yaml``
+    starts from its ``_schema`` (``defaults: [_schema, _self_]``), so a key the dataclass lacks or
+    a value of the wrong type fails at load, naming the key, and :func:`build` makes the object."""
+    from hydra.core.config_store import ConfigStore
+
+    from etagent.agent import AgentConfig
+    from etagent.llm import EngineConfig
+    from etagent.tools.executor import ToolsConfig
+
+    store = ConfigStore.instance()
+    for group, schema in (("engine", EngineConfig), ("agent", AgentConfig), ("tools", ToolsConfig)):
+        store.store(group=group, name="_schema", node=schema)
+
+
 def load_config(stage: str, preset: str = "tiny", overrides: Sequence[str] = ()) -> DictConfig:
     """Compose ``configs/<stage>/<preset>.yaml`` with overrides."""
     from hydra import compose, initialize_config_dir
@@ -63,11 +78,22 @@ def load_config(stage: str, preset: str = "tiny", overrides: Sequence[str] = ())
     from omegaconf.errors import OmegaConfBaseException
 
     GlobalHydra.instance().clear()
+    register_schemas()
     try:
         with initialize_config_dir(config_dir=str(root), version_base=None):
             cfg = compose(config_name=f"{stage}/{preset}", overrides=list(overrides))
-    except (HydraException, OmegaConfBaseException) as exc:  # a misspelt key, a bad override
-        raise UserError(f"{root / stage / preset}.yaml with overrides {' '.join(overrides) or '(none)'}: {exc}") from None
+    except (HydraException, OmegaConfBaseException) as exc:  # a misspelt key, a bad override, a wrong type
+        # Hydra's own message ("Error merging override x=y") leaves the reason in its cause
+        reason = str(exc).split("\n")[0]
+        if isinstance(exc.__cause__, OmegaConfBaseException):
+            reason += f": {str(exc.__cause__).splitlines()[0]} (key {exc.__cause__.full_key})"
+        raise UserError(f"{root / stage / preset}.yaml with overrides {' '.join(overrides) or '(none)'}: {reason}") from None
+    added = sorted(_keys_outside_schema(cfg))
+    if added:  # Hydra's +key=value adds a key even to a structured group
+        raise UserError(
+            f"{root / stage / preset}.yaml with overrides {' '.join(overrides) or '(none)'}: "
+            f"{', '.join(added)} is not a setting of its group (etagent/config.py register_schemas)"
+        )
     missing = sorted(OmegaConf.missing_keys(cfg))
     if missing:
         raise UserError(
@@ -75,6 +101,24 @@ def load_config(stage: str, preset: str = "tiny", overrides: Sequence[str] = ())
             "set them in the preset or on the command line"
         )
     return cfg
+
+
+def _keys_outside_schema(cfg: DictConfig, path: str = "") -> list[str]:
+    """Keys of a structured group (one with a dataclass schema) that the dataclass lacks."""
+    from dataclasses import fields, is_dataclass
+
+    from omegaconf import OmegaConf
+
+    keys = []
+    schema = OmegaConf.get_type(cfg)
+    known = {f.name for f in fields(schema)} if is_dataclass(schema) else None
+    for key in cfg.keys():
+        if known is not None and key not in known:
+            keys.append(f"{path}{key}")
+        node = cfg._get_node(key)
+        if isinstance(node, DictConfig) and not node._is_missing() and not node._is_none():
+            keys += _keys_outside_schema(node, f"{path}{key}.")
+    return keys
 
 
 def build(schema: type[T], cfg) -> T:

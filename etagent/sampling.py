@@ -47,10 +47,6 @@ Judge = Callable[[str, Sequence[str], str], Judgement]
 TOKEN_ARRAYS = frozenset({"prompt_ids", "response_ids", "response_mask", "response_origin", "logprobs", "tempered_logprobs"})
 
 
-def agent_config(cfg) -> AgentConfig:
-    return build(AgentConfig, cfg)
-
-
 class Sampler:
     """An engine, the tools and the agent loop: turns questions into scored trajectory groups."""
 
@@ -137,7 +133,7 @@ def _local(cfg: DictConfig, stage: str, todo: list[Question], judge: Judge, toke
 
     engine = make_engine(cfg.engine)
     with build_executor(cfg.tools) as executor:
-        sampler = Sampler(engine, executor, agent_config(cfg.agent), cfg.n, stage, judge, token_arrays)
+        sampler = Sampler(engine, executor, build(AgentConfig, cfg.agent), cfg.n, stage, judge, token_arrays)
         for group in sampler.stream(todo, window=cfg.batch_questions):
             yield [group]
 
@@ -165,7 +161,7 @@ def _ray(cfg: DictConfig, stage: str, todo: list[Question], judge: Judge, token_
             torch.set_num_threads(max(1, config.ray.num_cpus_per_worker))
             self.executor = build_executor(config.tools)
             engine = make_engine(config.engine)
-            self.sampler = Sampler(engine, self.executor, agent_config(config.agent), config.n, stage, judge, token_arrays)
+            self.sampler = Sampler(engine, self.executor, build(AgentConfig, config.agent), config.n, stage, judge, token_arrays)
 
         def sample(self, questions: list[dict]) -> list[dict]:
             groups = self.sampler.sample([Question.model_validate(q) for q in questions])

@@ -85,8 +85,10 @@ NEEDS_EDITOR = frozenset({"A2_redundancy_fix", "A3_rewrite", "B0_locate_flaw", "
 STAT_FIELDS = ("attempted", "parsed", "succeeded", "correct")
 
 
-@dataclass(frozen=True)
+@dataclass
 class FlywheelSettings:
+    """The ``flywheel`` config group (configs/flywheel/_base.yaml documents each field)."""
+
     qa_pass_mark: float  # a QA answer is correct from this F1 on (the stage's YAML states it)
     rounds: int = 3
     continuation_python_calls: int = 10
@@ -94,6 +96,9 @@ class FlywheelSettings:
     seed: int = 0
     # the editor's raw replies kept in the log, per reply
     reply_chars: int = 2000
+    # how the stage runs the questions (flywheel/run.py): at once at most, and seconds each
+    concurrency: int = 8
+    question_timeout_s: float = 1200.0
 
 
 @dataclass

@@ -41,14 +41,13 @@ from omegaconf import DictConfig, OmegaConf
 from tqdm import tqdm
 
 from etagent import scoring
-from etagent.agent import AgentLoop, check_agent_settings
+from etagent.agent import AgentConfig, AgentLoop, check_agent_settings
 from etagent.config import build, require_file, require_int, require_number
 from etagent.errors import DegradedRun, SettingError, exit_on_user_error
 from etagent.llm import Sampling, check_engine_settings, check_sampling
 from etagent.records import JsonlAppender, Question, TrajectoryGroup, read_jsonl, read_questions, write_manifest
 from etagent.rundir import claim_output
 from etagent.sampling import RESUME_FREE as SAMPLING_RESUME_FREE
-from etagent.sampling import agent_config
 from etagent.tools import ToolOutput
 from etagent.tools.executor import build_executor, check_tool_settings, degraded, describe_failures, failure_counts
 from flywheel import prompts
@@ -197,11 +196,11 @@ def evolve(cfg: DictConfig, out: Path, questions: list[Question]) -> dict:
     else:
         log.warning("no editor configured (editor.enabled=false): A2, A3, B0, B1 and B2 are skipped; A1 and B3 run")
     reflector = TextModel(policy, build(Sampling, cfg.reflector.sampling), cfg.reflector.max_new_tokens, "reflector")
-    settings = FlywheelSettings(**{k: cfg.flywheel[k] for k in FlywheelSettings.__dataclass_fields__})
+    settings = build(FlywheelSettings, cfg.flywheel)
     with build_executor(cfg.tools) as executor, JsonlAppender(out / "trajectories.jsonl") as writer:
         if cfg.summariser.enabled:
             executor.tools["search"] = SummarisedSearch(executor.tools["search"], editor)
-        loop = AgentLoop(policy, executor, agent_config(cfg.agent))
+        loop = AgentLoop(policy, executor, build(AgentConfig, cfg.agent))
         flywheel = Flywheel(loop, reflector, editor, settings, judge)
         todo = [q for q in questions if q.id not in writer.done]
         log.info("%d questions, %d already done, %d to evolve", len(questions), len(questions) - len(todo), len(todo))

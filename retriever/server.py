@@ -58,7 +58,6 @@ from concurrent.futures import ThreadPoolExecutor
 from contextlib import asynccontextmanager
 from dataclasses import dataclass, field
 from pathlib import Path
-from types import SimpleNamespace
 from typing import Literal
 
 from fastapi import FastAPI, HTTPException, Request
@@ -66,6 +65,7 @@ from fastapi.responses import JSONResponse, Response
 from omegaconf import DictConfig, OmegaConf
 from pydantic import BaseModel
 
+from etagent.config import build
 from etagent.errors import MissingInput, exit_on_user_error
 
 log = logging.getLogger("retriever.server")
@@ -309,10 +309,30 @@ class Guard:
         await self.app(scope, replay, send)
 
 
+@dataclass
+class ServeConfig:
+    """The ``serve`` group of configs/retriever/ (its _base.yaml documents each field). A plain
+    object, not the DictConfig: attribute access on a DictConfig is slow on the per-request path."""
+
+    host: str
+    port: int
+    default_method: str
+    max_batch: int
+    max_wait_ms: float
+    max_queries: int
+    max_query_chars: int
+    max_topk: int
+    max_body_bytes: int
+    token_env: str | None
+    nprobe: int
+    ef_search: int
+    faiss_gpu: bool
+    torch_threads: int
+
+
 def create_app(cfg: DictConfig, index: Index | None = None) -> FastAPI:
     """The app; the index is loaded at start-up unless given."""
-    # a plain namespace: DictConfig attribute access is slow on the per-request path
-    serve = SimpleNamespace(**OmegaConf.to_container(cfg.serve, resolve=True))
+    serve = build(ServeConfig, cfg.serve)
     token = os.environ.get(serve.token_env) if serve.token_env else None
     if serve.token_env and not token:
         raise ValueError(f"serve.token_env is {serve.token_env} but that environment variable is empty")

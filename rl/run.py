@@ -283,14 +283,17 @@ def build_rollout_engine(cfg: DictConfig, policy: Policy, tokenizer):
     engine per rank in this process (vLLM's external launcher under torchrun: every rank
     generates on its own), loaded from the stage's starting policy and then kept in step by the
     sync phase after every update."""
-    from etagent.llm import make_engine
+    from etagent.llm import EngineConfig, make_engine
     from etagent.llm.hf import HFEngine
 
     if cfg.engine.kind == "hf":
         return HFEngine.from_model(
             policy.lm, tokenizer, max_batch_size=cfg.engine.max_batch_size, continuous_batching=cfg.engine.continuous_batching
         )
-    return make_engine(OmegaConf.merge(cfg.engine, {"model": str(cfg.model), "vllm": {"colocated": True}}))
+    # colocated: vLLM in this process, where the trainer's weights can reach it (engine.model is
+    # the policy's own path: configs/rl/_base.yaml)
+    engine = build(EngineConfig, cfg.engine)
+    return make_engine(replace(engine, vllm=replace(engine.vllm, colocated=True)))
 
 
 def engine_reads_policy(trainer: Trainer):

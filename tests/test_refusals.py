@@ -76,7 +76,10 @@ def evaluate_args(model: Path, questions: Path, out: Path, server: str = "http:/
         ("limit=0", "setting limit: must be an integer >= 1 or null, got 0"),
         ("limit=-2", "setting limit: must be an integer >= 1 or null, got -2"),
         ("batch_questions=0", "setting batch_questions: must be an integer >= 1, got 0"),
-        ("agent.sampling.temperature=hot", "setting agent.sampling.temperature: must be a number >= 0, got 'hot'"),
+        ("agent.sampling.temperature=-1", "setting agent.sampling.temperature: must be a number >= 0, got -1"),
+        # a shared group's schema refuses a value of the wrong type, or a key it lacks, at load
+        ("agent.sampling.temperature=hot", "Value 'hot' of type 'str' could not be converted to Float (key agent.sampling.temperature)"),
+        ("+tools.python.timeout=5", "tools.python.timeout is not a setting of its group"),
         ("tools.max_failure_share=2", "setting tools.max_failure_share: must be a number >= 0.0 and <= 1.0, got 2"),
         ("engine.model=runs/no/such/model", "setting engine.model: no model at 'runs/no/such/model'"),
     ],

@@ -42,6 +42,8 @@ from collections.abc import Iterable, Iterator, Mapping
 from dataclasses import asdict, dataclass, field, fields
 from typing import Protocol
 
+from omegaconf import MISSING
+
 
 @dataclass
 class Sampling:
@@ -287,6 +289,49 @@ def exact_segment_entropy(entropy: list[float] | None, vocab_size: int, window: 
     return sum(entropy[:window]) / math.log(vocab_size)
 
 
+@dataclass
+class VLLMConfig:
+    """``engine.vllm``: vLLM's settings (configs/engine/_base.yaml documents each)."""
+
+    max_model_len: int | None = MISSING
+    gpu_memory_utilization: float = MISSING
+    tensor_parallel_size: int = 1
+    enable_prefix_caching: bool = True
+    enforce_eager: bool = False
+    colocated: bool = False
+    cpu_kv_cache_gb: float = 1.0
+
+
+@dataclass
+class OpenAIConfig:
+    """``engine.openai``: a pool of OpenAI-compatible servers."""
+
+    urls: list[str] = field(default_factory=list)
+    served_model: str | None = None
+    api_key_env: str | None = None
+    timeout_s: float = 600.0
+    attempts: int = 3
+    concurrency: int = 64
+    max_model_len: int = 32768
+
+
+@dataclass
+class EngineConfig:
+    """The ``engine`` config group (configs/engine/), the schema Hydra checks it against at load:
+    a model behind an engine, for the policy and for the flywheel's editor alike."""
+
+    kind: str = MISSING
+    # null only where no model is used (an editor that is off)
+    model: str | None = MISSING
+    device: str = MISSING
+    dtype: str = MISSING
+    max_batch_size: int = 64
+    continuous_batching: bool = True
+    seed: int = 0
+    vllm: VLLMConfig = field(default_factory=VLLMConfig)
+    openai: OpenAIConfig = field(default_factory=OpenAIConfig)
+
+
 def check_engine_settings(cfg, prefix: str = "engine") -> None:
     """The ``engine`` group's choices and counts in range, and its model present (a local
     directory, or a hub id where downloads are possible: see etagent.config.require_model)."""
@@ -314,8 +359,11 @@ def check_engine_settings(cfg, prefix: str = "engine") -> None:
         require_number(root, f"{prefix}.openai.timeout_s", above=0)
 
 
-def make_engine(cfg):
-    """An engine from the ``engine`` config group (configs/engine/*.yaml)."""
+def make_engine(cfg: EngineConfig):
+    """An engine from the ``engine`` config group (configs/engine/*.yaml), as loaded or built."""
+    from etagent.config import build
+
+    cfg = build(EngineConfig, cfg)
     if cfg.kind == "hf":
         from etagent.llm.hf import HFEngine
 

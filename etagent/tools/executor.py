@@ -20,7 +20,10 @@ import os
 import time
 from collections import Counter
 from collections.abc import Callable, Iterable, Sequence
+from dataclasses import dataclass, field
 from typing import Any
+
+from omegaconf import MISSING
 
 from etagent.errors import SettingError
 from etagent.protocol import ToolCall
@@ -108,6 +111,79 @@ def budget_exhausted_record(call: ToolCall, used: int, limit: int, scope: str) -
     return ToolCallRecord(tool=call.tool, input=call.input, output=text, ok=False, seconds=0.0, budget_exhausted=True)
 
 
+@dataclass
+class PythonToolConfig:
+    """``tools.python`` (configs/tools/_base.yaml documents each field)."""
+
+    backend: str = "sandbox"
+    isolation: str = "auto"
+    interpreter: str | None = None
+    timeout_s: float = 30.0
+    memory_mb: int = 2048
+    file_size_mb: int = 16
+    open_files: int = 256
+    processes: int = 32
+    tmpfs_mb: int = 64
+    max_output_chars: int = 1000
+    concurrency: int = 32
+    preload: list[str] = MISSING
+    sandbox_fusion_url: str | None = None
+
+
+@dataclass
+class LocalSearchConfig:
+    """``tools.search.local``: the retriever service."""
+
+    url: str = MISSING
+    api: str = MISSING
+    method: str | None = MISSING
+    token_env: str | None = None
+
+
+@dataclass
+class WebSearchConfig:
+    """``tools.search.web``: a web search API."""
+
+    api_key_env: str = "SERPER_API_KEY"
+    endpoint: str | None = None
+    max_results: int = 10
+    max_chars: int = 1000
+    rate_per_s: float = 2.0
+    zone: str = "serp_api1"
+
+
+@dataclass
+class SearchCacheConfig:
+    """``tools.search.cache``: cached search results."""
+
+    path: str | None = None
+    mode: str = "readwrite"
+
+
+@dataclass
+class SearchToolConfig:
+    """``tools.search``."""
+
+    backend: str = "local"
+    top_k: int = MISSING
+    max_doc_chars: int = 1200
+    timeout_s: float = 30.0
+    attempts: int = 3
+    concurrency: int = 32
+    local: LocalSearchConfig = field(default_factory=LocalSearchConfig)
+    web: WebSearchConfig = field(default_factory=WebSearchConfig)
+    cache: SearchCacheConfig = field(default_factory=SearchCacheConfig)
+
+
+@dataclass
+class ToolsConfig:
+    """The ``tools`` config group (configs/tools/), the schema Hydra checks it against at load."""
+
+    max_failure_share: float = 0.05
+    python: PythonToolConfig = field(default_factory=PythonToolConfig)
+    search: SearchToolConfig = field(default_factory=SearchToolConfig)
+
+
 def check_tool_settings(cfg, prefix: str = "tools") -> None:
     """The ``tools`` group's counts, limits and choices in their ranges (``prefix``: where the
     group sits in the stage's config, for the messages)."""
@@ -133,12 +209,14 @@ def check_tool_settings(cfg, prefix: str = "tools") -> None:
         require_number(root, f"{prefix}.{key}", above=0)
 
 
-def build_executor(cfg) -> ToolExecutor:
-    """The tools described by a ``tools`` config (see configs/tools/tiny.yaml)."""
+def build_executor(cfg: ToolsConfig) -> ToolExecutor:
+    """The tools described by a ``tools`` config group (configs/tools/), as loaded or built."""
+    from etagent.config import build
     from etagent.tools.cache import ToolCache
     from etagent.tools.sandbox import PythonSandbox, PythonTool, SandboxFusion, SandboxLimits
     from etagent.tools.search import RetrieverClient, SearchTool, WebSearch
 
+    cfg = build(ToolsConfig, cfg)
     py = cfg.python
     limits = SandboxLimits(
         timeout_s=py.timeout_s,
