@@ -3,12 +3,13 @@
 Modules: ``protocol`` (the tool-integrated reasoning text protocol), ``records`` (artifacts and
 their readers/writers), ``scoring`` (answer metrics and the LLM judge), ``agent`` (the agent
 loop), ``sampling`` (n rollouts per question, here or over Ray), ``llm`` (the engines: hf, vLLM,
-OpenAI-compatible), ``tools`` (Python sandbox, search, the executor), ``config`` (loading and
-checking the Hydra presets), ``rundir`` (claiming an output directory, resuming, manifests),
-``errors`` (user errors that name the file, line and field), ``net`` (HTTP calls with timeouts and
-retries), ``timing`` (named phases), ``toy`` (the embedded toy world and tiny model), ``cli`` (the
-core's ``etagent score`` and ``etagent tool``). The core imports no stage; the ``etagent``
-command that reaches them is ``launcher/``.
+OpenAI-compatible; ``Sampling``, the one sampling type), ``tools`` (Python sandbox, search, the
+executor), ``config`` (loading and checking the Hydra presets, the shared groups' typed schemas,
+``build``), ``rundir`` (claiming an output directory, resuming, manifests), ``errors`` (user
+errors that name the file, line and field), ``net`` (HTTP calls with timeouts and retries),
+``timing`` (named phases), ``toy`` (the embedded toy world and tiny model), ``cli`` (the core's
+``etagent score`` and ``etagent tool``). The core imports no stage; the ``etagent`` command that
+reaches them is ``launcher/``.
 """
 
 __version__ = "0.1.0"
