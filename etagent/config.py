@@ -127,6 +127,9 @@ def build(schema: type[T], cfg) -> T:
     or a value of the wrong type); ranges are each stage's ``check_settings``."""
     from omegaconf import OmegaConf
 
+    if isinstance(cfg, DictConfig):
+        # resolved where it sits: ${model} means the stage's model, not a field of the group
+        cfg = OmegaConf.to_container(cfg, resolve=True)
     return OmegaConf.to_object(OmegaConf.merge(OmegaConf.structured(schema), cfg))
 
 

@@ -113,3 +113,38 @@ def test_a_misspelt_key_in_any_preset_is_refused_before_work_naming_it(stage):
         for typo in (f"lerning_rate_{stage}", f"{group}.{leaf[:-1]}"):
             with pytest.raises(UserError, match=f"Could not override '{typo}'"):
                 load_config(stage, preset, [f"{typo}=1"])
+
+
+@pytest.mark.parametrize("stage", stages())
+def test_every_typed_group_of_every_preset_builds_its_object(stage):
+    """Wherever a preset holds a typed group (engine, agent, tools; the flywheel's editor.engine
+    too), build() makes its dataclass with every interpolation resolved where the group sits:
+    RL's engine.model is ${model}, the stage's model, not the group's own field."""
+    from dataclasses import fields
+
+    from omegaconf import OmegaConf
+
+    from etagent.config import build
+
+    for preset in presets(stage):
+        cfg = load_config(stage, preset)
+        nodes = [("", cfg)]
+        while nodes:
+            path, node = nodes.pop()
+            for key in node:
+                child = node._get_node(key)
+                if not isinstance(child, DictConfig) or child._is_missing() or child._is_none():
+                    continue
+                schema = OmegaConf.get_type(child)
+                if schema is not dict:
+                    built = build(schema, child)
+                    assert isinstance(built, schema), f"{stage}/{preset}: {path}{key}"
+                    for field in fields(schema):
+                        value = getattr(built, field.name)
+                        assert not (isinstance(value, str) and "${" in value), f"{stage}/{preset}: {path}{key}.{field.name} = {value}"
+                else:
+                    nodes.append((f"{path}{key}.", child))
+    rl = load_config("rl", "tiny", ["engine.kind=vllm", "model=somewhere/else"])
+    from etagent.llm import EngineConfig
+
+    assert build(EngineConfig, rl.engine).model == "somewhere/else"
