@@ -135,7 +135,7 @@ def rl(work: Path, smoke: bool, engine: str) -> None:
         "train.save_every=1",
         "agent.max_response_tokens=512",
         "agent.max_segment_tokens=256",
-        "tools.python.timeout_s=10",
+        "tools.python.limits.timeout_s=10",
         # no retriever service runs here: a search the policy tries fails, which the item accepts
         # (it checks training, not the tools); the run's guard would otherwise stop at 5% failures
         "tools.max_failure_share=1.0",

@@ -83,7 +83,7 @@ def tool_main(argv: list[str]) -> int:
     parser.add_argument("file", nargs="?", help="python: a file with the code (default: stdin)")
     parser.add_argument("--query", help="search: the query")
     parser.add_argument("--preset", default="tiny", help="configs/tools/PRESET.yaml (default: tiny)")
-    parser.add_argument("overrides", nargs="*", help="Hydra overrides, e.g. tools.python.timeout_s=5")
+    parser.add_argument("overrides", nargs="*", help="Hydra overrides, e.g. tools.python.limits.timeout_s=5")
     args, extra = parser.parse_known_args(argv)
     overrides = list(args.overrides) + extra
     if args.tool == "python" and args.file and "=" in args.file:  # an override, not a file

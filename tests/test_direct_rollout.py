@@ -30,7 +30,7 @@ def rollout_overrides(sft_model: Path, toy: Path, server: str, out: Path, *extra
         "n=4",
         f"tools.search.local.url={server}",
         "tools.search.local.token_env=RETRIEVER_TOKEN",
-        "tools.python.timeout_s=10",
+        "tools.python.limits.timeout_s=10",
         "batch_questions=4",
         *extra,
     ]

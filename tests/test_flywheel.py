@@ -112,7 +112,7 @@ def tokenizer(toy):
 
 @pytest.fixture(scope="module")
 def executor():
-    tools = load_config("tools", "tiny", ["tools.python.timeout_s=20"]).tools
+    tools = load_config("tools", "tiny", ["tools.python.limits.timeout_s=20"]).tools
     with build_executor(tools) as ex:
         yield ex
 

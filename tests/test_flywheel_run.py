@@ -31,7 +31,7 @@ def flywheel_command(model: Path, questions: Path, out: Path, server: str, *extr
         f"out_dir={out}",
         f"tools.search.local.url={server}",
         "tools.search.local.token_env=RETRIEVER_TOKEN",
-        "tools.python.timeout_s=10",
+        "tools.python.limits.timeout_s=10",
         *extra,
     ]
 

@@ -22,7 +22,9 @@ from tests.trajectories import mask_runs
 def tools_cfg(server, monkeypatch):
     monkeypatch.setenv("RETRIEVER_TOKEN", TOKEN)
     return load_config(
-        "tools", "tiny", [f"tools.search.local.url={server}", "tools.search.local.token_env=RETRIEVER_TOKEN", "tools.python.timeout_s=10"]
+        "tools",
+        "tiny",
+        [f"tools.search.local.url={server}", "tools.search.local.token_env=RETRIEVER_TOKEN", "tools.python.limits.timeout_s=10"],
     ).tools
 
 

@@ -346,7 +346,7 @@ def test_python_and_search_through_one_executor(retriever):
     from etagent.tools.executor import build_executor
 
     url, _ = retriever
-    cfg = load_config("tools", "tiny", [f"tools.search.local.url={url}", "tools.python.timeout_s=5"]).tools
+    cfg = load_config("tools", "tiny", [f"tools.search.local.url={url}", "tools.python.limits.timeout_s=5"]).tools
     with build_executor(cfg) as executor:
         records = executor.run_sync([ToolCall("python", "print(6 * 7)"), ToolCall("search", "Zorvak Telmin"), ToolCall("python", "")])
     assert records[0].output == "42" and records[0].ok
@@ -369,7 +369,7 @@ def test_etagent_tool_cli(retriever, tmp_path):
     assert line["output"] == "42" and line["ok"] and line["tool"] == "python" and "isolation" in line
     code_file = tmp_path / "code.py"
     code_file.write_text("1/0")
-    out = run("python", str(code_file), "tools.python.timeout_s=5")
+    out = run("python", str(code_file), "tools.python.limits.timeout_s=5")
     assert out.returncode == 1 and "ZeroDivisionError" in json.loads(out.stdout)["output"]
     out = run("search", "--query", "Quellport", f"tools.search.local.url={url}")
     assert out.returncode == 0 and "founded in 1204" in json.loads(out.stdout)["output"]

@@ -29,6 +29,7 @@ from etagent.errors import SettingError
 from etagent.protocol import ToolCall
 from etagent.records import ToolCallRecord
 from etagent.tools import ToolOutput
+from etagent.tools.sandbox import SandboxLimits
 
 Tool = Callable[[str], Any]  # async (input) -> ToolOutput, with a .name
 
@@ -118,12 +119,7 @@ class PythonToolConfig:
     backend: str = "sandbox"
     isolation: str = "auto"
     interpreter: str | None = None
-    timeout_s: float = 30.0
-    memory_mb: int = 2048
-    file_size_mb: int = 16
-    open_files: int = 256
-    processes: int = 32
-    tmpfs_mb: int = 64
+    limits: SandboxLimits = field(default_factory=SandboxLimits)
     max_output_chars: int = 1000
     concurrency: int = 32
     preload: list[str] = MISSING
@@ -194,8 +190,9 @@ def check_tool_settings(cfg, prefix: str = "tools") -> None:
     require_number(root, f"{prefix}.max_failure_share", 0.0, 1.0)
     require_choice(root, f"{prefix}.python.backend", ("sandbox", "sandbox_fusion"))
     require_choice(root, f"{prefix}.search.backend", ("local", "serper", "brightdata", "bing"))
-    for key in ("python.memory_mb", "python.file_size_mb", "python.open_files", "python.processes", "python.tmpfs_mb"):
-        require_int(root, f"{prefix}.{key}")
+    for key in ("memory_mb", "file_size_mb", "open_files", "processes", "tmpfs_mb", "max_output_bytes"):
+        require_int(root, f"{prefix}.python.limits.{key}")
+    require_int(root, f"{prefix}.python.limits.cpu_seconds", optional=True)
     for key in (
         "python.max_output_chars",
         "python.concurrency",
@@ -205,7 +202,7 @@ def check_tool_settings(cfg, prefix: str = "tools") -> None:
         "search.concurrency",
     ):
         require_int(root, f"{prefix}.{key}")
-    for key in ("python.timeout_s", "search.timeout_s"):
+    for key in ("python.limits.timeout_s", "search.timeout_s"):
         require_number(root, f"{prefix}.{key}", above=0)
 
 
@@ -213,19 +210,12 @@ def build_executor(cfg: ToolsConfig) -> ToolExecutor:
     """The tools described by a ``tools`` config group (configs/tools/), as loaded or built."""
     from etagent.config import build
     from etagent.tools.cache import ToolCache
-    from etagent.tools.sandbox import PythonSandbox, PythonTool, SandboxFusion, SandboxLimits
+    from etagent.tools.sandbox import PythonSandbox, PythonTool, SandboxFusion
     from etagent.tools.search import RetrieverClient, SearchTool, WebSearch
 
     cfg = build(ToolsConfig, cfg)
     py = cfg.python
-    limits = SandboxLimits(
-        timeout_s=py.timeout_s,
-        memory_mb=py.memory_mb,
-        file_size_mb=py.file_size_mb,
-        open_files=py.open_files,
-        processes=py.processes,
-        tmpfs_mb=py.tmpfs_mb,
-    )
+    limits = py.limits
     if py.backend == "sandbox":
         backend = PythonSandbox(
             python=py.interpreter, limits=limits, isolation=py.isolation, preload=tuple(py.preload), max_concurrency=py.concurrency

@@ -106,7 +106,7 @@ SANDBOX_ENVIRONMENT = {
 }
 
 
-@dataclass(frozen=True)
+@dataclass
 class SandboxLimits:
     """Per-call limits. cpu_seconds defaults to the timeout rounded up, plus one."""
 
@@ -188,7 +188,7 @@ class PythonSandbox:
         self,
         *,
         python: str | None = None,
-        limits: SandboxLimits = SandboxLimits(),
+        limits: SandboxLimits | None = None,
         isolation: str = "auto",
         preload: tuple[str, ...] = DEFAULT_PRELOAD,
         max_concurrency: int = 32,
@@ -198,7 +198,7 @@ class PythonSandbox:
         # an absolute path: the server starts in its own directory (sys.executable is relative when
         # Python was found through a relative PATH entry)
         self.python = os.path.abspath(python or sys.executable) if os.sep in (python or sys.executable) else shutil.which(python) or python
-        self.limits = limits
+        self.limits = limits or SandboxLimits()
         self.requested_isolation = isolation
         self.preload = tuple(preload)
         self.max_concurrency = max_concurrency
@@ -366,9 +366,9 @@ class SandboxFusion:
     Isolation is whatever that server provides (it runs code in its own container).
     """
 
-    def __init__(self, url: str, limits: SandboxLimits = SandboxLimits(), attempts: int = 3):
+    def __init__(self, url: str, limits: SandboxLimits | None = None, attempts: int = 3):
         self.url = url.rstrip("/") + "/run_code"
-        self.limits = limits
+        self.limits = limits or SandboxLimits()
         self.attempts = attempts
         self.isolation, self.isolation_note = "sandbox-fusion", f"code runs on the SandboxFusion server at {url}"
 
