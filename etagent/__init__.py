@@ -3,7 +3,8 @@
 Modules: ``protocol`` (the tool-integrated reasoning text protocol), ``records`` (artifacts and
 their readers/writers), ``scoring`` (answer metrics and the LLM judge), ``agent`` (the agent
 loop), ``sampling`` (n rollouts per question, here or over Ray), ``llm`` (the engines: hf, vLLM,
-OpenAI-compatible; ``Sampling``, the one sampling type), ``tools`` (Python sandbox, search, the
+OpenAI-compatible; ``Sampling``, the one sampling type; ``llm.text``, the text models: judges,
+editor, summariser), ``tools`` (Python sandbox, search, the
 executor), ``config`` (loading and checking the Hydra presets, the shared groups' typed schemas,
 ``build``), ``rundir`` (claiming an output directory, resuming, manifests), ``errors`` (user
 errors that name the file, line and field), ``net`` (HTTP calls with timeouts and retries),

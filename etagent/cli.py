@@ -62,7 +62,13 @@ def score_main(argv: list[str]) -> int:
     if args.judge_url:
         if not args.judge_model:
             parser.error("--judge-url needs --judge-model")
-        judge = scoring.LLMJudge.connect(args.judge_url, args.judge_model, api_key_env=args.judge_api_key_env)
+        from etagent.llm import GREEDY
+        from etagent.llm.openai_engine import OpenAIEngine
+        from etagent.llm.text import TextModel
+
+        served = OpenAIEngine([args.judge_url], args.judge_model, api_key_env=args.judge_api_key_env)
+        # greedy, 16 tokens per verdict: the evaluation presets' judge (configs/evaluation/_base.yaml)
+        judge = scoring.LLMJudge(TextModel(served, GREEDY, 16, "judge"))
     if args.file:
         if not os.path.isfile(args.file):
             raise MissingInput(f"{args.file}: no such file")

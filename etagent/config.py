@@ -57,11 +57,11 @@ def register_schemas() -> None:
     from hydra.core.config_store import ConfigStore
 
     from etagent.agent import AgentConfig
-    from etagent.llm import EngineConfig
+    from etagent.llm import EngineConfig, Sampling
     from etagent.tools.executor import ToolsConfig
 
     store = ConfigStore.instance()
-    for group, schema in (("engine", EngineConfig), ("agent", AgentConfig), ("tools", ToolsConfig)):
+    for group, schema in (("engine", EngineConfig), ("agent", AgentConfig), ("tools", ToolsConfig), ("sampling", Sampling)):
         store.store(group=group, name="_schema", node=schema)
 
 

@@ -32,6 +32,7 @@ from tqdm import tqdm
 
 from etagent.agent import AgentConfig, AgentLoop
 from etagent.config import build
+from etagent.llm import ENGINE_RESUME_FREE
 from etagent.records import JsonlAppender, Judgement, Question, TrajectoryGroup, read_questions, write_manifest
 from etagent.rundir import claim_output
 from etagent.tools.executor import degraded, describe_failures, failure_counts
@@ -184,12 +185,7 @@ RESUME_FREE = (
     "limit",
     "batch_questions",
     "partial_input_ok",
-    "engine.max_batch_size",
-    "engine.openai.urls",
-    "engine.openai.concurrency",
-    "engine.openai.timeout_s",
-    "engine.openai.attempts",
-    "engine.openai.api_key_env",
+    *(f"engine.{key}" for key in ENGINE_RESUME_FREE),
     "tools.max_failure_share",
     "tools.*.concurrency",
     "tools.search.timeout_s",

@@ -42,8 +42,7 @@ from collections import Counter
 from collections.abc import Callable, Mapping, Sequence
 
 from etagent import protocol
-from etagent.llm import Sampling
-from etagent.llm.openai_engine import OpenAIEngine
+from etagent.llm.text import TextModel
 from etagent.net import ExternalCallError
 from etagent.records import Judgement, Question, Trajectory
 
@@ -425,36 +424,18 @@ def parse_judgement(reply: str) -> bool | None:
 
 
 class LLMJudge:
-    """LLM-as-judge over OpenAI-compatible chat servers, through :class:`OpenAIEngine` (its
-    timeouts, retries and fail-over across a pool of servers: the one client for every text model
-    of the toolkit: judge, editor, summariser).
+    """LLM-as-judge over any text model (:class:`etagent.llm.text.TextModel`: a pool of served
+    models with their timeouts, retries and fail-over, or a model in this process).
 
     A prediction is correct when it equals a gold answer by :func:`is_equiv` (no call is made;
     ``metric="is_equiv"``) or when the judge says so (:func:`parse_judgement`). Unlike the
-    reference, the judge samples at temperature 0 with a fixed token cap; an unparseable reply is
-    asked again up to ``attempts`` times, and a judge that gives no usable answer is reported as
-    such (``verdict=None``, ``error`` says why) instead of being scored.
+    reference, the judge samples as its config says (the presets: temperature 0, 16 tokens); an
+    unparseable reply is asked again up to ``attempts`` times, and a judge that gives no usable
+    answer is reported as such (``verdict=None``, ``error`` says why) instead of being scored.
     """
 
-    def __init__(self, engine: OpenAIEngine, *, attempts: int = 3, max_tokens: int = 16, temperature: float = 0.0):
-        self.engine, self.attempts, self.max_tokens, self.temperature = engine, attempts, max_tokens, temperature
-
-    @classmethod
-    def connect(
-        cls,
-        urls: str | Sequence[str],
-        model: str,
-        *,
-        api_key_env: str | None = None,
-        timeout: float = 60.0,
-        attempts: int = 3,
-        max_tokens: int = 16,
-        concurrency: int = 32,
-    ) -> LLMJudge:
-        """A judge on one server URL or a pool of them (``.../v1``)."""
-        urls = [urls] if isinstance(urls, str) else list(urls)
-        engine = OpenAIEngine(urls, model, api_key_env=api_key_env, timeout_s=timeout, attempts=attempts, concurrency=concurrency)
-        return cls(engine, attempts=attempts, max_tokens=max_tokens)
+    def __init__(self, model: TextModel, *, attempts: int = 3):
+        self.model, self.attempts = model, attempts
 
     def prompt(self, question: str, golds: Sequence[str], prediction: str) -> str:
         return JUDGE_PROMPT.format(question=question, golden=" | ".join(map(str, golds)), prediction=prediction)
@@ -466,7 +447,7 @@ class LLMJudge:
         reply, error = "", ""
         for attempt in range(1, self.attempts + 1):
             try:
-                reply = await self.engine.chat(messages, Sampling(temperature=self.temperature), max_new_tokens=self.max_tokens)
+                reply = await self.model.chat(messages)
             except ExternalCallError as exc:  # the engine has retried and failed over already
                 return Judgement(metric="llm_judge", score=None, verdict=None, reply=reply, attempts=attempt, error=str(exc))
             except (KeyError, IndexError, TypeError) as exc:  # an answer without a message: ask again

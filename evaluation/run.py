@@ -10,8 +10,8 @@ For each dataset in ``datasets`` (files under ``data_dir``, formats in evaluatio
    the common case; Ray fan-out with ``ray.workers``). Knowledge-QA datasets search the local
    retriever; the others use web search when ``web_search.backend`` is set, else the local one;
 2. scoring: per-sample metrics (evaluation/metrics.py) and, for the kinds in ``judge.kinds``, the
-   LLM judge through an OpenAI-compatible server; judge failures are recorded, counted and fall
-   back to math equivalence;
+   LLM judge (``judge``: a model behind an engine, usually a served one); judge failures are
+   recorded, counted and fall back to math equivalence;
 3. aggregates: ``{out_dir}/{dataset}/metrics.json`` (correctness, efficiency, tool productivity,
    pass@k, bootstrap 95% intervals, ...).
 
@@ -36,6 +36,7 @@ from tqdm import tqdm
 
 from etagent.config import require_int, require_number
 from etagent.errors import DegradedRun, SettingError, exit_on_user_error
+from etagent.llm import ENGINE_RESUME_FREE
 from etagent.records import JsonlAppender, TrajectoryGroup, iter_jsonl, read_jsonl, write_jsonl, write_manifest
 from etagent.rundir import claim_output
 from etagent.sampling import RESUME_FREE as SAMPLING_RESUME_FREE
@@ -72,20 +73,12 @@ def sampling_config(cfg: DictConfig, name: str, questions_path: Path, out: Path)
 
 
 def make_judge(cfg: DictConfig):
-    if not cfg.judge.url:
+    if not cfg.judge.enabled:
         return None
+    from etagent.llm.text import load_text_model
     from etagent.scoring import LLMJudge
 
-    j = cfg.judge
-    return LLMJudge.connect(
-        j.url,
-        j.model,
-        api_key_env=j.api_key_env,
-        timeout=j.timeout_s,
-        attempts=j.attempts,
-        max_tokens=j.max_tokens,
-        concurrency=j.concurrency,
-    )
+    return LLMJudge(load_text_model(cfg.judge, "judge"), attempts=cfg.judge.attempts)
 
 
 def score(cfg: DictConfig, out: Path, judge) -> None:
@@ -141,7 +134,7 @@ def check_settings(cfg: DictConfig) -> None:
     """What the evaluation reads, in range and present, before any output is written (the
     rollouts' engine, agent and tools are checked with them, by etagent.sampling)."""
     from etagent.agent import check_agent_settings
-    from etagent.llm import check_engine_settings
+    from etagent.llm import check_engine_settings, check_sampling
     from etagent.tools.executor import check_tool_settings
 
     if not cfg.datasets:
@@ -149,18 +142,12 @@ def check_settings(cfg: DictConfig) -> None:
     for name in cfg.datasets:
         if name not in BENCHMARKS:
             raise SettingError("datasets", f"unknown benchmark {name!r}; known: {', '.join(BENCHMARKS)}")
-    for key in (
-        "n",
-        "batch_questions",
-        "bootstrap_rounds",
-        "judge.batch_questions",
-        "judge.concurrency",
-        "judge.attempts",
-        "judge.max_tokens",
-    ):
+    for key in ("n", "batch_questions", "bootstrap_rounds", "judge.batch_questions", "judge.attempts", "judge.max_new_tokens"):
         require_int(cfg, key)
     require_int(cfg, "limit", optional=True)
-    require_number(cfg, "judge.timeout_s", above=0)
+    if cfg.judge.enabled:
+        check_engine_settings(cfg.judge.engine, "judge.engine")
+        check_sampling(cfg.judge.sampling, "judge.sampling")
     require_number(cfg, "qa_pass_mark", 0, 1)
     check_engine_settings(cfg.engine)
     check_agent_settings(cfg.agent)
@@ -174,11 +161,8 @@ RESUME_FREE = (
     "datasets",
     "files",
     "data_dir",
-    "judge.url",
-    "judge.api_key_env",
-    "judge.timeout_s",
+    *(f"judge.engine.{key}" for key in ENGINE_RESUME_FREE),
     "judge.attempts",
-    "judge.concurrency",
     "judge.batch_questions",
     "bootstrap_rounds",
     "seed",

@@ -47,6 +47,7 @@ SFT (``flywheel.export``).
 from __future__ import annotations
 
 import asyncio
+import hashlib
 import logging
 import random
 from collections import Counter, defaultdict
@@ -54,10 +55,10 @@ from dataclasses import dataclass, field
 
 from etagent import protocol, scoring
 from etagent.agent import AgentLoop, Budgets
+from etagent.llm.text import TextModel
 from etagent.net import ExternalCallError
 from etagent.records import Judgement, Question, Trajectory
 from flywheel import prompts
-from flywheel.roles import TextModel, derived_seed
 from flywheel.steps import (
     EditorReplyError,
     clean_step,
@@ -83,6 +84,13 @@ NEEDS_EDITOR = frozenset({"A2_redundancy_fix", "A3_rewrite", "B0_locate_flaw", "
 # Per operation: attempted, its model reply parsed (or no reply needed), a trajectory made, judged correct;
 # also counted where they happen: rejected (A3), skipped_no_editor, model_errors.
 STAT_FIELDS = ("attempted", "parsed", "succeeded", "correct")
+
+
+def derived_seed(*parts) -> int:
+    """A 63-bit seed from any parts (run seed, question id, operation, round): every request the
+    flywheel makes is seeded from what it is, so a rerun asks the same thing."""
+    digest = hashlib.sha256("/".join(map(str, parts)).encode()).digest()
+    return int.from_bytes(digest[:8], "big") >> 1
 
 
 @dataclass

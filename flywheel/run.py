@@ -44,15 +44,15 @@ from etagent import scoring
 from etagent.agent import AgentConfig, AgentLoop, check_agent_settings
 from etagent.config import build, require_file, require_int, require_number
 from etagent.errors import DegradedRun, SettingError, exit_on_user_error
-from etagent.llm import Sampling, check_engine_settings, check_sampling
+from etagent.llm import ENGINE_RESUME_FREE, GREEDY, Sampling, check_engine_settings, check_sampling
+from etagent.llm.text import TextModel, load_text_model, shared_engine
 from etagent.records import JsonlAppender, Question, TrajectoryGroup, read_jsonl, read_questions, write_manifest
 from etagent.rundir import claim_output
 from etagent.sampling import RESUME_FREE as SAMPLING_RESUME_FREE
 from etagent.tools import ToolOutput
 from etagent.tools.executor import build_executor, check_tool_settings, degraded, describe_failures, failure_counts
 from flywheel import prompts
-from flywheel.evolve import OPERATIONS, STAT_FIELDS, Flywheel, FlywheelSettings, QuestionRun
-from flywheel.roles import TextModel, build_engine, derived_seed
+from flywheel.evolve import OPERATIONS, STAT_FIELDS, Flywheel, FlywheelSettings, QuestionRun, derived_seed
 
 log = logging.getLogger("flywheel")
 
@@ -130,12 +130,7 @@ RESUME_FREE = (
     "flywheel.concurrency",
     "flywheel.reply_chars",
     "export",
-    "editor.engine.max_batch_size",
-    "editor.engine.openai.urls",
-    "editor.engine.openai.concurrency",
-    "editor.engine.openai.timeout_s",
-    "editor.engine.openai.attempts",
-    "editor.engine.openai.api_key_env",
+    *(f"editor.engine.{key}" for key in ENGINE_RESUME_FREE),
 )
 
 
@@ -149,7 +144,7 @@ def check_settings(cfg: DictConfig) -> None:
         )
     require_file(cfg, "questions")
     require_int(cfg, "limit", optional=True)
-    for key in ("flywheel.concurrency", "judge.attempts", "judge.max_tokens", "reflector.max_new_tokens", "editor.max_new_tokens"):
+    for key in ("flywheel.concurrency", "judge.attempts", "judge.max_new_tokens", "reflector.max_new_tokens", "editor.max_new_tokens"):
         require_int(cfg, key)
     for key in ("flywheel.rounds", "flywheel.continuation_python_calls", "flywheel.continuation_search_calls"):
         require_int(cfg, key, minimum=0)
@@ -187,12 +182,12 @@ def run(cfg: DictConfig) -> dict:
 
 def evolve(cfg: DictConfig, out: Path, questions: list[Question]) -> dict:
     """Evolve every question not yet in out/trajectories.jsonl; the summary of the whole file."""
-    policy = build_engine(cfg.engine)
+    policy = shared_engine(cfg.engine)
     editor = judge = None
     if cfg.editor.enabled:
-        editor = TextModel(build_engine(cfg.editor.engine), build(Sampling, cfg.editor.sampling), cfg.editor.max_new_tokens, "editor")
-        if cfg.judge.llm:
-            judge = scoring.LLMJudge(editor, attempts=cfg.judge.attempts, max_tokens=cfg.judge.max_tokens)
+        editor = load_text_model(cfg.editor, "editor")
+        if cfg.judge.llm:  # the editor's model, asked greedily
+            judge = scoring.LLMJudge(TextModel(editor.engine, GREEDY, cfg.judge.max_new_tokens, "judge"), attempts=cfg.judge.attempts)
     else:
         log.warning("no editor configured (editor.enabled=false): A2, A3, B0, B1 and B2 are skipped; A1 and B3 run")
     reflector = TextModel(policy, build(Sampling, cfg.reflector.sampling), cfg.reflector.max_new_tokens, "reflector")

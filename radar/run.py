@@ -33,7 +33,8 @@ from omegaconf import DictConfig, OmegaConf
 
 from etagent.config import require_choice, require_int, require_model
 from etagent.errors import MissingInput, SettingError, UserError, exit_on_user_error
-from etagent.llm import Sampling
+from etagent.llm import ENGINE_RESUME_FREE, check_engine_settings, check_sampling
+from etagent.llm.text import TextModel, load_text_model
 from etagent.records import JsonlAppender, TrajectoryGroup, iter_jsonl, read_jsonl, write_manifest
 from etagent.rundir import claim_output
 from etagent.scoring import correctness
@@ -43,40 +44,20 @@ from radar.metrics import REDUNDANCY_PROMPT, execution, majority_redundant, pars
 log = logging.getLogger("radar")
 
 
-def judge_engine(cfg: DictConfig):
-    from etagent.llm.openai_engine import OpenAIEngine
-
-    return OpenAIEngine(
-        list(cfg.judge.urls),
-        cfg.judge.model,
-        api_key_env=cfg.judge.api_key_env,
-        timeout_s=cfg.judge.timeout_s,
-        attempts=cfg.judge.attempts,
-        concurrency=cfg.judge.concurrency,
-    )
-
-
-async def _votes(engine, cfg: DictConfig, group: TrajectoryGroup, text: str, key: str) -> list[bool | None]:
+async def _votes(judge: TextModel, cfg: DictConfig, group: TrajectoryGroup, text: str, key: str) -> list[bool | None]:
     prompt = REDUNDANCY_PROMPT.format(
         question=group.question, answer=" | ".join(group.answer), trajectory=text[: cfg.judge.max_trajectory_chars]
     )
-    j = cfg.judge
 
     async def one(round_: int):
         try:
-            reply = await engine.chat(
-                [{"role": "user", "content": prompt}],
-                Sampling(temperature=j.temperature, top_p=j.top_p),
-                max_new_tokens=j.max_tokens,
-                stop=["</answer>"],
-                session=f"{key}/{round_}",
-            )
+            reply = await judge.chat([{"role": "user", "content": prompt}], stop=["</answer>"], session=f"{key}/{round_}")
         except Exception as exc:  # a failed judgement is recorded as no vote ("NA"), never fatal
             log.warning("judge call failed for %s: %s", key, exc)
             return None
         return parse_redundancy(reply)
 
-    return list(await asyncio.gather(*(one(r) for r in range(j.rounds))))
+    return list(await asyncio.gather(*(one(r) for r in range(cfg.judge.rounds))))
 
 
 def conciseness(cfg: DictConfig, groups: list[TrajectoryGroup], out: Path) -> dict[str, bool]:
@@ -88,12 +69,12 @@ def conciseness(cfg: DictConfig, groups: list[TrajectoryGroup], out: Path) -> di
             for g, t in todo:
                 writer.write({"id": t.id, "redundant": toy_redundant(g.source, t.tool_calls), "votes": None})
         elif todo:
-            engine = judge_engine(cfg)
+            judge = load_text_model(cfg.judge, "judge")
 
             async def judge_all():
                 for start in range(0, len(todo), cfg.judge.batch):
                     batch = todo[start : start + cfg.judge.batch]
-                    votes = await asyncio.gather(*(_votes(engine, cfg, g, t.text, t.id) for g, t in batch))
+                    votes = await asyncio.gather(*(_votes(judge, cfg, g, t.text, t.id) for g, t in batch))
                     for (_, t), v in zip(batch, votes):
                         writer.write(
                             {
@@ -173,11 +154,7 @@ RESUME_FREE = (
     "runs",
     "labels",
     "datasets",
-    "judge.urls",
-    "judge.api_key_env",
-    "judge.timeout_s",
-    "judge.attempts",
-    "judge.concurrency",
+    *(f"judge.engine.{key}" for key in ENGINE_RESUME_FREE),
     "judge.batch",
 )
 
@@ -194,9 +171,12 @@ def check_settings(cfg: DictConfig) -> None:
         raise SettingError("labels", f"{len(cfg.labels)} labels for {len(cfg.runs)} runs")
     require_model(cfg, "tokenizer")
     require_choice(cfg, "execution_rule", ("paper", "corrected"))
-    require_choice(cfg, "judge.mode", ("toy_oracle", "llm"))
-    for key in ("judge.rounds", "judge.max_tokens", "judge.max_trajectory_chars", "judge.attempts", "judge.concurrency", "judge.batch"):
+    mode = require_choice(cfg, "judge.mode", ("toy_oracle", "llm"))
+    for key in ("judge.rounds", "judge.max_new_tokens", "judge.max_trajectory_chars", "judge.batch"):
         require_int(cfg, key)
+    if mode == "llm":
+        check_engine_settings(cfg.judge.engine, "judge.engine")
+        check_sampling(cfg.judge.sampling, "judge.sampling")
 
 
 def run(cfg: DictConfig) -> dict:

@@ -265,7 +265,17 @@ def scored_eval(tmp_path, judge_url):
         )
         groups.append(TrajectoryGroup.for_question(q, [t]))
     write_jsonl(out / "trajectories.jsonl", groups)
-    cfg = load_config("evaluation", "tiny", [f"judge.url={judge_url}", "judge.timeout_s=0.5", "judge.attempts=2"])
+    cfg = load_config(
+        "evaluation",
+        "tiny",
+        [
+            "judge.enabled=true",
+            f"judge.engine.openai.urls=[{judge_url}]",
+            "judge.engine.openai.timeout_s=0.5",
+            "judge.engine.openai.attempts=2",
+            "judge.attempts=2",
+        ],
+    )
     from evaluation.run import make_judge
 
     score(cfg, out, make_judge(cfg))

@@ -17,12 +17,12 @@ from transformers import AutoTokenizer
 from etagent import protocol
 from etagent.agent import AgentConfig, AgentLoop
 from etagent.config import load_config
-from etagent.llm import GREEDY, Sample, Sampling
+from etagent.llm import GREEDY, Sample, Sampling, SharedBatches
+from etagent.llm.text import TextModel
 from etagent.records import Question, TokenOrigin
 from etagent.tools.executor import build_executor
 from flywheel import prompts
 from flywheel.evolve import Flywheel, FlywheelSettings, QuestionRun, select_parent
-from flywheel.roles import SharedBatches, TextModel
 from flywheel.steps import (
     EditorReplyError,
     clean_step,

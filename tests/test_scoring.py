@@ -13,6 +13,9 @@ from fastapi import FastAPI, Request
 from fastapi.responses import JSONResponse
 
 from etagent import scoring
+from etagent.llm import GREEDY
+from etagent.llm.openai_engine import OpenAIEngine
+from etagent.llm.text import TextModel
 from etagent.scoring import (
     acc,
     best_over_golds,
@@ -243,10 +246,16 @@ def scripted_judge_server():
     return app, calls
 
 
+def served_judge(url: str, timeout_s: float, attempts: int, concurrency: int = 64) -> scoring.LLMJudge:
+    """The LLM judge as evaluation builds it: greedy, 16 tokens, over a pool of one server."""
+    engine = OpenAIEngine([url], "judge", timeout_s=timeout_s, attempts=attempts, concurrency=concurrency)
+    return scoring.LLMJudge(TextModel(engine, GREEDY, 16, "judge"), attempts=attempts)
+
+
 def test_llm_judge_against_a_real_server():
     app, calls = scripted_judge_server()
     with serve(app) as base:
-        judge = scoring.LLMJudge.connect(base + "/v1", "judge", timeout=0.3, attempts=3, concurrency=8)
+        judge = served_judge(base + "/v1", timeout_s=0.3, attempts=3, concurrency=8)
         items = [
             ("Capital of France?", ["Paris"], "Paris, France"),
             ("Capital of France?", ["Paris"], "Lyon"),
@@ -279,7 +288,7 @@ def test_llm_judge_against_a_real_server():
 def test_llm_judge_unreachable_server_fails_cleanly():
     from tests.servers import free_port
 
-    judge = scoring.LLMJudge.connect(f"http://127.0.0.1:{free_port()}/v1", "judge", timeout=0.5, attempts=2)
+    judge = served_judge(f"http://127.0.0.1:{free_port()}/v1", timeout_s=0.5, attempts=2)
     [verdict] = judge.judge_many([("q", ["a"], "b")])
     assert verdict.verdict is None and verdict.error
     metrics = {}

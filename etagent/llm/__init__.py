@@ -39,7 +39,7 @@ from __future__ import annotations
 import asyncio
 import math
 from collections.abc import Iterable, Iterator, Mapping
-from dataclasses import asdict, dataclass, field, fields
+from dataclasses import dataclass, field
 from typing import Protocol
 
 from omegaconf import MISSING
@@ -48,7 +48,8 @@ from omegaconf import MISSING
 @dataclass
 class Sampling:
     """How tokens are drawn: the one sampling type of the toolkit, read by every engine, set by
-    the agent loop (``agent.sampling``) and by each of the flywheel's roles (``<role>.sampling``).
+    the agent loop (``agent.sampling``) and by every text model's role (``<role>.sampling``:
+    judges, the flywheel's editor and reflector; etagent/llm/text.py).
     ``temperature=0`` is greedy; ``top_k=0``, ``top_p=1`` and ``min_p=0`` disable those filters;
     ``repetition_penalty=1`` disables the penalty. (Not frozen: it is also the schema of the YAML
     groups, which Hydra fills in place.)"""
@@ -65,18 +66,11 @@ GREEDY = Sampling(temperature=0.0)
 
 
 def check_sampling(cfg, prefix: str) -> None:
-    """A ``sampling`` group's values in their ranges (``prefix``: where it sits, for the messages)."""
-    from omegaconf import OmegaConf
-
+    """A ``sampling`` group's values in their ranges (``prefix``: where it sits, for the messages);
+    its keys and types are the schema's, checked at load."""
     from etagent.config import placed, require_int, require_number
-    from etagent.errors import SettingError
 
-    known = [f.name for f in fields(Sampling)]
-    unknown = sorted(set(cfg) - set(known))
-    if unknown:
-        raise SettingError(f"{prefix}.{unknown[0]}", f"is not a sampling setting (known: {', '.join(known)})")
-    # a role's YAML may set a few fields: the others are the type's defaults
-    root = placed(OmegaConf.merge(asdict(Sampling()), cfg), prefix)
+    root = placed(cfg, prefix)
     require_number(root, f"{prefix}.temperature", minimum=0)
     require_number(root, f"{prefix}.top_p", above=0, maximum=1)
     require_int(root, f"{prefix}.top_k", minimum=0)
@@ -330,6 +324,11 @@ class EngineConfig:
     seed: int = 0
     vllm: VLLMConfig = field(default_factory=VLLMConfig)
     openai: OpenAIConfig = field(default_factory=OpenAIConfig)
+
+
+# The engine settings a resumed run may change (keys under an ``engine`` group): where its servers
+# are and how fast it goes, never what it generates.
+ENGINE_RESUME_FREE = ("max_batch_size", "openai.urls", "openai.concurrency", "openai.timeout_s", "openai.attempts", "openai.api_key_env")
 
 
 def check_engine_settings(cfg, prefix: str = "engine") -> None:

@@ -23,6 +23,7 @@ servers on the new checkpoint), and ``sleep``/``wake_up`` do nothing.
 from __future__ import annotations
 
 import asyncio
+import functools
 import itertools
 import os
 import threading
@@ -56,15 +57,21 @@ class OpenAIEngine:
         self.headers = {"Authorization": f"Bearer {key}"} if key else {}
         self.timeout_s, self.attempts, self.concurrency = timeout_s, attempts, concurrency
         self.max_model_len = max_model_len
-        self.tokenizer = None
-        if tokenizer is not None:
-            from transformers import AutoTokenizer
-
-            self.tokenizer = AutoTokenizer.from_pretrained(tokenizer)
+        self.tokenizer_name = tokenizer
         self._pins: dict[str, int] = {}
         self._next = itertools.count()
         self._lock = threading.Lock()
         self._semaphores: dict[asyncio.AbstractEventLoop, asyncio.Semaphore] = {}
+
+    @functools.cached_property
+    def tokenizer(self):
+        """The served model's tokenizer, loaded on first use: a served policy's token-id prompts
+        need it, a chat (judge, editor) does not, so a judge served elsewhere needs no local copy."""
+        if self.tokenizer_name is None:
+            raise ValueError(f"{self!r} was given no tokenizer: token-id prompts need one (engine.model)")
+        from transformers import AutoTokenizer
+
+        return AutoTokenizer.from_pretrained(self.tokenizer_name)
 
     def __repr__(self) -> str:
         return f"OpenAIEngine({self.urls}, model={self.model!r})"

@@ -259,7 +259,7 @@ def build_executor(cfg: ToolsConfig) -> ToolExecutor:
         [python_tool, search_tool],
         concurrency={"python": py.concurrency, "search": se.concurrency},
         # the sandbox enforces the code's own timeout; this outer bound covers start-up too
-        timeout_s={"python": py.timeout_s + 30, "search": se.timeout_s * se.attempts + 10},
+        timeout_s={"python": py.limits.timeout_s + 30, "search": se.timeout_s * se.attempts + 10},
         on_close=[backend.close] + ([cache.close] if cache else []),
     )
 
