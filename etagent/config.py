@@ -58,10 +58,12 @@ def register_schemas() -> None:
 
     from etagent.agent import AgentConfig
     from etagent.llm import EngineConfig, Sampling
+    from etagent.sampling import RayConfig
     from etagent.tools.executor import ToolsConfig
 
     store = ConfigStore.instance()
-    for group, schema in (("engine", EngineConfig), ("agent", AgentConfig), ("tools", ToolsConfig), ("sampling", Sampling)):
+    schemas = {"engine": EngineConfig, "agent": AgentConfig, "tools": ToolsConfig, "sampling": Sampling, "ray": RayConfig}
+    for group, schema in schemas.items():
         store.store(group=group, name="_schema", node=schema)
 
 

@@ -25,17 +25,18 @@ import logging
 import time
 from collections import Counter
 from collections.abc import Callable, Iterator, Sequence
+from dataclasses import dataclass, field
 from pathlib import Path
 
-from omegaconf import DictConfig, OmegaConf
+from omegaconf import MISSING, DictConfig, OmegaConf
 from tqdm import tqdm
 
 from etagent.agent import AgentConfig, AgentLoop
 from etagent.config import build
-from etagent.llm import ENGINE_RESUME_FREE
+from etagent.llm import ENGINE_RESUME_FREE, EngineConfig
 from etagent.records import JsonlAppender, Judgement, Question, TrajectoryGroup, read_questions, write_manifest
 from etagent.rundir import claim_output
-from etagent.tools.executor import degraded, describe_failures, failure_counts
+from etagent.tools.executor import ToolsConfig, degraded, describe_failures, failure_counts
 
 log = logging.getLogger(__name__)
 
@@ -46,6 +47,34 @@ Judge = Callable[[str, Sequence[str], str], Judgement]
 # The per-token fields of a trajectory. A stage that only reads answers and counts (direct
 # rollout) leaves them out: at the paper's scale they would make its file tens of gigabytes.
 TOKEN_ARRAYS = frozenset({"prompt_ids", "response_ids", "response_mask", "response_origin", "logprobs", "tempered_logprobs"})
+
+
+@dataclass
+class RayConfig:
+    """``ray``: Ray actors for the rollouts, each with its own engine and tools (configs of the
+    stages that sample document each field)."""
+
+    workers: int = 0
+    address: str | None = None
+    num_cpus_per_worker: int = 1
+    num_gpus_per_worker: float = 0.0
+
+
+@dataclass
+class SamplingConfig:
+    """What :func:`run_sampling` reads. A stage's config holds these keys at its top level (direct
+    rollout's, beside its own), or the stage makes one per run (evaluation, one per dataset)."""
+
+    questions: str = MISSING
+    out_dir: str = MISSING
+    n: int = MISSING
+    batch_questions: int = MISSING
+    limit: int | None = None
+    partial_input_ok: bool = False
+    engine: EngineConfig = MISSING
+    agent: AgentConfig = MISSING
+    tools: ToolsConfig = MISSING
+    ray: RayConfig = field(default_factory=RayConfig)
 
 
 class Sampler:
@@ -216,7 +245,8 @@ def check_sampling_settings(cfg: DictConfig) -> None:
 
 
 def run_sampling(cfg: DictConfig, stage: str, judge: Judge, token_arrays: bool = True) -> dict:
-    """Sample every question of cfg.questions not yet in the output for ``stage`` (the name in
+    """Sample every question of cfg.questions (``cfg`` holds :class:`SamplingConfig`'s keys, and
+    the manifest records all of it) not yet in the output for ``stage`` (the name in
     each trajectory's provenance and the manifest), judging each rollout with ``judge``; return
     summary metrics (``degraded`` when the tools failed on more than
     ``tools.max_failure_share`` of the calls). ``token_arrays=False`` leaves the per-token fields

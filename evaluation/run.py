@@ -40,7 +40,7 @@ from etagent.llm import ENGINE_RESUME_FREE
 from etagent.records import JsonlAppender, TrajectoryGroup, iter_jsonl, read_jsonl, write_jsonl, write_manifest
 from etagent.rundir import claim_output
 from etagent.sampling import RESUME_FREE as SAMPLING_RESUME_FREE
-from etagent.sampling import run_sampling
+from etagent.sampling import SamplingConfig, run_sampling
 from etagent.scoring import rule_judgement, sample_metrics
 from etagent.tools.executor import degraded, describe_failures
 from evaluation.benchmarks import BENCHMARKS, benchmark_file, load_benchmark
@@ -50,26 +50,24 @@ from evaluation.table import summary_rows, write_table
 log = logging.getLogger("evaluation")
 
 
-def sampling_config(cfg: DictConfig, name: str, questions_path: Path, out: Path) -> DictConfig:
-    """The sampling stage's config for one dataset: this evaluation's engine, agent and tools,
-    with the dataset's search routing."""
-    tools = OmegaConf.to_container(cfg.tools, resolve=True)
-    if BENCHMARKS[name].search == "web" and cfg.web_search.backend:
-        tools["search"]["backend"] = cfg.web_search.backend
-    return OmegaConf.create(
+def dataset_sampling(cfg: DictConfig, name: str, questions_path: Path, out: Path) -> DictConfig:
+    """The rollouts of one dataset (etagent.sampling.SamplingConfig): this evaluation's engine,
+    agent, tools and Ray settings on the dataset's questions (already cut to ``limit``), with its
+    search routing."""
+    job = OmegaConf.structured(SamplingConfig)
+    job.merge_with(
         {
-            "engine": OmegaConf.to_container(cfg.engine, resolve=True),
-            "agent": OmegaConf.to_container(cfg.agent, resolve=True),
-            "tools": tools,
-            "ray": OmegaConf.to_container(cfg.ray, resolve=True),
             "questions": str(questions_path),
-            "limit": None,
-            "partial_input_ok": cfg.partial_input_ok,
             "out_dir": str(out),
             "n": cfg.n,
             "batch_questions": cfg.batch_questions,
+            "partial_input_ok": cfg.partial_input_ok,
+            **{group: OmegaConf.to_container(cfg[group], resolve=True) for group in ("engine", "agent", "tools", "ray")},
         }
     )
+    if BENCHMARKS[name].search == "web" and cfg.web_search.backend:
+        job.tools.search.backend = cfg.web_search.backend
+    return job
 
 
 def make_judge(cfg: DictConfig):
@@ -180,7 +178,7 @@ def evaluate_dataset(cfg: DictConfig, name: str, questions: list, judge) -> dict
     path = benchmark_path(cfg, name)
     write_jsonl(out / "questions.jsonl", questions)
     rollouts = run_sampling(
-        sampling_config(cfg, name, out / "questions.jsonl", out),
+        dataset_sampling(cfg, name, out / "questions.jsonl", out),
         f"evaluation/{name}",
         judge=partial(rule_judgement, qa_pass_mark=cfg.qa_pass_mark),
     )
