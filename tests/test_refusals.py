@@ -80,6 +80,7 @@ def evaluate_args(model: Path, questions: Path, out: Path, server: str = "http:/
         # a shared group's schema refuses a value of the wrong type, or a key it lacks, at load
         ("agent.sampling.temperature=hot", "Value 'hot' of type 'str' could not be converted to Float (key agent.sampling.temperature)"),
         ("+tools.python.timeout=5", "tools.python.timeout is not a setting of its group"),
+        ("ray.workers=many", "Value 'many' of type 'str' could not be converted to Integer (key ray.workers)"),
         ("tools.max_failure_share=2", "setting tools.max_failure_share: must be a number >= 0.0 and <= 1.0, got 2"),
         ("engine.model=runs/no/such/model", "setting engine.model: no model at 'runs/no/such/model'"),
     ],
@@ -98,6 +99,9 @@ def test_direct_rollout_refuses_settings_out_of_range(toy, tmp_path, override, m
         ("limit=-1", "setting limit: must be an integer >= 1 or null, got -1"),
         ("batch_questions=0", "setting batch_questions: must be an integer >= 1, got 0"),
         ("datasets=[nope]", "setting datasets: unknown benchmark 'nope'"),
+        # the judge is a text model: its sampling typed at load, its engine checked at start
+        ("+judge.sampling.temprature=0", "judge.sampling.temprature is not a setting of its group"),
+        ("judge.enabled=true", "setting judge.engine.openai.urls: is empty"),
     ],
 )
 def test_evaluation_refuses_settings_out_of_range(toy, tmp_path, override, message):
