@@ -224,6 +224,44 @@ def test_radar_rules():
 # --- the judge against a server -------------------------------------------------------------------
 
 
+def test_radar_llm_judge_votes_through_a_served_text_model(tmp_path):
+    """Radar's redundancy judge (judge.mode=llm) as the config builds it: a text model over a pool
+    of one OpenAI-compatible server, asked judge.rounds times per trajectory with the judge's
+    sampling and token cap, the majority cached in conciseness.jsonl. The server is scripted by
+    the trajectory text (a control-flow stand-in for the 72B judge)."""
+    from etagent.records import TrajectoryGroup
+    from radar.run import conciseness
+
+    app, bodies = FastAPI(), []
+
+    @app.post("/v1/chat/completions")
+    async def chat(request: Request):
+        body = await request.json()
+        bodies.append(body)
+        prompt = body["messages"][0]["content"]
+        # the first round of each trajectory is unreadable; 'twice' is redundant, 'once' is not
+        round_ = sum(b["messages"] == body["messages"] for b in bodies)
+        reply = "hmm" if round_ == 1 else ("<answer>yes</answer>" if "twice" in prompt else "<answer>no</answer>")
+        return {"choices": [{"message": {"content": reply}}]}
+
+    q = Question(id="q", question="Zorvak Telmin's city?", answer=["Quell"], source="toy_search", kind="qa")
+    trajectories = [Trajectory(id=f"q/{k}", text=text, prediction="Quell") for k, text in enumerate(["searched once", "searched twice"])]
+    groups = [TrajectoryGroup.for_question(q, trajectories)]
+    with serve(app) as url:
+        cfg = load_config("radar", "tiny", ["judge.mode=llm", f"judge.engine.openai.urls=[{url}/v1]", "judge.rounds=3"])
+        verdicts = conciseness(cfg, groups, tmp_path)
+        assert verdicts == {"q/0": False, "q/1": True}
+        asked = len(bodies)
+        assert conciseness(cfg, groups, tmp_path) == verdicts and len(bodies) == asked  # cached: not asked again
+    assert asked == 6
+    body = bodies[0]
+    assert body["model"] == "Qwen2.5-72B-Instruct" and body["max_tokens"] == 128 and body["stop"] == ["</answer>"]
+    assert body["temperature"] == 0.6 and body["top_p"] == 0.95
+    rows = [json.loads(line) for line in (tmp_path / "conciseness.jsonl").read_text().splitlines()]
+    # which round came first (and was unreadable) is the server's arrival order
+    assert {row["id"]: sorted(row["votes"]) for row in rows} == {"q/0": ["NA", "no", "no"], "q/1": ["NA", "yes", "yes"]}
+
+
 def fake_judge():
     """An OpenAI-compatible judge scripted by the prediction (a control-flow stand-in for a judge
     model): 'right' -> Correct, 'wrong' -> Incorrect, 'garbage' -> unreadable, 'slow' -> times out."""
