@@ -44,9 +44,11 @@ from radar.metrics import REDUNDANCY_PROMPT, execution, majority_redundant, pars
 log = logging.getLogger("radar")
 
 
-async def _votes(judge: TextModel, cfg: DictConfig, group: TrajectoryGroup, text: str, key: str) -> list[bool | None]:
+async def _votes(judge: TextModel, settings: DictConfig, group: TrajectoryGroup, text: str, key: str) -> list[bool | None]:
+    """``settings.rounds`` verdicts on one trajectory (None where the judge failed or was unreadable);
+    ``settings``: the ``judge`` group."""
     prompt = REDUNDANCY_PROMPT.format(
-        question=group.question, answer=" | ".join(group.answer), trajectory=text[: cfg.judge.max_trajectory_chars]
+        question=group.question, answer=" | ".join(group.answer), trajectory=text[: settings.max_trajectory_chars]
     )
 
     async def one(round_: int):
@@ -57,7 +59,7 @@ async def _votes(judge: TextModel, cfg: DictConfig, group: TrajectoryGroup, text
             return None
         return parse_redundancy(reply)
 
-    return list(await asyncio.gather(*(one(r) for r in range(cfg.judge.rounds))))
+    return list(await asyncio.gather(*(one(r) for r in range(settings.rounds))))
 
 
 def conciseness(cfg: DictConfig, groups: list[TrajectoryGroup], out: Path) -> dict[str, bool]:
@@ -74,7 +76,7 @@ def conciseness(cfg: DictConfig, groups: list[TrajectoryGroup], out: Path) -> di
             async def judge_all():
                 for start in range(0, len(todo), cfg.judge.batch):
                     batch = todo[start : start + cfg.judge.batch]
-                    votes = await asyncio.gather(*(_votes(judge, cfg, g, t.text, t.id) for g, t in batch))
+                    votes = await asyncio.gather(*(_votes(judge, cfg.judge, g, t.text, t.id) for g, t in batch))
                     for (_, t), v in zip(batch, votes):
                         writer.write(
                             {
