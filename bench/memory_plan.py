@@ -44,6 +44,9 @@ import json
 import math
 from dataclasses import dataclass
 
+import rl  # noqa: F401  (registers configs/rl's schema, which load_config needs)
+import sft  # noqa: F401  (the same for configs/sft)
+
 GIB = 2**30
 
 # Qwen2.5-7B-Instruct's config.json (the shapes only)

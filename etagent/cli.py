@@ -57,18 +57,20 @@ def score_main(argv: list[str]) -> int:
     parser.add_argument("--judge-url", help="OpenAI-compatible server for the LLM judge, e.g. http://127.0.0.1:8051/v1")
     parser.add_argument("--judge-model", help="model name served at --judge-url")
     parser.add_argument("--judge-api-key-env", default="ETAGENT_JUDGE_API_KEY", help="environment variable holding the judge's API key")
+    parser.add_argument("--judge-temperature", type=float, default=0.0, help="the judge's sampling temperature (default 0: greedy)")
+    parser.add_argument("--judge-max-new-tokens", type=int, default=16, help="tokens per verdict (default 16)")
     args = parser.parse_args(argv)
     judge = None
     if args.judge_url:
         if not args.judge_model:
             parser.error("--judge-url needs --judge-model")
-        from etagent.llm import GREEDY
+        from etagent.llm import Sampling
         from etagent.llm.openai_engine import OpenAIEngine
         from etagent.llm.text import TextModel
 
         served = OpenAIEngine([args.judge_url], args.judge_model, api_key_env=args.judge_api_key_env)
-        # greedy, 16 tokens per verdict: the evaluation presets' judge (configs/evaluation/_base.yaml)
-        judge = scoring.LLMJudge(TextModel(served, GREEDY, 16, "judge"))
+        sampling = Sampling(temperature=args.judge_temperature)
+        judge = scoring.LLMJudge(TextModel(served, sampling, args.judge_max_new_tokens, "judge"))
     if args.file:
         if not os.path.isfile(args.file):
             raise MissingInput(f"{args.file}: no such file")

@@ -20,10 +20,11 @@ from __future__ import annotations
 
 import os
 from collections.abc import Sequence
+from dataclasses import dataclass
 from pathlib import Path
 from typing import TypeVar
 
-from omegaconf import DictConfig
+from omegaconf import MISSING, DictConfig
 
 from etagent.errors import MissingInput, SettingError, UserError
 
@@ -50,21 +51,51 @@ def presets(stage: str) -> list[str]:
     return sorted(p.stem for p in (config_dir() / stage).glob("*.yaml") if not p.stem.startswith("_"))
 
 
+@dataclass
+class WandbConfig:
+    """The ``wandb`` group of the training stages (sft, rl; their _base.yaml documents it)."""
+
+    enabled: bool = MISSING
+    mode: str = MISSING
+    project: str = MISSING
+    run_name: str | None = MISSING
+
+
 def register_schemas() -> None:
     """The shared groups' dataclasses as Hydra structured configs: each group's ``_base.yaml``
     starts from its ``_schema`` (``defaults: [_schema, _self_]``), so a key the dataclass lacks or
-    a value of the wrong type fails at load, naming the key, and :func:`build` makes the object."""
+    a value of the wrong type fails at load, naming the key, and :func:`build` makes the object.
+    The stages' own schemas are registered by their packages (:func:`register_stage_schema`)."""
     from hydra.core.config_store import ConfigStore
 
     from etagent.agent import AgentConfig
     from etagent.llm import EngineConfig, Sampling
     from etagent.sampling import RayConfig
     from etagent.tools.executor import ToolsConfig
+    from etagent.toy.config import ToyConfig
 
     store = ConfigStore.instance()
     schemas = {"engine": EngineConfig, "agent": AgentConfig, "tools": ToolsConfig, "sampling": Sampling, "ray": RayConfig}
     for group, schema in schemas.items():
         store.store(group=group, name="_schema", node=schema)
+    register_stage_schema("toy", ToyConfig)
+
+
+def register_stage_schema(stage: str, schema: type) -> None:
+    """A stage's whole config as a dataclass (``<stage>/config.py``), registered as
+    ``<stage>/_schema``: each preset starts from it (``defaults: [_schema, ...]``), so every key of
+    the stage is a field, and a misspelt or added key (``+train.lerning_rate=1``) or a value of
+    the wrong type fails at load, naming the key. The stage's package registers it on import, so
+    the core names no stage."""
+    from hydra.core.config_store import ConfigStore
+
+    ConfigStore.instance().store(group=stage, name="_schema", node=schema, package="_global_")
+
+
+def _has_schema(stage: str) -> bool:
+    from hydra.core.config_store import ConfigStore
+
+    return "_schema.yaml" in ConfigStore.instance().repo.get(stage, {})
 
 
 def load_config(stage: str, preset: str = "tiny", overrides: Sequence[str] = ()) -> DictConfig:
@@ -81,12 +112,21 @@ def load_config(stage: str, preset: str = "tiny", overrides: Sequence[str] = ())
 
     GlobalHydra.instance().clear()
     register_schemas()
+    if not _has_schema(stage):
+        raise UserError(
+            f"configs/{stage} has no schema registered: its package registers it when imported "
+            f"(register_stage_schema in {stage}/__init__.py); import the stage before loading its config"
+        )
     try:
         with initialize_config_dir(config_dir=str(root), version_base=None):
             cfg = compose(config_name=f"{stage}/{preset}", overrides=list(overrides))
     except (HydraException, OmegaConfBaseException) as exc:  # a misspelt key, a bad override, a wrong type
         # Hydra's own message ("Error merging override x=y") leaves the reason in its cause
-        reason = str(exc).split("\n")[0]
+        lines = [line.strip() for line in str(exc).splitlines() if line.strip()]
+        # the first line, and what a composition error says below it (the value and its key)
+        reason = "; ".join(
+            [lines[0]] + [line for line in lines[1:2] + lines[2:3] if not line.startswith(("reference_type", "object_type"))]
+        )
         if isinstance(exc.__cause__, OmegaConfBaseException):
             reason += f": {str(exc.__cause__).splitlines()[0]} (key {exc.__cause__.full_key})"
         raise UserError(f"{root / stage / preset}.yaml with overrides {' '.join(overrides) or '(none)'}: {reason}") from None
@@ -94,7 +134,7 @@ def load_config(stage: str, preset: str = "tiny", overrides: Sequence[str] = ())
     if added:  # Hydra's +key=value adds a key even to a structured group
         raise UserError(
             f"{root / stage / preset}.yaml with overrides {' '.join(overrides) or '(none)'}: "
-            f"{', '.join(added)} is not a setting of its group (etagent/config.py register_schemas)"
+            f"{', '.join(added)} is not a setting of its group (not a field of its schema)"
         )
     missing = sorted(OmegaConf.missing_keys(cfg))
     if missing:

@@ -1,1 +1,7 @@
 """Evaluation on benchmarks: rollouts, metrics, the paper's table (entry: evaluation.run)."""
+
+from etagent.config import register_stage_schema
+from evaluation.config import EvaluationConfig
+
+# configs/evaluation/ is typed by EvaluationConfig (each preset starts from it: defaults [_schema, ...])
+register_stage_schema("evaluation", EvaluationConfig)

@@ -44,7 +44,7 @@ from etagent import scoring
 from etagent.agent import AgentConfig, AgentLoop, check_agent_settings
 from etagent.config import build, require_file, require_int, require_number
 from etagent.errors import DegradedRun, SettingError, exit_on_user_error
-from etagent.llm import ENGINE_RESUME_FREE, GREEDY, Sampling, check_engine_settings, check_sampling
+from etagent.llm import ENGINE_RESUME_FREE, Sampling, check_engine_settings, check_sampling
 from etagent.llm.text import TextModel, load_text_model, shared_engine
 from etagent.records import JsonlAppender, Question, TrajectoryGroup, read_jsonl, read_questions, write_manifest
 from etagent.rundir import claim_output
@@ -149,7 +149,7 @@ def check_settings(cfg: DictConfig) -> None:
     for key in ("flywheel.rounds", "flywheel.continuation_python_calls", "flywheel.continuation_search_calls"):
         require_int(cfg, key, minimum=0)
     require_number(cfg, "flywheel.qa_pass_mark", 0, 1)
-    for role in ("reflector", "editor"):
+    for role in ("reflector", "editor", "judge"):
         check_sampling(cfg[role].sampling, f"{role}.sampling")
     require_number(cfg, "flywheel.question_timeout_s", above=0)
     check_engine_settings(cfg.engine)
@@ -186,8 +186,9 @@ def evolve(cfg: DictConfig, out: Path, questions: list[Question]) -> dict:
     editor = judge = None
     if cfg.editor.enabled:
         editor = load_text_model(cfg.editor, "editor")
-        if cfg.judge.llm:  # the editor's model, asked greedily
-            judge = scoring.LLMJudge(TextModel(editor.engine, GREEDY, cfg.judge.max_new_tokens, "judge"), attempts=cfg.judge.attempts)
+        if cfg.judge.llm:  # the editor's model, asked with the judge's own settings
+            judge_model = TextModel(editor.engine, build(Sampling, cfg.judge.sampling), cfg.judge.max_new_tokens, "judge")
+            judge = scoring.LLMJudge(judge_model, attempts=cfg.judge.attempts)
     else:
         log.warning("no editor configured (editor.enabled=false): A2, A3, B0, B1 and B2 are skipped; A1 and B3 run")
     reflector = TextModel(policy, build(Sampling, cfg.reflector.sampling), cfg.reflector.max_new_tokens, "reflector")

@@ -27,6 +27,18 @@ import sys
 from collections.abc import Callable
 
 
+def register_stage_schemas() -> None:
+    """Every stage's config schema (its package registers it when imported), for ``etagent configs``."""
+    import direct_rollout  # noqa: F401
+    import evaluation  # noqa: F401
+    import flywheel  # noqa: F401
+    import pareto  # noqa: F401
+    import radar  # noqa: F401
+    import retriever  # noqa: F401
+    import rl  # noqa: F401
+    import sft  # noqa: F401
+
+
 def toy(argv: list[str]) -> None:
     from etagent.toy.build import main
 
@@ -148,6 +160,7 @@ def main(argv: list[str] | None = None) -> int:
 
         return score_main(argv[1:])
     if name == "configs":
+        register_stage_schemas()
         from etagent.config import configs_main
 
         return configs_main(argv[1:])

@@ -1,1 +1,7 @@
 """Radar metrics (conciseness, successful execution, reasoning length) and the chart (entry: radar.run)."""
+
+from etagent.config import register_stage_schema
+from radar.config import RadarConfig
+
+# configs/radar/ is typed by RadarConfig (each preset starts from it: defaults [_schema, ...])
+register_stage_schema("radar", RadarConfig)

@@ -67,6 +67,7 @@ from pydantic import BaseModel
 
 from etagent.config import build
 from etagent.errors import MissingInput, exit_on_user_error
+from retriever.config import ServeConfig
 
 log = logging.getLogger("retriever.server")
 METHODS = ("dense", "bm25", "hybrid")
@@ -307,27 +308,6 @@ class Guard:
             return await receive()
 
         await self.app(scope, replay, send)
-
-
-@dataclass
-class ServeConfig:
-    """The ``serve`` group of configs/retriever/ (its _base.yaml documents each field). A plain
-    object, not the DictConfig: attribute access on a DictConfig is slow on the per-request path."""
-
-    host: str
-    port: int
-    default_method: str
-    max_batch: int
-    max_wait_ms: float
-    max_queries: int
-    max_query_chars: int
-    max_topk: int
-    max_body_bytes: int
-    token_env: str | None
-    nprobe: int
-    ef_search: int
-    faiss_gpu: bool
-    torch_threads: int
 
 
 def create_app(cfg: DictConfig, index: Index | None = None) -> FastAPI:

@@ -47,9 +47,10 @@ OUT=$RUN/ablations
 mkdir -p "$OUT"
 VARIANTS=(full no-flywheel no-pareto no-efficiency no-arpo no-curriculum)
 # The demo's stage length: its Pareto count over the prompts per step, times the epochs.
-COUNT=$(python -c "from etagent.config import load_config; print(load_config('pareto', 'tiny', []).count)")
+COUNT=$(python -c "import pareto; from etagent.config import load_config; print(load_config('pareto', 'tiny', []).count)")
 STEPS=${STEPS:-$(python - "$COUNT" <<'PY'
 import sys
+import rl as _  # registers configs/rl's schema
 from etagent.config import load_config
 rl = load_config("rl", "tiny", ["model=x", "data.train=x", "out_dir=x"])
 print(int(sys.argv[1]) // rl.data.prompts_per_step * rl.data.epochs)

@@ -13,7 +13,11 @@ import pytest
 
 from etagent.config import load_config
 from etagent.toy.build import run
+from launcher.main import register_stage_schemas
 from tests.servers import free_port, wait_until_healthy
+
+# every stage's config schema, so that a test may load any stage's config (etagent/config.py)
+register_stage_schemas()
 
 
 @pytest.fixture(scope="session")

@@ -24,15 +24,21 @@ def test_the_committed_resolved_presets_are_current():
     assert result.returncode == 0, result.stdout + result.stderr
 
 
-def test_every_preset_builds_on_the_base_not_on_another_preset():
+def test_every_preset_builds_on_its_schema_and_base_not_on_another_preset():
+    """Each preset starts from the stage's schema (the dataclass its package registers), then its
+    base; the shared groups' presets start from their base, which starts from their schema."""
     for stage in stages():
         for preset in presets(stage):
             defaults = yaml.safe_load((config_dir() / stage / f"{preset}.yaml").read_text()).get("defaults", [])
             own = [d for d in defaults if isinstance(d, str)]
             if preset == "tiny_flywheel":  # a variant of the tiny preset by name and on purpose
                 assert own == ["tiny", "_self_"]
-            elif (config_dir() / stage / "_base.yaml").exists():
+            elif stage in ("engine", "agent", "tools"):
                 assert own == ["_base", "_self_"], (stage, preset, own)
+            elif (config_dir() / stage / "_base.yaml").exists():
+                assert own == ["_schema", "_base", "_self_"], (stage, preset, own)
+            else:
+                assert own == ["_schema", "_self_"], (stage, preset, own)
             for group in (d for d in defaults if isinstance(d, dict)):  # shared groups: the preset's own kind
                 assert list(group.values()) == ["paper" if preset == "paper" else "tiny"], (stage, preset, group)
 

@@ -101,7 +101,7 @@ def test_direct_rollout_refuses_settings_out_of_range(toy, tmp_path, override, m
         ("datasets=[nope]", "setting datasets: unknown benchmark 'nope'"),
         # the judge is a text model: its sampling typed at load, its engine checked at start
         ("+judge.sampling.temprature=0", "judge.sampling.temprature is not a setting of its group"),
-        ("judge.enabled=true", "setting judge.engine.openai.urls: is empty"),
+        ("judge.enabled=true", "setting judge.engine.openai.urls: is empty: give the URL(s) serving judge"),
     ],
 )
 def test_evaluation_refuses_settings_out_of_range(toy, tmp_path, override, message):
@@ -115,9 +115,33 @@ def test_a_misspelt_key_is_refused_naming_it(toy, tmp_path):
     refused(result, "Could not override 'train.lerning_rate'")
 
 
+@pytest.mark.parametrize(
+    "command, override",
+    [
+        ("sft", "+train.lerning_rate=1"),
+        ("rl", "+rollout.beam_sise=4"),
+        ("rl", "+reward.sigma_tol=0.1"),
+        ("direct-rollout", "+qa_passmark=0.8"),
+        ("pareto", "+mixed_outcome.math_treshold=0.5"),
+        ("radar", "+judge.round=3"),
+        ("flywheel", "+export.max_per_questions=2"),
+        ("retriever", "+serve.prot=9000"),
+    ],
+)
+def test_a_key_added_to_any_stage_is_refused_at_load_naming_it(tmp_path, command, override):
+    """Every stage's config is typed by its schema (<stage>/config.py): ``+key=value`` cannot add
+    a setting that no code reads."""
+    args = [command, "build"] if command == "retriever" else [command]
+    result = etagent(*args, override, f"out_dir={tmp_path / 'out'}" if command not in ("retriever",) else f"index_dir={tmp_path / 'out'}")
+    refused(result, f"{override[1:].split('=')[0]} is not a setting of its group")
+    assert not (tmp_path / "out").exists()
+
+
 def test_sft_refuses_a_learning_rate_that_is_not_a_number(toy, tmp_path):
-    result = etagent("sft", f"model={toy / 'model'}", f"data.path={toy / 'sft.jsonl'}", f"out_dir={tmp_path}", "train.learning_rate=fast")
-    refused(result, "setting train.learning_rate: must be a number > 0, got 'fast'")
+    out = tmp_path / "out"
+    result = etagent("sft", f"model={toy / 'model'}", f"data.path={toy / 'sft.jsonl'}", f"out_dir={out}", "train.learning_rate=fast")
+    refused(result, "Value 'fast' of type 'str' could not be converted to Float (key train.learning_rate)")
+    assert not out.exists()
 
 
 @pytest.fixture
@@ -131,7 +155,7 @@ def rl_parquet(toy, tmp_path) -> Path:
     [
         ("train.max_steps=-3", "setting train.max_steps: must be an integer >= 1 or null, got -3"),
         ("data.prompts_per_step=0", "setting data.prompts_per_step: must be an integer >= 1, got 0"),
-        ("optim.lr=fast", "setting optim.lr: must be a number > 0, got 'fast'"),
+        ("optim.lr=fast", "Value 'fast' of type 'str' could not be converted to Float (key optim.lr)"),
         ("reward.sigma_tool=-1", "setting reward.sigma_tool: must be a number >= 0, got -1"),
         ("agent.sampling.temperature=0", "setting agent.sampling.temperature: must be a number > 0, got 0"),
         ("model=runs/no/such/model", "setting model: no model at 'runs/no/such/model'"),

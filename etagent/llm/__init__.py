@@ -352,7 +352,8 @@ def check_engine_settings(cfg, prefix: str = "engine") -> None:
         if not cfg.openai.urls:
             from etagent.errors import SettingError
 
-            raise SettingError(f"{prefix}.openai.urls", "is empty: give the served policy's URL(s), e.g. [http://127.0.0.1:8011/v1]")
+            served = "the policy" if prefix == "engine" else prefix.removesuffix(".engine")  # e.g. judge
+            raise SettingError(f"{prefix}.openai.urls", f"is empty: give the URL(s) serving {served}, e.g. [http://127.0.0.1:8011/v1]")
         require_int(root, f"{prefix}.openai.concurrency")
         require_int(root, f"{prefix}.openai.attempts")
         require_number(root, f"{prefix}.openai.timeout_s", above=0)
