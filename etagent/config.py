@@ -121,12 +121,10 @@ def load_config(stage: str, preset: str = "tiny", overrides: Sequence[str] = ())
         with initialize_config_dir(config_dir=str(root), version_base=None):
             cfg = compose(config_name=f"{stage}/{preset}", overrides=list(overrides))
     except (HydraException, OmegaConfBaseException) as exc:  # a misspelt key, a bad override, a wrong type
-        # Hydra's own message ("Error merging override x=y") leaves the reason in its cause
-        lines = [line.strip() for line in str(exc).splitlines() if line.strip()]
-        # the first line, and what a composition error says below it (the value and its key)
-        reason = "; ".join(
-            [lines[0]] + [line for line in lines[1:2] + lines[2:3] if not line.startswith(("reference_type", "object_type"))]
-        )
+        # Hydra's own message ("Error merging override x=y") leaves the reason in its cause. Its
+        # hint "To append to your config use +key=value" is dropped: the schema refuses that too.
+        lines = [line.strip() for line in str(exc).splitlines() if line.strip() and not line.startswith("To append")]
+        reason = "; ".join(lines).rstrip(".")
         if isinstance(exc.__cause__, OmegaConfBaseException):
             reason += f": {str(exc.__cause__).splitlines()[0]} (key {exc.__cause__.full_key})"
         raise UserError(f"{root / stage / preset}.yaml with overrides {' '.join(overrides) or '(none)'}: {reason}") from None

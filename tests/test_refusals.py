@@ -112,7 +112,8 @@ def test_evaluation_refuses_settings_out_of_range(toy, tmp_path, override, messa
 
 def test_a_misspelt_key_is_refused_naming_it(toy, tmp_path):
     result = etagent("sft", f"model={toy / 'model'}", "train.lerning_rate=1")
-    refused(result, "Could not override 'train.lerning_rate'")
+    refused(result, "Could not override 'train.lerning_rate': Key 'lerning_rate' not in 'SFTTrainSettings'")
+    assert "To append" not in result.stderr  # Hydra's hint to add the key with +, which the schema refuses too
 
 
 @pytest.mark.parametrize(
