@@ -53,6 +53,8 @@ import random
 from collections import Counter, defaultdict
 from dataclasses import dataclass, field
 
+from omegaconf import MISSING
+
 from etagent import protocol, scoring
 from etagent.agent import AgentLoop, Budgets
 from etagent.llm.text import TextModel
@@ -95,18 +97,17 @@ def derived_seed(*parts) -> int:
 
 @dataclass
 class FlywheelSettings:
-    """The ``flywheel`` config group (configs/flywheel/_base.yaml documents each field)."""
+    """The ``flywheel`` config group: names and types only, like every stage schema; the values,
+    and what each means, are in configs/flywheel/_base.yaml."""
 
-    qa_pass_mark: float  # a QA answer is correct from this F1 on (the stage's YAML states it)
-    rounds: int = 3
-    continuation_python_calls: int = 10
-    continuation_search_calls: int = 10
-    seed: int = 0
-    # the editor's raw replies kept in the log, per reply
-    reply_chars: int = 2000
-    # how the stage runs the questions (flywheel/run.py): at once at most, and seconds each
-    concurrency: int = 8
-    question_timeout_s: float = 1200.0
+    rounds: int = MISSING
+    continuation_python_calls: int = MISSING
+    continuation_search_calls: int = MISSING
+    qa_pass_mark: float = MISSING
+    concurrency: int = MISSING  # flywheel/run.py: questions at once, and seconds each
+    question_timeout_s: float = MISSING
+    seed: int = MISSING
+    reply_chars: int = MISSING  # of each raw editor reply kept in the log
 
 
 @dataclass

@@ -125,7 +125,17 @@ def make_flywheel(tokenizer, executor, redundancy="Step: no", rewrite="Short rea
         if editor
         else None
     )
-    return Flywheel(loop, TextModel(engine, Sampling(), 200, "reflector"), edit, FlywheelSettings(qa_pass_mark=0.8, rounds=rounds))
+    settings = FlywheelSettings(
+        rounds=rounds,
+        continuation_python_calls=10,
+        continuation_search_calls=10,
+        qa_pass_mark=0.8,
+        concurrency=1,
+        question_timeout_s=600.0,
+        seed=0,
+        reply_chars=2000,
+    )
+    return Flywheel(loop, TextModel(engine, Sampling(), 200, "reflector"), edit, settings)
 
 
 def evolve(flywheel, question) -> QuestionRun:
