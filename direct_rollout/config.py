@@ -4,27 +4,17 @@ with Hydra in direct_rollout/__init__.py, so a key that is not a field fails at 
 
 from __future__ import annotations
 
-from dataclasses import dataclass, field
+from dataclasses import dataclass
 
 from omegaconf import MISSING
 
-from etagent.agent import AgentConfig
-from etagent.llm import EngineConfig
-from etagent.sampling import RayConfig
-from etagent.tools.executor import ToolsConfig
+from etagent.sampling import SamplingConfig
 
 
 @dataclass
-class DirectRolloutConfig:
-    engine: EngineConfig = field(default_factory=EngineConfig)
-    agent: AgentConfig = field(default_factory=AgentConfig)
-    tools: ToolsConfig = field(default_factory=ToolsConfig)
-    ray: RayConfig = field(default_factory=RayConfig)
+class DirectRolloutConfig(SamplingConfig):
+    """What run_sampling reads (the questions, the engine, the agent, the tools, n), at the top
+    level, and direct rollout's own two settings."""
+
     rl_stage: int = MISSING
-    questions: str = MISSING
-    limit: int | None = MISSING
-    partial_input_ok: bool = MISSING
-    out_dir: str = MISSING
-    n: int = MISSING
-    batch_questions: int = MISSING
     qa_pass_mark: float = MISSING
