@@ -99,9 +99,6 @@ class AgentConfig:
     # Wall-clock seconds per trajectory; None: no limit (reproducible runs, RL).
     timeout_s: float | None = 1200.0
     sampling: Sampling = field(default_factory=Sampling)
-    # Top log-probabilities returned per position, and positions per segment, for ARPO's entropy.
-    logprobs: int = 10
-    entropy_window: int = 20
     # Base seed of every segment's sampling (None: unseeded).
     seed: int | None = None
     # Rounds (one engine call for a segment of every unfinished trajectory, then their tool calls)
@@ -122,9 +119,8 @@ def check_agent_settings(cfg, prefix: str = "agent") -> None:
     for key in ("max_python_calls", "max_search_calls", "max_budget_messages"):
         require_int(root, f"{prefix}.{key}", minimum=0)
     require_int(root, f"{prefix}.max_tool_calls", minimum=0, optional=True)
-    for key in ("max_response_tokens", "max_segment_tokens", "entropy_window"):
+    for key in ("max_response_tokens", "max_segment_tokens"):
         require_int(root, f"{prefix}.{key}")
-    require_int(root, f"{prefix}.logprobs", minimum=0)
     check_sampling(cfg.sampling, f"{prefix}.sampling")
     if not isinstance(cfg.lockstep, bool):
         from etagent.errors import SettingError
@@ -251,9 +247,21 @@ class TrajectoryState:
         return twin
 
 
+@dataclass(frozen=True)
+class SegmentEntropy:
+    """How the loop measures each generated segment's entropy, which ARPO's tree branches on (RL
+    passes its ``rollout`` group's settings; no other stage reads entropies, so none asks for
+    log-probabilities beyond the sampled token's): the top log-probabilities per position, over a
+    segment's first ``window`` positions."""
+
+    top_logprobs: int
+    window: int
+
+
 class AgentLoop:
-    def __init__(self, engine, executor, config: AgentConfig | None = None):
+    def __init__(self, engine, executor, config: AgentConfig | None = None, entropy: SegmentEntropy | None = None):
         self.engine, self.executor, self.config = engine, executor, config or AgentConfig()
+        self.entropy = entropy
         self.tokenizer = engine.tokenizer
         # ARPO normalises entropy by ln |V| with |V| the tokenizer's vocabulary
         self.vocab_size = len(self.tokenizer)
@@ -470,8 +478,8 @@ class AgentLoop:
             prompt_ids=tuple(s.prompt_ids + s.response_ids),
             max_new_tokens=min(c.max_segment_tokens, self.room(s)),
             stop=STOPS,
-            logprobs=c.logprobs,
-            logprobs_window=c.entropy_window,
+            logprobs=self.entropy.top_logprobs if self.entropy else 0,
+            logprobs_window=self.entropy.window if self.entropy else None,
             seed=self._seed(s),
             session=s.question.id,
             sampling=c.sampling,
@@ -480,18 +488,18 @@ class AgentLoop:
     def take_segment(self, s: TrajectoryState, sample: Sample, pending: list) -> None:
         """Append a generated segment and act on how it ended: finish the trajectory, or queue its
         tool call in ``pending`` (an over-budget call is answered at once)."""
-        c = self.config
         if sample.finish_reason == "error":
             s.finish_reason, s.error = "error", sample.error
             return
         s.segment_starts.append(SegmentStart(len(s.response_ids), len(s.tool_calls), s.budget_messages))
         s.policy_version = self.policy_version  # the weights its latest segment came from
         s.append(list(sample.token_ids), TokenOrigin.SAMPLED, list(sample.logprobs), sample.tempered_logprobs)
-        if c.logprobs > 0:  # one entropy per segment, 0 for an empty one (ARPO reads them by segment)
-            s.entropies.append(topk_segment_entropy(sample.top_logprobs or [], self.vocab_size, c.entropy_window))
-        exact = exact_segment_entropy(sample.entropy, self.vocab_size, c.entropy_window)
-        if exact is not None:
-            s.entropies_exact.append(exact)
+        if self.entropy and self.entropy.top_logprobs > 0:  # one per segment, 0 for an empty one (ARPO reads them by segment)
+            s.entropies.append(topk_segment_entropy(sample.top_logprobs or [], self.vocab_size, self.entropy.window))
+        if self.entropy:
+            exact = exact_segment_entropy(sample.entropy, self.vocab_size, self.entropy.window)
+            if exact is not None:
+                s.entropies_exact.append(exact)
         if sample.finish_reason in ("eos", "length"):
             s.finish_reason = sample.finish_reason
         elif sample.stop == protocol.ANSWER_STOP:

@@ -35,6 +35,8 @@ class RolloutSettings:
     entropy_weight: float = MISSING
     delta_h: str = MISSING
     entropy: str = MISSING
+    top_logprobs: int = MISSING
+    entropy_window: int = MISSING
     dynamic_roots: bool = MISSING
     branch_penalty: bool = MISSING
 

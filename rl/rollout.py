@@ -186,11 +186,11 @@ class TreeRollout:
     def _entropy(self, state: TrajectoryState, segment: int) -> float:
         if self.s.entropy == "topk":
             if len(state.entropies) <= segment:
-                raise ValueError("the tree rollout reads each segment's top-k entropy: set agent.logprobs > 0")
+                raise ValueError("the tree rollout reads each segment's top-k entropy: set rollout.top_logprobs > 0")
             return state.entropies[segment]
         if len(state.entropies_exact) <= segment:
             raise ValueError(
-                "rollout.entropy=exact needs exact entropies (the hf engine, agent.logprobs > 0); use rollout.entropy=topk with vllm"
+                "rollout.entropy=exact needs exact entropies (the hf engine, rollout.top_logprobs > 0); use rollout.entropy=topk with vllm"
             )
         return state.entropies_exact[segment]
 

@@ -74,7 +74,7 @@ import torch
 import torch.distributed as dist
 from omegaconf import DictConfig, OmegaConf
 
-from etagent.agent import AgentConfig, AgentLoop, TrajectoryState, check_agent_settings
+from etagent.agent import AgentConfig, AgentLoop, SegmentEntropy, TrajectoryState, check_agent_settings
 from etagent.config import build, require_choice, require_file, require_int, require_model, require_number
 from etagent.errors import DegradedRun, SettingError, exit_on_user_error
 from etagent.records import write_manifest
@@ -173,6 +173,10 @@ def check_settings(cfg: DictConfig) -> None:
             f"needs vLLM's log-probabilities of the sampled distribution, which it reports at agent.sampling.temperature 1 only "
             f"(it is {cfg.agent.sampling.temperature}): set algorithm.tis_cap=null or agent.sampling.temperature=1",
         )
+    require_int(cfg, "rollout.entropy_window")
+    require_int(cfg, "rollout.top_logprobs", minimum=0)
+    if cfg.rollout.kind == "tree" and cfg.rollout.top_logprobs == 0:  # the engines measure entropy only where asked for them
+        raise SettingError("rollout.top_logprobs", "is 0, and the tree branches on entropies measured with them: set it >= 1 (ARPO: 10)")
     check_agent_settings(cfg.agent)
     # the policy gradient is of the distribution the rollouts were drawn from: softmax(logits / T)
     require_number(cfg, "agent.sampling.temperature", above=0)
@@ -575,8 +579,9 @@ def train(cfg: DictConfig) -> list[dict]:
     config = build(AgentConfig, cfg.agent)
     history = []
     with build_executor(cfg.tools) as executor:
-        loop = AgentLoop(trainer.engine, executor, config)
-        greedy = AgentLoop(trainer.engine, executor, replace(config, sampling=replace(config.sampling, temperature=0.0)))
+        entropy = SegmentEntropy(cfg.rollout.top_logprobs, cfg.rollout.entropy_window)
+        loop = AgentLoop(trainer.engine, executor, config, entropy)
+        greedy = AgentLoop(trainer.engine, executor, replace(config, sampling=replace(config.sampling, temperature=0.0)), entropy)
         rollout = make_rollout(cfg.rollout)
         progress = tqdm(
             total=trainer.total,

@@ -15,7 +15,7 @@ import pytest
 from transformers import AutoTokenizer
 
 from etagent import protocol
-from etagent.agent import AgentConfig, AgentLoop, Budgets
+from etagent.agent import AgentConfig, AgentLoop, Budgets, SegmentEntropy
 from etagent.llm import GenerationRequest, Sample
 from etagent.records import Question, TokenOrigin
 from etagent.scoring import rule_judgement
@@ -122,13 +122,15 @@ def question(name):
     return Question(id=name, question=name, answer=["x"], source="toy", kind="qa")
 
 
-SCRIPT_CONFIG = AgentConfig(max_search_calls=2, max_budget_messages=1, max_response_tokens=300, logprobs=2)
+SCRIPT_CONFIG = AgentConfig(max_search_calls=2, max_budget_messages=1, max_response_tokens=300)
+# as RL measures entropies (top 2 log-probabilities over each segment's first 20 tokens)
+SCRIPT_ENTROPY = SegmentEntropy(top_logprobs=2, window=20)
 
 
 def run_loop(tokenizer, names, batch_size, seed, config=SCRIPT_CONFIG):
     rng = random.Random(seed)
     engine = ScriptedEngine(tokenizer, SCRIPTS)
-    loop = AgentLoop(engine, ToolExecutor([FakeSearch(rng), FakePython(rng)]), config)
+    loop = AgentLoop(engine, ToolExecutor([FakeSearch(rng), FakePython(rng)]), config, SCRIPT_ENTROPY)
     states = [loop.new(question(n), f"{n}/0") for n in names]
     for start in range(0, len(states), batch_size):
         asyncio.run(loop.run(states[start : start + batch_size]))
@@ -227,10 +229,23 @@ def test_entropies_are_recorded_per_segment(tokenizer):
     assert len(s.entropies) == 3 and s.entropies[0] == pytest.approx(expected)
 
 
+def test_only_a_loop_given_an_entropy_setting_asks_for_top_log_probabilities(tokenizer):
+    """RL passes its rollout group's SegmentEntropy; the other stages read no entropies, so their
+    loops ask the engine for the sampled tokens' log-probabilities only."""
+    loop, engine, [s] = run_loop(tokenizer, ["q-python"], 1, 0)
+    assert {(r.logprobs, r.logprobs_window) for r in engine.requests} == {(2, 20)} and len(s.entropies) == s.segments
+    plain_engine = ScriptedEngine(tokenizer, SCRIPTS)
+    plain = AgentLoop(plain_engine, ToolExecutor([FakeSearch(random.Random(0)), FakePython(random.Random(0))]), SCRIPT_CONFIG)
+    [p] = [plain.new(question("q-python"), "q-python/0")]
+    asyncio.run(plain.run([p]))
+    assert {(r.logprobs, r.logprobs_window) for r in plain_engine.requests} == {(0, None)}
+    assert p.entropies == [] and p.response_ids == s.response_ids
+
+
 def test_special_tokens_sampled_by_the_policy_stay_in_the_text(tokenizer):
     """What is scored is what was generated: a special token sampled mid-answer is not dropped."""
     scripts = {"q-special": ["<think>x</think><answer>\\boxed{Z<|im_start|> 41}</answer>"]}
-    loop = AgentLoop(ScriptedEngine(tokenizer, scripts), ToolExecutor([]), SCRIPT_CONFIG)
+    loop = AgentLoop(ScriptedEngine(tokenizer, scripts), ToolExecutor([]), SCRIPT_CONFIG, SCRIPT_ENTROPY)
     [s] = asyncio.run(loop.run([loop.new(question("q-special"), "s/0")]))
     record = loop.to_record(s)
     assert "<|im_start|>" in record.text and record.text == tokenizer.decode(s.response_ids, skip_special_tokens=False)
@@ -245,7 +260,7 @@ def test_tool_results_are_cut_to_the_response_budget(tokenizer):
         async def __call__(self, query):
             return ToolOutput("lorem ipsum dolor " * 200, ok=True)
 
-    config = AgentConfig(max_response_tokens=120, logprobs=0)
+    config = AgentConfig(max_response_tokens=120)
     loop = AgentLoop(ScriptedEngine(tokenizer, SCRIPTS), ToolExecutor([Verbose(rng)]), config)
     [s] = asyncio.run(loop.run([loop.new(question("q-search"), "v/0")]))
     text = loop.text(s)
@@ -255,7 +270,7 @@ def test_tool_results_are_cut_to_the_response_budget(tokenizer):
 
 def test_the_engines_context_length_bounds_the_response(tokenizer):
     engine = ScriptedEngine(tokenizer, SCRIPTS)
-    loop = AgentLoop(engine, ToolExecutor([]), AgentConfig(max_response_tokens=4096, logprobs=0))
+    loop = AgentLoop(engine, ToolExecutor([]), AgentConfig(max_response_tokens=4096))
     state = loop.new(question("q-long"), "c/0")
     engine.max_model_len = len(state.prompt_ids) + 50
     asyncio.run(loop.run([state]))
@@ -265,7 +280,7 @@ def test_the_engines_context_length_bounds_the_response(tokenizer):
 
 def test_an_engine_error_ends_only_its_trajectory(tokenizer):
     scripts = {**SCRIPTS, "q-engine-error": []}
-    loop = AgentLoop(ScriptedEngine(tokenizer, scripts), ToolExecutor([FakeSearch(random.Random(0))]), SCRIPT_CONFIG)
+    loop = AgentLoop(ScriptedEngine(tokenizer, scripts), ToolExecutor([FakeSearch(random.Random(0))]), SCRIPT_CONFIG, SCRIPT_ENTROPY)
     states = asyncio.run(loop.run([loop.new(question(n), f"{n}/0") for n in ("q-search", "q-engine-error", "q-none")]))
     assert [s.finish_reason for s in states] == ["answer", "error", "answer"]
     record = loop.to_record(states[1])
@@ -274,7 +289,7 @@ def test_an_engine_error_ends_only_its_trajectory(tokenizer):
 
 def test_seeds_differ_per_step_and_timeouts_can_be_off(tokenizer):
     engine = ScriptedEngine(tokenizer, SCRIPTS)
-    loop = AgentLoop(engine, ToolExecutor([]), AgentConfig(seed=5, timeout_s=None, logprobs=0))
+    loop = AgentLoop(engine, ToolExecutor([]), AgentConfig(seed=5, timeout_s=None))
     epochs = [loop.new(question("q-none"), "q-none/0", seed=step) for step in (0, 1, 0)]
     for state in epochs:
         asyncio.run(loop.run([state]))
@@ -307,9 +322,7 @@ def test_fork_at_a_segment(tokenizer):
 def test_from_prefix_runs_a_trailing_call_and_keeps_the_sources_ids(tokenizer):
     rng = random.Random(0)
     engine = ScriptedEngine(tokenizer, SCRIPTS)
-    loop = AgentLoop(
-        engine, ToolExecutor([FakeSearch(rng), FakePython(rng)]), AgentConfig(max_python_calls=2, max_budget_messages=0, logprobs=0)
-    )
+    loop = AgentLoop(engine, ToolExecutor([FakeSearch(rng), FakePython(rng)]), AgentConfig(max_python_calls=2, max_budget_messages=0))
     _, _, [source_state] = run_loop(tokenizer, ["q-python"], 1, 0)
     source = loop.to_record(source_state)
     # the flywheel's cut: keep the first call and its result, then an edited step ending in a call
@@ -341,7 +354,7 @@ def first_ids(source, chars, tokenizer):
 def test_from_text_only_and_over_budget_trailing_call(tokenizer):
     rng = random.Random(0)
     loop = AgentLoop(
-        ScriptedEngine(tokenizer, SCRIPTS), ToolExecutor([FakeSearch(rng), FakePython(rng)]), AgentConfig(max_budget_messages=0, logprobs=0)
+        ScriptedEngine(tokenizer, SCRIPTS), ToolExecutor([FakeSearch(rng), FakePython(rng)]), AgentConfig(max_budget_messages=0)
     )
     prefix = (
         "<think>compute</think><python>print(12 * 7)</python>"
@@ -383,7 +396,7 @@ def test_from_prefix_matches_records_by_call_and_counts_budget_messages(tokenize
     """An edit that drops the source's first call: the kept call keeps its own record (not the
     dropped one's), and budget messages already in the prefix count against max_budget_messages."""
     rng = random.Random(0)
-    loop = AgentLoop(ScriptedEngine(tokenizer, SCRIPTS), ToolExecutor([FakeSearch(rng), FakePython(rng)]), AgentConfig(logprobs=0))
+    loop = AgentLoop(ScriptedEngine(tokenizer, SCRIPTS), ToolExecutor([FakeSearch(rng), FakePython(rng)]), AgentConfig())
     _, _, [source_state] = run_loop(tokenizer, ["q-python"], 1, 0)
     source = loop.to_record(source_state)
     second = source.text.index("<think>check again")
@@ -420,7 +433,7 @@ def test_a_tool_that_hangs_past_its_timeout_ends_only_its_own_trajectory(tokeniz
     }
     engine = ScriptedEngine(tokenizer, scripts)
     executor = ToolExecutor([HangingSearch()], timeout_s={"search": 0.5})
-    loop = AgentLoop(engine, executor, AgentConfig(max_response_tokens=300, logprobs=0, timeout_s=0.3))
+    loop = AgentLoop(engine, executor, AgentConfig(max_response_tokens=300, timeout_s=0.3))
     finished: dict[str, float] = {}
 
     async def run_and_time(state):

@@ -119,7 +119,7 @@ def executor():
 
 def make_flywheel(tokenizer, executor, redundancy="Step: no", rewrite="Short reasoning.</think>", rounds=1, editor=True):
     engine = SharedBatches(ScriptedModel(tokenizer, policy))
-    loop = AgentLoop(engine, executor, AgentConfig(logprobs=0, timeout_s=None, max_response_tokens=600, seed=0))
+    loop = AgentLoop(engine, executor, AgentConfig(timeout_s=None, max_response_tokens=600, seed=0))
     edit = (
         TextModel(SharedBatches(ScriptedModel(tokenizer, editor_replies(redundancy, rewrite))), Sampling(), 200, "editor")
         if editor

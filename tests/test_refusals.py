@@ -160,6 +160,9 @@ def rl_parquet(toy, tmp_path) -> Path:
         ("reward.sigma_tool=-1", "setting reward.sigma_tool: must be a number >= 0, got -1"),
         ("agent.sampling.temperature=0", "setting agent.sampling.temperature: must be a number > 0, got 0"),
         ("model=runs/no/such/model", "setting model: no model at 'runs/no/such/model'"),
+        # ARPO's tree branches on entropies measured from the top log-probabilities
+        ("rollout.top_logprobs=0", "setting rollout.top_logprobs: is 0, and the tree branches on entropies measured with them"),
+        ("+agent.logprobs=10", "agent.logprobs is not a setting of its group"),  # moved to rollout.top_logprobs
     ],
 )
 def test_rl_refuses_settings_out_of_range(toy, rl_parquet, tmp_path, override, message):

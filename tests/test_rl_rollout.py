@@ -15,7 +15,7 @@ import torch
 from transformers import AutoTokenizer
 
 from etagent import protocol
-from etagent.agent import AgentConfig, AgentLoop
+from etagent.agent import AgentConfig, AgentLoop, SegmentEntropy
 from etagent.llm import Sample
 from etagent.records import Question
 from etagent.tools import ToolOutput
@@ -76,8 +76,8 @@ def tokenizer(toy):
 
 def setup(tokenizer, calls: dict[str, int]):
     engine = ScriptedEngine(tokenizer, calls)
-    config = AgentConfig(max_search_calls=50, max_response_tokens=4000, max_segment_tokens=64, timeout_s=None, logprobs=1, seed=0)
-    loop = AgentLoop(engine, ToolExecutor([Search()]), config)
+    config = AgentConfig(max_search_calls=50, max_response_tokens=4000, max_segment_tokens=64, timeout_s=None, seed=0)
+    loop = AgentLoop(engine, ToolExecutor([Search()]), config, SegmentEntropy(top_logprobs=1, window=20))
     prompts = [Prompt(Question(id=q, question=q, answer=["1"], source="toy", kind="qa"), i, "qa_effi_rl") for i, q in enumerate(calls)]
     return engine, loop, prompts
 
