@@ -38,6 +38,7 @@ from pathlib import Path
 from etagent import protocol
 from etagent.agent import AgentLoop, TrajectoryState
 from etagent.records import Question, RecordError, RLRow, read_records
+from rl.config import RolloutSettings
 
 
 @dataclass(frozen=True)
@@ -119,36 +120,6 @@ class GroupRollout:
 DELTA_H = ("after_result", "lagged")
 
 
-@dataclass(frozen=True)
-class TreeSettings:
-    """ARPO's numbers (the paper's stages: n 16, 8 roots, beam 2, p 0.5, w 0.2) and AEPO's switches."""
-
-    n: int
-    initial_rollouts: int
-    beam_size: int = 2
-    branch_probability: float = 0.5
-    entropy_weight: float = 0.2
-    # topk: ARPO's pooled top-k entropy (what vLLM can report); exact: the full distributions'
-    entropy: str = "topk"
-    # AEPO: each prompt's number of roots from an entropy pre-check (§2.1)
-    dynamic_roots: bool = False
-    # AEPO: its branch rule, which damps prompts that branched in consecutive rounds (§2.2)
-    branch_penalty: bool = False
-    # after_result: ARPO's paper, the segment right after each tool result decides a fork at that
-    # result; lagged: ARPO's released code, the segment that made the call decides (module docstring)
-    delta_h: str = "after_result"
-
-    def __post_init__(self):
-        if self.n < 1 or not 1 <= self.initial_rollouts <= self.n:
-            raise ValueError(f"the tree rollout needs 1 <= initial_rollouts <= n, got {self.initial_rollouts} and {self.n}")
-        if self.beam_size < 1:
-            raise ValueError(f"rollout.beam_size must be >= 1, got {self.beam_size}")
-        if self.entropy not in ("topk", "exact"):
-            raise ValueError(f"rollout.entropy must be topk or exact, got {self.entropy!r}")
-        if self.delta_h not in DELTA_H:
-            raise ValueError(f"rollout.delta_h must be one of {', '.join(DELTA_H)}, got {self.delta_h!r}")
-
-
 def arpo_branch_probability(p: float, w: float, delta_h: float) -> float:
     """ARPO: a path forks with probability clamp(p + w dH, 0, 1). The reference draws u and
     branches when clamp(u - w dH, 0, 1) <= p, which is the same event; a larger p branches more."""
@@ -180,7 +151,17 @@ class TreeRollout:
     prompt's trajectories in creation order: roots, then branches and fill-ins as they were
     made."""
 
-    def __init__(self, settings: TreeSettings):
+    def __init__(self, settings: RolloutSettings):
+        # ARPO's numbers (the paper's stages: n 16, 8 roots, beam 2, p 0.5, w 0.2), AEPO's switches
+        # and where dH is read: RL's rollout group (configs/rl/_base.yaml says what each means)
+        if settings.n < 1 or not 1 <= settings.initial_rollouts <= settings.n:
+            raise ValueError(f"the tree rollout needs 1 <= initial_rollouts <= n, got {settings.initial_rollouts} and {settings.n}")
+        if settings.beam_size < 1:
+            raise ValueError(f"rollout.beam_size must be >= 1, got {settings.beam_size}")
+        if settings.entropy not in ("topk", "exact"):
+            raise ValueError(f"rollout.entropy must be topk or exact, got {settings.entropy!r}")
+        if settings.delta_h not in DELTA_H:
+            raise ValueError(f"rollout.delta_h must be one of {', '.join(DELTA_H)}, got {settings.delta_h!r}")
         self.s = settings
 
     def _entropy(self, state: TrajectoryState, segment: int) -> float:
@@ -354,22 +335,10 @@ def rollout_metrics(parts: list[dict[str, float]]) -> dict[str, float]:
     return metrics
 
 
-def make_rollout(cfg) -> GroupRollout | TreeRollout:
-    """The rollout of the ``rollout`` config: kind ``group`` or ``tree``."""
-    if cfg.kind == "group":
-        return GroupRollout(cfg.n)
-    if cfg.kind == "tree":
-        return TreeRollout(
-            TreeSettings(
-                n=cfg.n,
-                initial_rollouts=cfg.initial_rollouts,
-                beam_size=cfg.beam_size,
-                branch_probability=cfg.branch_probability,
-                entropy_weight=cfg.entropy_weight,
-                entropy=cfg.entropy,
-                dynamic_roots=cfg.dynamic_roots,
-                branch_penalty=cfg.branch_penalty,
-                delta_h=cfg.delta_h,
-            )
-        )
-    raise ValueError(f"rollout.kind must be group or tree, got {cfg.kind!r}")
+def make_rollout(settings: RolloutSettings) -> GroupRollout | TreeRollout:
+    """The rollout of RL's ``rollout`` group: kind ``group`` or ``tree``."""
+    if settings.kind == "group":
+        return GroupRollout(settings.n)
+    if settings.kind == "tree":
+        return TreeRollout(settings)
+    raise ValueError(f"rollout.kind must be group or tree, got {settings.kind!r}")

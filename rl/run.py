@@ -86,6 +86,7 @@ from rl.actor import response_logprobs, update
 from rl.algorithm import grpo_advantages, logprob_mismatch
 from rl.batch import Batch, BatchPlan, balanced_partition, batch_plan, pack, tempered_rollouts
 from rl.checkpoint import export_model, latest_checkpoint, load_checkpoint, save_checkpoint
+from rl.config import RolloutSettings
 from rl.distributed import gather_objects, init_distributed, sum_all, training_device
 from rl.policy import Policy, gathered, load_policy
 from rl.reward import efficiency_reward, raw_correctness, sigma_factor, validation_score
@@ -582,7 +583,7 @@ def train(cfg: DictConfig) -> list[dict]:
         entropy = SegmentEntropy(cfg.rollout.top_logprobs, cfg.rollout.entropy_window)
         loop = AgentLoop(trainer.engine, executor, config, entropy)
         greedy = AgentLoop(trainer.engine, executor, replace(config, sampling=replace(config.sampling, temperature=0.0)), entropy)
-        rollout = make_rollout(cfg.rollout)
+        rollout = make_rollout(build(RolloutSettings, cfg.rollout))
         progress = tqdm(
             total=trainer.total,
             initial=trainer.start,

@@ -21,11 +21,11 @@ from etagent.records import Question
 from etagent.tools import ToolOutput
 from etagent.tools.executor import ToolExecutor
 from rl.algorithm import entropy_aware_advantages, policy_loss
+from rl.config import RolloutSettings
 from rl.rollout import (
     GroupRollout,
     Prompt,
     TreeRollout,
-    TreeSettings,
     aepo_branches,
     arpo_branch_probability,
     dynamic_root_count,
@@ -82,9 +82,28 @@ def setup(tokenizer, calls: dict[str, int]):
     return engine, loop, prompts
 
 
+def settings(**fields) -> RolloutSettings:
+    """RL's rollout group: the tiny preset's tree, with ``fields`` changed."""
+    tiny = dict(
+        n=8,
+        kind="tree",
+        initial_rollouts=4,
+        beam_size=2,
+        branch_probability=0.5,
+        entropy_weight=0.2,
+        delta_h="after_result",
+        entropy="topk",
+        top_logprobs=10,
+        entropy_window=20,
+        dynamic_roots=False,
+        branch_penalty=False,
+    )
+    return RolloutSettings(**{**tiny, **fields})
+
+
 def tree(n=8, roots=4, p=0.5, w=0.2, beam=2, **switches) -> TreeRollout:
     return TreeRollout(
-        TreeSettings(n=n, initial_rollouts=roots, beam_size=beam, branch_probability=p, entropy_weight=w, entropy="exact", **switches)
+        settings(n=n, initial_rollouts=roots, beam_size=beam, branch_probability=p, entropy_weight=w, entropy="exact", **switches)
     )
 
 
@@ -343,11 +362,11 @@ def test_entropy_aware_advantage_by_hand():
 
 def test_tree_settings_refuse_bad_numbers():
     with pytest.raises(ValueError, match="initial_rollouts"):
-        TreeSettings(n=4, initial_rollouts=5)
+        TreeRollout(settings(n=4, initial_rollouts=5))
     with pytest.raises(ValueError, match="entropy"):
-        TreeSettings(n=4, initial_rollouts=2, entropy="mean")
+        TreeRollout(settings(n=4, initial_rollouts=2, entropy="mean"))
     with pytest.raises(ValueError, match="beam_size"):
-        TreeSettings(n=4, initial_rollouts=2, beam_size=0)
+        TreeRollout(settings(n=4, initial_rollouts=2, beam_size=0))
 
 
 def test_the_tree_is_the_same_per_prompt_or_in_lockstep_rounds(tokenizer):
