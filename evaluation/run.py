@@ -34,7 +34,7 @@ from pathlib import Path
 from omegaconf import DictConfig, OmegaConf
 from tqdm import tqdm
 
-from etagent.config import require_int, require_number
+from etagent.config import build, require_int, require_number
 from etagent.errors import DegradedRun, SettingError, exit_on_user_error
 from etagent.llm import ENGINE_RESUME_FREE
 from etagent.records import JsonlAppender, TrajectoryGroup, iter_jsonl, read_jsonl, write_jsonl, write_manifest
@@ -44,6 +44,7 @@ from etagent.sampling import SamplingConfig, run_sampling
 from etagent.scoring import rule_judgement, sample_metrics
 from etagent.tools.executor import degraded, describe_failures
 from evaluation.benchmarks import BENCHMARKS, benchmark_file, load_benchmark
+from evaluation.config import EvaluationJudge
 from evaluation.metrics import aggregate, behaviour
 from evaluation.table import summary_rows, write_table
 
@@ -70,13 +71,14 @@ def dataset_sampling(cfg: DictConfig, name: str, questions_path: Path, out: Path
     return job
 
 
-def make_judge(cfg: DictConfig):
-    if not cfg.judge.enabled:
+def make_judge(judge: EvaluationJudge):
+    """The LLM judge of the ``judge`` group, or None where it is off (rules only)."""
+    if not judge.enabled:
         return None
     from etagent.llm.text import load_text_model
     from etagent.scoring import LLMJudge
 
-    return LLMJudge(load_text_model(cfg.judge, "judge"), attempts=cfg.judge.attempts)
+    return LLMJudge(load_text_model(judge, "judge"), attempts=judge.attempts)
 
 
 def score(cfg: DictConfig, out: Path, judge) -> None:
@@ -204,7 +206,7 @@ def run(cfg: DictConfig) -> dict:
 
 
 def _evaluate(cfg: DictConfig, out: Path, config: dict, questions: dict[str, list], started: float) -> dict:
-    judge = make_judge(cfg)
+    judge = make_judge(build(EvaluationJudge, cfg.judge))
     results = {}
     for name in cfg.datasets:
         log.info("evaluating %s", name)

@@ -31,7 +31,7 @@ from pathlib import Path
 
 from omegaconf import DictConfig, OmegaConf
 
-from etagent.config import require_choice, require_int, require_model
+from etagent.config import build, require_choice, require_int, require_model
 from etagent.errors import MissingInput, SettingError, UserError, exit_on_user_error
 from etagent.llm import ENGINE_RESUME_FREE, check_engine_settings, check_sampling
 from etagent.llm.text import TextModel, load_text_model
@@ -39,12 +39,13 @@ from etagent.records import JsonlAppender, TrajectoryGroup, iter_jsonl, read_jso
 from etagent.rundir import claim_output
 from etagent.scoring import correctness
 from radar.chart import AXES, draw
+from radar.config import RadarJudge
 from radar.metrics import REDUNDANCY_PROMPT, execution, majority_redundant, parse_redundancy, reasoning_tokens, toy_redundant
 
 log = logging.getLogger("radar")
 
 
-async def _votes(judge: TextModel, settings: DictConfig, group: TrajectoryGroup, text: str, key: str) -> list[bool | None]:
+async def _votes(judge: TextModel, settings: RadarJudge, group: TrajectoryGroup, text: str, key: str) -> list[bool | None]:
     """``settings.rounds`` verdicts on one trajectory (None where the judge failed or was unreadable);
     ``settings``: the ``judge`` group."""
     prompt = REDUNDANCY_PROMPT.format(
@@ -62,21 +63,21 @@ async def _votes(judge: TextModel, settings: DictConfig, group: TrajectoryGroup,
     return list(await asyncio.gather(*(one(r) for r in range(settings.rounds))))
 
 
-def conciseness(cfg: DictConfig, groups: list[TrajectoryGroup], out: Path) -> dict[str, bool]:
+def conciseness(judge: RadarJudge, groups: list[TrajectoryGroup], out: Path) -> dict[str, bool]:
     """Redundancy verdict per trajectory id, judged once and cached in conciseness.jsonl."""
     path = out / "conciseness.jsonl"
     with JsonlAppender(path) as writer:
         todo = [(g, t) for g in groups for t in g.trajectories if t.id not in writer.done]
-        if cfg.judge.mode == "toy_oracle":
+        if judge.mode == "toy_oracle":
             for g, t in todo:
                 writer.write({"id": t.id, "redundant": toy_redundant(g.source, t.tool_calls), "votes": None})
         elif todo:
-            judge = load_text_model(cfg.judge, "judge")
+            model = load_text_model(judge, "judge")
 
             async def judge_all():
-                for start in range(0, len(todo), cfg.judge.batch):
-                    batch = todo[start : start + cfg.judge.batch]
-                    votes = await asyncio.gather(*(_votes(judge, cfg.judge, g, t.text, t.id) for g, t in batch))
+                for start in range(0, len(todo), judge.batch):
+                    batch = todo[start : start + judge.batch]
+                    votes = await asyncio.gather(*(_votes(model, judge, g, t.text, t.id) for g, t in batch))
                     for (_, t), v in zip(batch, votes):
                         writer.write(
                             {
@@ -102,7 +103,7 @@ def dataset_metrics(cfg: DictConfig, run_dir: Path, dataset: str, out: Path, tok
     groups = read_jsonl(run_dir / dataset / "trajectories.jsonl", TrajectoryGroup)
     scored = {row["id"]: row for _, row in iter_jsonl(run_dir / dataset / "scored.jsonl")}
     out.mkdir(parents=True, exist_ok=True)
-    redundant = conciseness(cfg, groups, out)
+    redundant = conciseness(build(RadarJudge, cfg.judge), groups, out)
     rows = []
     for g in groups:
         for t, m in zip(g.trajectories, scored[g.id]["samples"]):

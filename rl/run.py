@@ -86,7 +86,7 @@ from rl.actor import response_logprobs, update
 from rl.algorithm import grpo_advantages, logprob_mismatch
 from rl.batch import Batch, BatchPlan, balanced_partition, batch_plan, pack, tempered_rollouts
 from rl.checkpoint import export_model, latest_checkpoint, load_checkpoint, save_checkpoint
-from rl.config import RolloutSettings
+from rl.config import RewardSettings, RolloutSettings
 from rl.distributed import gather_objects, init_distributed, sum_all, training_device
 from rl.policy import Policy, gathered, load_policy
 from rl.reward import efficiency_reward, raw_correctness, sigma_factor, validation_score
@@ -327,7 +327,7 @@ def train_step(trainer: Trainer, step: int, loop: AgentLoop, greedy: AgentLoop, 
     metrics.update(check_tool_failures(trainer, step, rollouts.groups))
     with phase("reward", metrics):
         factor = sigma_factor(step, trainer.total) if cfg.reward.decay else 1.0
-        rows = rewards_of(rollouts.groups, chosen, cfg, factor, loop)
+        rows = rewards_of(rollouts.groups, chosen, build(RewardSettings, cfg.reward), factor, loop)
     with phase("advantage", metrics):
         scores = torch.tensor([r["reward"] for r in rows])
         advantages = grpo_advantages(scores, torch.tensor([r["index"] for r in rows]), cfg.algorithm.eps)
@@ -427,21 +427,21 @@ def balance_over_ranks(
     return [t for t, _ in mine], torch.tensor([a for _, a in mine]), imbalance
 
 
-def rewards_of(groups: list[list[TrajectoryState]], prompts: list[Prompt], cfg: DictConfig, factor: float, loop: AgentLoop):
+def rewards_of(groups: list[list[TrajectoryState]], prompts: list[Prompt], reward: RewardSettings, factor: float, loop: AgentLoop):
     """Per trajectory (flat, group by group): the reward terms, the length the reward used."""
     rows = []
     for prompt, group in zip(prompts, groups):
         texts = [loop.text(t) for t in group]
         # the paper counted every response token (tool results too); the default counts what the policy wrote
-        lengths = [len(t.response_ids) if cfg.reward.mode == "paper" else t.n_generated for t in group]
+        lengths = [len(t.response_ids) if reward.mode == "paper" else t.n_generated for t in group]
         terms = efficiency_reward(
             prompt.data_source,
             prompt.question.answer,
             texts,
             lengths,
-            cfg.reward.sigma_tool * factor,
-            cfg.reward.sigma_length * factor,
-            cfg.reward.mode,
+            reward.sigma_tool * factor,
+            reward.sigma_length * factor,
+            reward.mode,
         )
         for k, t in enumerate(group):
             rows.append(

@@ -15,11 +15,13 @@ import pytest
 from fastapi import FastAPI, Request
 from fastapi.responses import JSONResponse
 
-from etagent.config import load_config
+from etagent.config import build, load_config
 from etagent.records import Question, ToolCallRecord, Trajectory
 from etagent.scoring import call_behaviour, correctness, sample_metrics
 from evaluation.benchmarks import BENCHMARKS, benchmark_file, load_benchmark
+from evaluation.config import EvaluationJudge
 from evaluation.metrics import aggregate, behaviour
+from radar.config import RadarJudge
 from radar.metrics import execution, majority_redundant, paper_result_ok, parse_redundancy
 from tests.conftest import TOKEN
 from tests.servers import serve
@@ -249,10 +251,10 @@ def test_radar_llm_judge_votes_through_a_served_text_model(tmp_path):
     groups = [TrajectoryGroup.for_question(q, trajectories)]
     with serve(app) as url:
         cfg = load_config("radar", "tiny", ["judge.mode=llm", f"judge.engine.openai.urls=[{url}/v1]", "judge.rounds=3"])
-        verdicts = conciseness(cfg, groups, tmp_path)
+        verdicts = conciseness(build(RadarJudge, cfg.judge), groups, tmp_path)
         assert verdicts == {"q/0": False, "q/1": True}
         asked = len(bodies)
-        assert conciseness(cfg, groups, tmp_path) == verdicts and len(bodies) == asked  # cached: not asked again
+        assert conciseness(build(RadarJudge, cfg.judge), groups, tmp_path) == verdicts and len(bodies) == asked  # cached: not asked again
     assert asked == 6
     body = bodies[0]
     assert body["model"] == "Qwen2.5-72B-Instruct" and body["max_tokens"] == 128 and body["stop"] == ["</answer>"]
@@ -316,7 +318,7 @@ def scored_eval(tmp_path, judge_url):
     )
     from evaluation.run import make_judge
 
-    score(cfg, out, make_judge(cfg))
+    score(cfg, out, make_judge(build(EvaluationJudge, cfg.judge)))
     return [json.loads(line) for line in (out / "scored.jsonl").read_text().splitlines()]
 
 
