@@ -10,7 +10,7 @@ import pytest
 import torch
 
 from etagent import protocol
-from etagent.agent import AgentConfig, AgentLoop
+from etagent.agent import AgentConfig, AgentLoop, SegmentEntropy
 from etagent.config import load_config
 from etagent.records import read_questions
 from etagent.tools.executor import build_executor
@@ -61,7 +61,10 @@ def check_token_invariants(loop, states, model):
 def run_agent(engine, tools_cfg, toy, n_questions=12, **config):
     questions = read_questions(toy / "questions" / "test.jsonl")[::17][:n_questions]
     with build_executor(tools_cfg) as executor:
-        loop = AgentLoop(engine, executor, AgentConfig(max_response_tokens=600, max_segment_tokens=300, seed=1, **config))
+        # entropies measured as RL measures them (its rollout group's top_logprobs and entropy_window)
+        loop = AgentLoop(
+            engine, executor, AgentConfig(max_response_tokens=600, max_segment_tokens=300, seed=1, **config), SegmentEntropy(10, 20)
+        )
         states = [loop.new(q, f"{q.id}/{k}") for q in questions for k in range(2)]
         asyncio.run(loop.run(states))
     return loop, states
