@@ -114,6 +114,7 @@ class Trainer:
     total: int  # steps of the run
     start: int  # the last step already done (resumed from)
     resumed_metrics: dict
+    reward: RewardSettings
     policy: Policy
     reference: Policy | None
     tokenizer: object
@@ -270,6 +271,7 @@ def setup(cfg: DictConfig) -> Trainer:
         total=total,
         start=state["step"],
         resumed_metrics=state["metrics"],
+        reward=build(RewardSettings, cfg.reward),
         policy=policy,
         reference=reference,
         tokenizer=tokenizer,
@@ -326,8 +328,8 @@ def train_step(trainer: Trainer, step: int, loop: AgentLoop, greedy: AgentLoop, 
         trainer.engine.sleep(level=2)
     metrics.update(check_tool_failures(trainer, step, rollouts.groups))
     with phase("reward", metrics):
-        factor = sigma_factor(step, trainer.total) if cfg.reward.decay else 1.0
-        rows = rewards_of(rollouts.groups, chosen, build(RewardSettings, cfg.reward), factor, loop)
+        factor = sigma_factor(step, trainer.total) if trainer.reward.decay else 1.0
+        rows = rewards_of(rollouts.groups, chosen, trainer.reward, factor, loop)
     with phase("advantage", metrics):
         scores = torch.tensor([r["reward"] for r in rows])
         advantages = grpo_advantages(scores, torch.tensor([r["index"] for r in rows]), cfg.algorithm.eps)
