@@ -24,7 +24,7 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import TypeVar
 
-from omegaconf import MISSING, DictConfig
+from omegaconf import MISSING, DictConfig, OmegaConf
 
 from etagent.errors import MissingInput, SettingError, UserError
 
@@ -69,13 +69,20 @@ def register_schemas() -> None:
     from hydra.core.config_store import ConfigStore
 
     from etagent.agent import AgentConfig
-    from etagent.llm import EngineConfig, Sampling
+    from etagent.llm import EngineConfig, OpenAIConfig, Sampling
     from etagent.sampling import RayConfig
     from etagent.tools.executor import ToolsConfig
     from etagent.toy.config import ToyConfig
 
     store = ConfigStore.instance()
-    schemas = {"engine": EngineConfig, "agent": AgentConfig, "tools": ToolsConfig, "sampling": Sampling, "ray": RayConfig}
+    schemas = {
+        "engine": EngineConfig,
+        "openai": OpenAIConfig,
+        "agent": AgentConfig,
+        "tools": ToolsConfig,
+        "sampling": Sampling,
+        "ray": RayConfig,
+    }
     for group, schema in schemas.items():
         store.store(group=group, name="_schema", node=schema)
     register_stage_schema("toy", ToyConfig)
@@ -128,6 +135,11 @@ def load_config(stage: str, preset: str = "tiny", overrides: Sequence[str] = ())
         if isinstance(exc.__cause__, OmegaConfBaseException):
             reason += f": {str(exc.__cause__).splitlines()[0]} (key {exc.__cause__.full_key})"
         raise UserError(f"{root / stage / preset}.yaml with overrides {' '.join(overrides) or '(none)'}: {reason}") from None
+    except (AssertionError, AttributeError) as exc:  # how OmegaConf fails to set a key in a null group (RL's engine.openai)
+        with initialize_config_dir(config_dir=str(root), version_base=None):
+            plain = compose(config_name=f"{stage}/{preset}")
+        reason = _under_null(plain, overrides) or f"an override could not be applied ({type(exc).__name__}: {exc})"
+        raise UserError(f"{root / stage / preset}.yaml with overrides {' '.join(overrides)}: {reason}") from None
     added = sorted(_keys_outside_schema(cfg))
     if added:  # Hydra's +key=value adds a key even to a structured group
         raise UserError(
@@ -141,6 +153,18 @@ def load_config(stage: str, preset: str = "tiny", overrides: Sequence[str] = ())
             "set them in the preset or on the command line"
         )
     return cfg
+
+
+def _under_null(cfg: DictConfig, overrides: Sequence[str]) -> str | None:
+    """Which override sets a key below a setting that is null in ``cfg``, and which setting."""
+    for override in overrides:
+        key = override.lstrip("+~").split("=", 1)[0]
+        parts = key.split(".")
+        for depth in range(1, len(parts) + 1):
+            parent = ".".join(parts[:depth])
+            if OmegaConf.select(cfg, parent, default=False) is None and (depth < len(parts) or "={" in override):
+                return f"Could not override '{key}': {parent} is null in this stage, not a group of settings it takes"
+    return None
 
 
 def _keys_outside_schema(cfg: DictConfig, path: str = "") -> list[str]:

@@ -40,7 +40,28 @@ def test_every_preset_builds_on_its_schema_and_base_not_on_another_preset():
             else:
                 assert own == ["_schema", "_self_"], (stage, preset, own)
             for group in (d for d in defaults if isinstance(d, dict)):  # shared groups: the preset's own kind
-                assert list(group.values()) == ["paper" if preset == "paper" else "tiny"], (stage, preset, group)
+                (name, chosen), *_ = group.items()
+                # the servers' group has one preset, the same pool settings for toy and paper runs
+                wanted = "servers" if name.startswith("/openai@") else "paper" if preset == "paper" else "tiny"
+                assert chosen == wanted, (stage, preset, group)
+
+
+def test_the_servers_settings_sit_under_every_engine_that_may_use_them_and_not_under_rls():
+    """kind openai needs engine.openai (configs/openai/servers.yaml): every engine of the stages
+    that may serve a model that way has it; RL's engine, in the trainer's process, has none."""
+    engines = {
+        "evaluation": ["engine", "judge.engine"],
+        "direct_rollout": ["engine"],
+        "flywheel": ["engine", "editor.engine"],
+        "radar": ["judge.engine"],
+    }
+    for stage, keys in engines.items():
+        for preset in presets(stage):
+            cfg = load_config(stage, preset)
+            for key in keys:
+                assert _value(cfg, f"{key}.openai.timeout_s") > 0, (stage, preset, key)
+    for preset in presets("rl"):
+        assert load_config("rl", preset).engine.openai is None
 
 
 def test_a_preset_that_leaves_a_value_open_is_refused_naming_it(tmp_path, monkeypatch):

@@ -163,6 +163,9 @@ def rl_parquet(toy, tmp_path) -> Path:
         # ARPO's tree branches on entropies measured from the top log-probabilities
         ("rollout.top_logprobs=0", "setting rollout.top_logprobs: is 0, and the tree branches on entropies measured with them"),
         ("+agent.logprobs=10", "agent.logprobs is not a setting of its group"),  # moved to rollout.top_logprobs
+        # the engine runs in the trainer's process: RL takes no servers' settings
+        ("engine.openai.urls=[http://127.0.0.1:8011/v1]", "Could not override 'engine.openai.urls': engine.openai is null in this stage"),
+        ("engine.openai={urls:[http://127.0.0.1:8011/v1]}", "Could not override 'engine.openai': engine.openai is null in this stage"),
     ],
 )
 def test_rl_refuses_settings_out_of_range(toy, rl_parquet, tmp_path, override, message):

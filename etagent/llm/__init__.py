@@ -298,7 +298,8 @@ class VLLMConfig:
 
 @dataclass
 class OpenAIConfig:
-    """``engine.openai``: a pool of OpenAI-compatible servers."""
+    """``engine.openai`` (configs/openai/servers.yaml documents each field): a pool of
+    OpenAI-compatible servers, the engine of kind openai."""
 
     urls: list[str] = field(default_factory=list)
     served_model: str | None = None
@@ -312,7 +313,8 @@ class OpenAIConfig:
 @dataclass
 class EngineConfig:
     """The ``engine`` config group (configs/engine/), the schema Hydra checks it against at load:
-    a model behind an engine, for the policy and for the flywheel's editor alike."""
+    a model behind an engine, for the policy and for the judges and the flywheel's editor alike.
+    ``openai`` is set only in the stages whose configs include the servers' group (not RL's)."""
 
     kind: str = MISSING
     # null only where no model is used (an editor that is off)
@@ -323,7 +325,7 @@ class EngineConfig:
     continuous_batching: bool = True
     seed: int = 0
     vllm: VLLMConfig = field(default_factory=VLLMConfig)
-    openai: OpenAIConfig = field(default_factory=OpenAIConfig)
+    openai: OpenAIConfig | None = None
 
 
 # The engine settings a resumed run may change (keys under an ``engine`` group): where its servers
@@ -335,23 +337,22 @@ def check_engine_settings(cfg, prefix: str = "engine") -> None:
     """The ``engine`` group's choices and counts in range, and its model present (a local
     directory, or a hub id where downloads are possible: see etagent.config.require_model)."""
     from etagent.config import placed, require_choice, require_int, require_model, require_number
+    from etagent.errors import SettingError
 
     root = placed(cfg, prefix)
     kind = require_choice(root, f"{prefix}.kind", ("hf", "vllm", "openai"))
     require_model(root, f"{prefix}.model")
     require_int(root, f"{prefix}.max_batch_size")
     if not isinstance(cfg.continuous_batching, bool):
-        from etagent.errors import SettingError
-
         raise SettingError(f"{prefix}.continuous_batching", f"must be true or false, got {cfg.continuous_batching!r}")
     if kind == "vllm":
         require_int(root, f"{prefix}.vllm.max_model_len")
         require_number(root, f"{prefix}.vllm.gpu_memory_utilization", above=0, maximum=1)
         require_int(root, f"{prefix}.vllm.tensor_parallel_size")
     if kind == "openai":
+        if cfg.openai is None:
+            raise SettingError(f"{prefix}.kind", "is openai, and this stage's config includes no servers' settings (configs/openai) for it")
         if not cfg.openai.urls:
-            from etagent.errors import SettingError
-
             served = "the policy" if prefix == "engine" else prefix.removesuffix(".engine")  # e.g. judge
             raise SettingError(f"{prefix}.openai.urls", f"is empty: give the URL(s) serving {served}, e.g. [http://127.0.0.1:8011/v1]")
         require_int(root, f"{prefix}.openai.concurrency")
