@@ -9,13 +9,15 @@ the comparison measures only the serving design.
 from __future__ import annotations
 
 import sys
+from pathlib import Path
 
 import torch
 import uvicorn
 from fastapi import FastAPI
 from pydantic import BaseModel
 
-from etagent.config import load_config
+from etagent.config import build, load_config
+from retriever.config import RetrieverConfig
 from retriever.server import Index
 
 
@@ -28,7 +30,8 @@ class RetrieveRequest(BaseModel):
 def main() -> None:
     index_dir, port, threads = sys.argv[1], int(sys.argv[2]), int(sys.argv[3])
     torch.set_num_threads(threads)
-    index = Index(load_config("retriever", "tiny", [f"index_dir={index_dir}", *sys.argv[4:]]))
+    cfg = build(RetrieverConfig, load_config("retriever", "tiny", [f"index_dir={index_dir}", *sys.argv[4:]]))
+    index = Index(Path(index_dir), cfg.serve, cfg.encoder)
     app = FastAPI()
 
     @app.post("/retrieve")

@@ -25,14 +25,15 @@ import shutil
 import sqlite3
 import time
 from collections.abc import Iterator
+from dataclasses import asdict
 from pathlib import Path
 
 import numpy as np
-from omegaconf import DictConfig, OmegaConf
 from tqdm import tqdm
 
 from etagent.errors import MissingInput, UserError, exit_on_user_error
 from etagent.records import RecordError, iter_jsonl, write_manifest
+from retriever.config import EncoderSettings, IndexBuildSettings, RetrieverConfig
 
 log = logging.getLogger("retriever.build")
 
@@ -69,7 +70,7 @@ def open_store(path: Path) -> sqlite3.Connection:
     return db
 
 
-def encode_corpus(cfg: DictConfig, out: Path, db: sqlite3.Connection) -> int:
+def encode_corpus(corpus: Path, chunk_size: int, settings: EncoderSettings, out: Path, db: sqlite3.Connection) -> int:
     """Encode every chunk not yet done; return the number of passages."""
     from retriever.encoder import Encoder
 
@@ -79,14 +80,14 @@ def encode_corpus(cfg: DictConfig, out: Path, db: sqlite3.Connection) -> int:
     encoder = None
     position = 0
     progress = tqdm(desc="encoding passages", unit="passage", dynamic_ncols=True, disable=None)
-    for k, chunk in enumerate(read_corpus(Path(cfg.corpus), cfg.build.chunk_size)):
+    for k, chunk in enumerate(read_corpus(corpus, chunk_size)):
         part = parts / f"part-{k:05d}.npy"
         if k in done and part.exists():
             position += len(chunk)
             progress.update(len(chunk))
             continue
         if encoder is None:  # loading the model is slow: only when there is work
-            encoder = Encoder(cfg.encoder)
+            encoder = Encoder(settings)
             db.execute("INSERT OR REPLACE INTO meta VALUES ('dim', ?)", (str(encoder.dim),))
         vectors = encoder.encode_passages([p["contents"] for p in chunk])
         tmp = part.with_suffix(".tmp.npy")
@@ -113,12 +114,12 @@ def import_faiss():
     return faiss
 
 
-def build_faiss(cfg: DictConfig, out: Path, n: int):
+def build_faiss(b: IndexBuildSettings, seed: int, out: Path, n: int):
+    """The faiss index of the stored vectors, written to ``out/index.faiss``."""
     faiss = import_faiss()
 
     parts = sorted((out / "embeddings").glob("part-*.npy"))
     dim = np.load(parts[0], mmap_mode="r").shape[1]
-    b = cfg.build
     if b.index_type == "Flat":
         index = faiss.IndexFlatIP(dim)
     elif b.index_type == "HNSW":
@@ -131,7 +132,7 @@ def build_faiss(cfg: DictConfig, out: Path, n: int):
             )
         quantizer = faiss.IndexFlatIP(dim)
         index = faiss.IndexIVFPQ(quantizer, dim, b.ivf_lists, b.pq_m, 8, faiss.METRIC_INNER_PRODUCT)
-        sample = _training_sample(parts, b.train_size, seed=cfg.seed)
+        sample = _training_sample(parts, b.train_size, seed=seed)
         if b.faiss_gpu and faiss.get_num_gpus() > 0:
             gpu_index = faiss.index_cpu_to_all_gpus(index)
             gpu_index.train(sample)
@@ -175,13 +176,14 @@ def build_bm25(out: Path, db: sqlite3.Connection) -> None:
     os.replace(tmp, out / "bm25")
 
 
-def build(cfg: DictConfig) -> dict:
+def build_index(cfg: RetrieverConfig) -> dict:
+    """Encode, index and store the corpus (resuming a killed build); the build's metrics."""
     started = time.time()
     out = Path(cfg.index_dir)
     manifest = out / "manifest.json"
     if manifest.exists() and (out / "index.faiss").exists():
         previous = json.loads(manifest.read_text())
-        if previous.get("status") == "complete" and previous.get("config") == OmegaConf.to_container(cfg, resolve=True):
+        if previous.get("status") == "complete" and previous.get("config") == asdict(cfg):
             print(f"index in {out} is already built ({previous['counts']['passages']} passages); nothing to do")
             return previous["metrics"]
     out.mkdir(parents=True, exist_ok=True)
@@ -190,7 +192,7 @@ def build(cfg: DictConfig) -> dict:
         raise MissingInput(f"{corpus}: corpus not found (set corpus=...)")
     db = open_store(out / "docs.sqlite")
     signature = json.dumps(
-        {"corpus": str(corpus.resolve()), "encoder": OmegaConf.to_container(cfg.encoder), "chunk_size": cfg.build.chunk_size},
+        {"corpus": str(corpus.resolve()), "encoder": asdict(cfg.encoder), "chunk_size": cfg.build.chunk_size},
         sort_keys=True,
     )
     previous = db.execute("SELECT value FROM meta WHERE key = 'signature'").fetchone()
@@ -198,10 +200,10 @@ def build(cfg: DictConfig) -> dict:
         raise UserError(f"{out} holds vectors from another corpus or encoder; use a new index_dir")
     db.execute("INSERT OR REPLACE INTO meta VALUES ('signature', ?)", (signature,))
     t0 = time.time()
-    n = encode_corpus(cfg, out, db)
+    n = encode_corpus(corpus, cfg.build.chunk_size, cfg.encoder, out, db)
     db.execute("DELETE FROM docs WHERE position >= ?", (n,))  # a corpus that shrank since a killed run
     t1 = time.time()
-    index = build_faiss(cfg, out, n)
+    index = build_faiss(cfg.build, cfg.seed, out, n)
     t2 = time.time()
     if cfg.build.bm25:
         build_bm25(out, db)
@@ -219,7 +221,7 @@ def build(cfg: DictConfig) -> dict:
     write_manifest(
         out,
         stage="retriever.build",
-        config=OmegaConf.to_container(cfg, resolve=True),
+        config=asdict(cfg),
         inputs=[corpus],
         counts={"passages": n},
         seed=cfg.seed,
@@ -234,12 +236,12 @@ def build(cfg: DictConfig) -> dict:
 
 @exit_on_user_error
 def main(argv: list[str] | None = None) -> None:
-    from etagent.config import parse_stage_args
+    from etagent.config import build, parse_stage_args
 
     logging.basicConfig(level=logging.INFO, format="%(asctime)s %(name)s %(message)s")
     logging.getLogger("faiss.loader").setLevel(logging.WARNING)  # its CPU-feature probing is noise
     cfg = parse_stage_args("retriever", argv, prog="python -m retriever.build", doc=__doc__)
-    build(cfg)
+    build_index(build(RetrieverConfig, cfg))
 
 
 if __name__ == "__main__":

@@ -12,6 +12,8 @@ from collections.abc import Sequence
 
 import numpy as np
 
+from retriever.config import EncoderSettings
+
 
 def resolve_model(name: str) -> str:
     if name == "minilm":
@@ -32,7 +34,7 @@ def pick_device(device: str) -> str:
 class Encoder:
     """Encodes queries and passages into normalised vectors."""
 
-    def __init__(self, cfg):
+    def __init__(self, cfg: EncoderSettings):
         import torch
 
         self.kind, self.name = cfg.kind, cfg.model

@@ -62,12 +62,12 @@ from typing import Literal
 
 from fastapi import FastAPI, HTTPException, Request
 from fastapi.responses import JSONResponse, Response
-from omegaconf import DictConfig, OmegaConf
+from omegaconf import OmegaConf
 from pydantic import BaseModel
 
 from etagent.config import build
 from etagent.errors import MissingInput, exit_on_user_error
-from retriever.config import ServeConfig
+from retriever.config import EncoderSettings, RetrieverConfig, ServeConfig
 
 log = logging.getLogger("retriever.server")
 METHODS = ("dense", "bm25", "hybrid")
@@ -77,21 +77,21 @@ RRF_K = 60
 class Index:
     """The loaded index: faiss, BM25 (if built), the document store and the encoder."""
 
-    def __init__(self, cfg: DictConfig):
+    def __init__(self, index_dir: Path, serve: ServeConfig, encoder: EncoderSettings):
         from retriever.build import import_faiss
 
         faiss = import_faiss()
 
-        self.dir = Path(cfg.index_dir)
+        self.dir = Path(index_dir)
         if not (self.dir / "index.faiss").exists():
             raise MissingInput(f"{self.dir}: no index.faiss (build it first: python -m retriever.build index_dir={self.dir})")
         self.faiss = faiss.read_index(str(self.dir / "index.faiss"))
         self.index_type = type(self.faiss).__name__
-        if hasattr(self.faiss, "nprobe"):
-            self.faiss.nprobe = cfg.serve.nprobe
-        if hasattr(self.faiss, "hnsw"):
-            self.faiss.hnsw.efSearch = cfg.serve.ef_search
-        if cfg.serve.faiss_gpu and faiss.get_num_gpus() > 0:
+        if isinstance(self.faiss, faiss.IndexIVF):
+            self.faiss.nprobe = serve.nprobe
+        if isinstance(self.faiss, faiss.IndexHNSW):
+            self.faiss.hnsw.efSearch = serve.ef_search
+        if serve.faiss_gpu and faiss.get_num_gpus() > 0:
             options = faiss.GpuMultipleClonerOptions()
             options.useFloat16, options.shard = True, True
             self.faiss = faiss.index_cpu_to_all_gpus(self.faiss, co=options)
@@ -102,7 +102,7 @@ class Index:
             self.bm25 = BM25Index.load(self.dir / "bm25")
         from retriever.encoder import Encoder
 
-        self.encoder = Encoder(cfg.encoder)
+        self.encoder = Encoder(encoder)
         self.size = self.faiss.ntotal
         self._db_path = self.dir / "docs.sqlite"
         self._local = threading.local()
@@ -310,9 +310,8 @@ class Guard:
         await self.app(scope, replay, send)
 
 
-def create_app(cfg: DictConfig, index: Index | None = None) -> FastAPI:
-    """The app; the index is loaded at start-up unless given."""
-    serve = build(ServeConfig, cfg.serve)
+def create_app(index_dir: Path, serve: ServeConfig, encoder: EncoderSettings, index: Index | None = None) -> FastAPI:
+    """The app over the index in ``index_dir``, loaded at start-up unless given."""
     token = os.environ.get(serve.token_env) if serve.token_env else None
     if serve.token_env and not token:
         raise ValueError(f"serve.token_env is {serve.token_env} but that environment variable is empty")
@@ -323,9 +322,9 @@ def create_app(cfg: DictConfig, index: Index | None = None) -> FastAPI:
     @asynccontextmanager
     async def lifespan(app: FastAPI):
         if state["index"] is None:
-            state["index"] = await asyncio.to_thread(Index, cfg)
+            state["index"] = await asyncio.to_thread(Index, index_dir, serve, encoder)
         if serve.default_method not in state["index"].methods():
-            raise ValueError(f"serve.default_method={serve.default_method} but {cfg.index_dir} has no BM25 index")
+            raise ValueError(f"serve.default_method={serve.default_method} but {index_dir} has no BM25 index")
         state["batcher"] = MicroBatcher(state["index"], serve.max_batch, serve.max_wait_ms)
         state["batcher"].start()
         log.info(
@@ -459,12 +458,15 @@ def main(argv: list[str] | None = None) -> None:
     logging.basicConfig(level=logging.INFO, format="%(asctime)s %(name)s %(message)s")
     logging.getLogger("faiss.loader").setLevel(logging.WARNING)  # its CPU-feature probing is noise
     cfg = parse_stage_args("retriever", argv, prog="python -m retriever.server", doc=__doc__)
-    if cfg.serve.torch_threads:
+    log.info("config:\n%s", OmegaConf.to_yaml(cfg))
+    settings = build(RetrieverConfig, cfg)
+    serve = settings.serve
+    if serve.torch_threads:
         import torch
 
-        torch.set_num_threads(cfg.serve.torch_threads)
-    log.info("config:\n%s", OmegaConf.to_yaml(cfg))
-    uvicorn.run(create_app(cfg), host=cfg.serve.host, port=cfg.serve.port, log_level="warning", timeout_graceful_shutdown=5)
+        torch.set_num_threads(serve.torch_threads)
+    app = create_app(Path(settings.index_dir), serve, settings.encoder)
+    uvicorn.run(app, host=serve.host, port=serve.port, log_level="warning", timeout_graceful_shutdown=5)
 
 
 if __name__ == "__main__":

@@ -21,9 +21,10 @@ from pathlib import Path
 import httpx
 import pytest
 
-from etagent.config import load_config
+from etagent.config import build, load_config
 from etagent.records import read_questions
 from etagent.tools.search import RetrieverClient, SearchTool
+from retriever.config import RetrieverConfig
 from tests.conftest import TOKEN, build_index
 from tests.servers import free_port, wait_until_healthy
 
@@ -336,8 +337,8 @@ def test_other_index_types_build_and_serve(toy, tmp_path):
     for kind, extra in (("HNSW", []), ("IVF-PQ", ["build.ivf_lists=4", "build.pq_m=8", "serve.nprobe=4"])):
         out = tmp_path / kind
         build_index(corpus, out, f"build.index_type={kind}", "build.bm25=false", *extra)
-        cfg = load_config("retriever", "tiny", [f"index_dir={out}", f"build.index_type={kind}", *extra])
-        with TestClient(create_app(cfg)) as client:
+        cfg = build(RetrieverConfig, load_config("retriever", "tiny", [f"index_dir={out}", f"build.index_type={kind}", *extra]))
+        with TestClient(create_app(out, cfg.serve, cfg.encoder)) as client:
             health = client.get("/health").json()
             assert health["methods"] == ["dense"]
             hits = client.post("/retrieve", json={"queries": ["Quellport", "Zorvak"], "topk": 2}).json()["result"]
