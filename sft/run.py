@@ -31,10 +31,11 @@ from pathlib import Path
 import torch
 from omegaconf import DictConfig, OmegaConf
 
-from etagent.config import require_choice, require_file, require_int, require_model, require_number
+from etagent.config import WandbConfig, build, require_choice, require_file, require_int, require_model, require_number
 from etagent.errors import SettingError, UserError, exit_on_user_error
 from etagent.records import write_manifest
 from etagent.rundir import claim_output
+from sft.config import LoraSettings, SFTTrainSettings
 from sft.data import IGNORE, build_dataset, load_examples
 
 log = logging.getLogger("sft")
@@ -62,14 +63,14 @@ class Collator:
         }
 
 
-def training_arguments(cfg: DictConfig, out: Path):
+def training_arguments(t: SFTTrainSettings, wandb: WandbConfig, seed: int, out: Path):
+    """The transformers Trainer's arguments for the ``train`` group, checkpoints in ``out``."""
     from transformers import TrainingArguments
 
-    t = cfg.train
-    report_to = ["wandb"] if cfg.wandb.enabled else []
-    if cfg.wandb.enabled:
-        os.environ.setdefault("WANDB_MODE", cfg.wandb.mode)
-        os.environ.setdefault("WANDB_PROJECT", cfg.wandb.project)
+    report_to = ["wandb"] if wandb.enabled else []
+    if wandb.enabled:
+        os.environ.setdefault("WANDB_MODE", wandb.mode)
+        os.environ.setdefault("WANDB_PROJECT", wandb.project)
     return TrainingArguments(
         output_dir=str(out / "checkpoints"),
         per_device_train_batch_size=t.batch_size,
@@ -86,8 +87,8 @@ def training_arguments(cfg: DictConfig, out: Path):
         save_strategy="steps",
         save_steps=t.save_steps,
         save_total_limit=t.save_total_limit,
-        seed=cfg.seed,
-        data_seed=cfg.seed,
+        seed=seed,
+        data_seed=seed,
         bf16=t.bf16,
         gradient_checkpointing=t.gradient_checkpointing,
         deepspeed=t.deepspeed,
@@ -95,7 +96,7 @@ def training_arguments(cfg: DictConfig, out: Path):
         train_sampling_strategy="sequential" if t.packing else t.sampling,
         length_column_name="length",
         report_to=report_to,
-        run_name=cfg.wandb.run_name,
+        run_name=wandb.run_name,
         disable_tqdm=not t.progress_bar,
         dataloader_num_workers=0,
         use_cpu=not torch.cuda.is_available(),
@@ -103,24 +104,25 @@ def training_arguments(cfg: DictConfig, out: Path):
     )
 
 
-def load_model(cfg: DictConfig):
+def load_model(name: str, dtype: str, attn_implementation: str | None, lora: LoraSettings):
+    """The model to train: ``name`` in ``dtype``, wrapped with LoRA adapters when ``lora.enabled``."""
     from transformers import AutoModelForCausalLM
 
-    kwargs = {"dtype": getattr(torch, cfg.model_dtype)}
-    if cfg.attn_implementation:
-        kwargs["attn_implementation"] = cfg.attn_implementation
-    model = AutoModelForCausalLM.from_pretrained(cfg.model, **kwargs)
-    if cfg.lora.enabled:
+    kwargs = {"dtype": getattr(torch, dtype)}
+    if attn_implementation:
+        kwargs["attn_implementation"] = attn_implementation
+    model = AutoModelForCausalLM.from_pretrained(name, **kwargs)
+    if lora.enabled:
         from peft import LoraConfig, get_peft_model
 
-        lora = LoraConfig(
-            r=cfg.lora.rank,
-            lora_alpha=cfg.lora.alpha,
-            lora_dropout=cfg.lora.dropout,
-            target_modules=list(cfg.lora.target_modules),
+        adapters = LoraConfig(
+            r=lora.rank,
+            lora_alpha=lora.alpha,
+            lora_dropout=lora.dropout,
+            target_modules=list(lora.target_modules),
             task_type="CAUSAL_LM",
         )
-        model = get_peft_model(model, lora)
+        model = get_peft_model(model, adapters)
     return model
 
 
@@ -181,8 +183,8 @@ def train(cfg: DictConfig, out: Path, config: dict) -> dict:
     # The arguments first: with a ZeRO-3 config they register DeepSpeed with transformers, and
     # from_pretrained then builds the model partitioned across the ranks (zero.Init) instead of
     # every rank loading the whole model into host memory.
-    args = training_arguments(cfg, out)
-    model = load_model(cfg)
+    args = training_arguments(build(SFTTrainSettings, cfg.train), build(WandbConfig, cfg.wandb), cfg.seed, out)
+    model = load_model(cfg.model, cfg.model_dtype, cfg.attn_implementation, build(LoraSettings, cfg.lora))
 
     # -- train ------------------------------------------------------------------------------
     trainer = Trainer(

@@ -79,6 +79,8 @@ def test_a_preset_that_leaves_a_value_open_is_refused_naming_it(tmp_path, monkey
 def test_sft_paper_preset_has_the_papers_numbers():
     """3 epochs (max_steps -1: the tiny preset's 4800-step cap once leaked into it), lr 5e-6,
     cosine with warm-up 0.1, 1 x 8 accumulation per GPU, cutoff 10000, bf16, ZeRO-3."""
+    from etagent.config import WandbConfig, build
+    from sft.config import SFTTrainSettings
     from sft.run import training_arguments
 
     cfg = load_config("sft", "paper")
@@ -90,7 +92,8 @@ def test_sft_paper_preset_has_the_papers_numbers():
     tiny = load_config("sft", "tiny")
     for key in ("train.max_steps", "train.learning_rate", "train.batch_size", "cutoff_len", "model"):
         assert _value(cfg, key) != _value(tiny, key), key
-    args = training_arguments(load_config("sft", "paper", ["train.deepspeed=null", "train.bf16=false"]), Path("unused"))
+    cfg = load_config("sft", "paper", ["train.deepspeed=null", "train.bf16=false"])
+    args = training_arguments(build(SFTTrainSettings, cfg.train), build(WandbConfig, cfg.wandb), cfg.seed, Path("unused"))
     assert (args.num_train_epochs, args.max_steps) == (3, -1)
 
 
