@@ -81,14 +81,15 @@ def make_judge(judge: EvaluationJudge):
     return LLMJudge(load_text_model(judge, "judge"), attempts=judge.attempts)
 
 
-def score(cfg: DictConfig, out: Path, judge) -> None:
-    """Score every sampled question not yet in scored.jsonl (judging where configured)."""
+def score(out: Path, settings: EvaluationJudge, judge) -> None:
+    """Score every sampled question not yet in scored.jsonl; ``judge`` (the LLM judge, or None)
+    asked about the kinds ``settings.kinds``, ``settings.batch_questions`` questions at a time."""
     groups = read_jsonl(out / "trajectories.jsonl", TrajectoryGroup)
     with JsonlAppender(out / "scored.jsonl") as writer:
         todo = [g for g in groups if g.id not in writer.done]
         progress = tqdm(total=len(todo), desc=f"scoring {out.name}", unit="question", disable=None)
-        for start in range(0, len(todo), cfg.judge.batch_questions):
-            batch = todo[start : start + cfg.judge.batch_questions]
+        for start in range(0, len(todo), settings.batch_questions):
+            batch = todo[start : start + settings.batch_questions]
             rows = []
             for group in batch:
                 question = group.as_question()
@@ -98,7 +99,7 @@ def score(cfg: DictConfig, out: Path, judge) -> None:
                     [
                         (m, g.question, g.answer, t.prediction)
                         for g, ms in rows
-                        if g.kind in cfg.judge.kinds
+                        if g.kind in settings.kinds
                         for m, t in zip(ms, g.trajectories)
                     ]
                 )
@@ -174,7 +175,7 @@ def benchmark_path(cfg: DictConfig, name: str) -> Path:
     return Path(cfg.files[name]) if name in cfg.files else benchmark_file(cfg.data_dir, name)
 
 
-def evaluate_dataset(cfg: DictConfig, name: str, questions: list, judge) -> dict:
+def evaluate_dataset(cfg: DictConfig, name: str, questions: list, judge_settings: EvaluationJudge, judge) -> dict:
     out = Path(cfg.out_dir) / name
     out.mkdir(parents=True, exist_ok=True)
     path = benchmark_path(cfg, name)
@@ -184,7 +185,7 @@ def evaluate_dataset(cfg: DictConfig, name: str, questions: list, judge) -> dict
         f"evaluation/{name}",
         judge=partial(rule_judgement, qa_pass_mark=cfg.qa_pass_mark),
     )
-    score(cfg, out, judge)
+    score(out, judge_settings, judge)
     wanted = {q.id for q in questions}
     scored = [row for _, row in iter_jsonl(out / "scored.jsonl") if row["id"] in wanted]
     metrics = {"dataset": name, "file": str(path), "kinds": sorted({row["kind"] for row in scored})}
@@ -206,11 +207,12 @@ def run(cfg: DictConfig) -> dict:
 
 
 def _evaluate(cfg: DictConfig, out: Path, config: dict, questions: dict[str, list], started: float) -> dict:
-    judge = make_judge(build(EvaluationJudge, cfg.judge))
+    judge_settings = build(EvaluationJudge, cfg.judge)
+    judge = make_judge(judge_settings)
     results = {}
     for name in cfg.datasets:
         log.info("evaluating %s", name)
-        results[name] = evaluate_dataset(cfg, name, questions[name], judge)
+        results[name] = evaluate_dataset(cfg, name, questions[name], judge_settings, judge)
     failures = {name: r["tool_failures"] for name, r in results.items()}
     degraded_datasets = [name for name, counts in failures.items() if degraded(counts, cfg.tools.max_failure_share)]
     summary = {"run": cfg.run_name or out.name, "datasets": results, "degraded": degraded_datasets}

@@ -94,9 +94,9 @@ def question_record(run: QuestionRun, timed_out: bool, seconds: float, editor: b
     return group
 
 
-async def evolve_all(cfg: DictConfig, flywheel: Flywheel, todo: list[Question], writer: JsonlAppender, editor: bool) -> None:
-    """Evolve ``todo``, ``flywheel.concurrency`` questions at a time, writing each as it ends."""
-    limit = asyncio.Semaphore(cfg.flywheel.concurrency)
+async def evolve_all(settings: FlywheelSettings, flywheel: Flywheel, todo: list[Question], writer: JsonlAppender, editor: bool) -> None:
+    """Evolve ``todo``, ``settings.concurrency`` questions at a time, writing each as it ends."""
+    limit = asyncio.Semaphore(settings.concurrency)
     progress = tqdm(total=len(todo), desc="flywheel", unit="question", dynamic_ncols=True, disable=None)
     started, done, made, logged = time.time(), 0, 0, time.time()
 
@@ -105,10 +105,10 @@ async def evolve_all(cfg: DictConfig, flywheel: Flywheel, todo: list[Question], 
         async with limit:
             run, begun, timed_out = QuestionRun(q), time.time(), False
             try:
-                await asyncio.wait_for(flywheel.evolve(run), cfg.flywheel.question_timeout_s)
+                await asyncio.wait_for(flywheel.evolve(run), settings.question_timeout_s)
             except TimeoutError:
                 timed_out = True
-                run.event(run.rounds, "question", f"time limit of {cfg.flywheel.question_timeout_s} s reached; kept what was made")
+                run.event(run.rounds, "question", f"time limit of {settings.question_timeout_s} s reached; kept what was made")
             writer.write(question_record(run, timed_out, time.time() - begun, editor))
         done, made = done + 1, made + len(run.trajectories)
         rate = 60 * done / max(time.time() - started, 1e-9)
@@ -200,7 +200,7 @@ def evolve(cfg: DictConfig, out: Path, questions: list[Question]) -> dict:
         flywheel = Flywheel(loop, reflector, editor, settings, judge)
         todo = [q for q in questions if q.id not in writer.done]
         log.info("%d questions, %d already done, %d to evolve", len(questions), len(questions) - len(todo), len(todo))
-        asyncio.run(evolve_all(cfg, flywheel, todo, writer, editor is not None))
+        asyncio.run(evolve_all(settings, flywheel, todo, writer, editor is not None))
     metrics = summarise(out / "trajectories.jsonl")
     metrics["degraded"] = degraded(metrics["tool_failures"], cfg.tools.max_failure_share)
     return metrics

@@ -91,7 +91,8 @@ def conciseness(judge: RadarJudge, groups: list[TrajectoryGroup], out: Path) -> 
     return {row["id"]: row["redundant"] for _, row in iter_jsonl(path)}
 
 
-def dataset_metrics(cfg: DictConfig, run_dir: Path, dataset: str, out: Path, tokenizer) -> dict:
+def dataset_metrics(judge: RadarJudge, run_dir: Path, dataset: str, out: Path, tokenizer) -> dict:
+    """The radar's measures of one evaluated dataset of a run (``judge`` asks the redundancy question)."""
     metrics_path = run_dir / dataset / "metrics.json"
     if not metrics_path.is_file():
         raise MissingInput(f"{metrics_path}: no such file (was {dataset} evaluated in {run_dir}?)")
@@ -103,7 +104,7 @@ def dataset_metrics(cfg: DictConfig, run_dir: Path, dataset: str, out: Path, tok
     groups = read_jsonl(run_dir / dataset / "trajectories.jsonl", TrajectoryGroup)
     scored = {row["id"]: row for _, row in iter_jsonl(run_dir / dataset / "scored.jsonl")}
     out.mkdir(parents=True, exist_ok=True)
-    redundant = conciseness(build(RadarJudge, cfg.judge), groups, out)
+    redundant = conciseness(judge, groups, out)
     rows = []
     for g in groups:
         for t, m in zip(g.trajectories, scored[g.id]["samples"]):
@@ -196,11 +197,12 @@ def measure(cfg: DictConfig, out: Path, config: dict) -> dict:
     tokenizer = AutoTokenizer.from_pretrained(cfg.tokenizer)
     # A run is labelled with the name it was evaluated under (evaluation's run_name).
     labels = list(cfg.labels) if cfg.labels else [json.loads((Path(r) / "summary.json").read_text())["run"] for r in cfg.runs]
+    judge = build(RadarJudge, cfg.judge)
     result = {}
     for label, run_dir in zip(labels, cfg.runs):
         run_dir = Path(run_dir)
         datasets = list(cfg.datasets) if cfg.datasets else sorted(p.name for p in run_dir.iterdir() if (p / "metrics.json").exists())
-        per_dataset = {d: dataset_metrics(cfg, run_dir, d, out / label / d, tokenizer) for d in datasets}
+        per_dataset = {d: dataset_metrics(judge, run_dir, d, out / label / d, tokenizer) for d in datasets}
         result[label] = {"run": str(run_dir), "datasets": per_dataset, "axes": axes(per_dataset, cfg.execution_rule)}
     (out / "radar.json").write_text(json.dumps(result, indent=2) + "\n")
     lines = ["| run | " + " | ".join(AXES) + " |", "|---" * (len(AXES) + 1) + "|"]

@@ -318,7 +318,8 @@ def scored_eval(tmp_path, judge_url):
     )
     from evaluation.run import make_judge
 
-    score(cfg, out, make_judge(build(EvaluationJudge, cfg.judge)))
+    settings = build(EvaluationJudge, cfg.judge)
+    score(out, settings, make_judge(settings))
     return [json.loads(line) for line in (out / "scored.jsonl").read_text().splitlines()]
 
 
