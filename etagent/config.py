@@ -138,7 +138,9 @@ def load_config(stage: str, preset: str = "tiny", overrides: Sequence[str] = ())
     except (AssertionError, AttributeError) as exc:  # how OmegaConf fails to set a key in a null group (RL's engine.openai)
         with initialize_config_dir(config_dir=str(root), version_base=None):
             plain = compose(config_name=f"{stage}/{preset}")
-        reason = _under_null(plain, overrides) or f"an override could not be applied ({type(exc).__name__}: {exc})"
+        reason = _under_null(plain, overrides)
+        if reason is None:  # not the null-group case: a bug, so keep its traceback
+            raise
         raise UserError(f"{root / stage / preset}.yaml with overrides {' '.join(overrides)}: {reason}") from None
     added = sorted(_keys_outside_schema(cfg))
     if added:  # Hydra's +key=value adds a key even to a structured group
