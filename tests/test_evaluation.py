@@ -223,6 +223,37 @@ def test_radar_rules():
     )
 
 
+@pytest.mark.parametrize("count", [1, 2, 4, 8])
+def test_the_radar_chart_has_no_text_over_text_and_none_cut_off(count, tmp_path):
+    """The chart as drawn: every text's bounding box (axis names, ticks, legend lines, caption)
+    inside the canvas and clear of every other; and the saved PNG's edge rows blank (nothing
+    clipped at the border)."""
+    from itertools import combinations
+
+    import matplotlib.image
+    from matplotlib.text import Text
+
+    from radar.chart import AXES, draw, figure
+
+    runs = {f"stage {k} of a long-named curriculum run": {axis: 95.0 - 9 * k for axis in AXES} for k in range(count)}
+    behaviour = {label: (12.5, 3.25) for label in runs}
+    fig = figure(runs, "corrected", behaviour)
+    fig.canvas.draw()
+    renderer = fig.canvas.get_renderer()
+    width, height = fig.bbox.width, fig.bbox.height
+    boxes = [(t.get_text(), t.get_window_extent(renderer)) for t in fig.findobj(Text) if t.get_visible() and t.get_text().strip()]
+    assert len(boxes) >= len(AXES) + count + 1  # the axis names, a legend entry per run, the caption
+    for text, box in boxes:
+        assert 0 <= box.x0 and box.x1 <= width and 0 <= box.y0 and box.y1 <= height, (text, box, width, height)
+    for (a, box_a), (b, box_b) in combinations(boxes, 2):
+        assert not box_a.overlaps(box_b), (a, b)
+
+    draw(runs, tmp_path / "radar", "corrected", behaviour)
+    pixels = matplotlib.image.imread(tmp_path / "radar.png")
+    for edge in (pixels[:2], pixels[-2:], pixels[:, :2], pixels[:, -2:]):
+        assert (edge[..., :3] > 0.99).all()
+
+
 # --- the judge against a server -------------------------------------------------------------------
 
 
