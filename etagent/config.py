@@ -61,6 +61,14 @@ class WandbConfig:
     run_name: str | None = MISSING
 
 
+@dataclass
+class TensorBoardConfig:
+    """The ``tensorboard`` group of the training stages: event files in ``{out_dir}/tensorboard``,
+    the logger that needs no account (view them with ``tensorboard --logdir``)."""
+
+    enabled: bool = MISSING
+
+
 def register_schemas() -> None:
     """The shared groups' dataclasses as Hydra structured configs: each group's ``_base.yaml``
     starts from its ``_schema`` (``defaults: [_schema, _self_]``), so a key the dataclass lacks or
@@ -135,7 +143,7 @@ def load_config(stage: str, preset: str = "tiny", overrides: Sequence[str] = ())
         if isinstance(exc.__cause__, OmegaConfBaseException):
             reason += f": {str(exc.__cause__).splitlines()[0]} (key {exc.__cause__.full_key})"
         raise UserError(f"{root / stage / preset}.yaml with overrides {' '.join(overrides) or '(none)'}: {reason}") from None
-    except (AssertionError, AttributeError) as exc:  # how OmegaConf fails to set a key in a null group (RL's engine.openai)
+    except (AssertionError, AttributeError):  # how OmegaConf fails to set a key in a null group (RL's engine.openai)
         with initialize_config_dir(config_dir=str(root), version_base=None):
             plain = compose(config_name=f"{stage}/{preset}")
         reason = _under_null(plain, overrides)

@@ -144,6 +144,20 @@ class TokenOrigin(IntEnum):
     GIVEN = 2  # policy text not sampled in this rollout: a prefix, an editor's corrected step, a hint
 
 
+def origin_segments(ids: Sequence[int], origins: Sequence[int], tokenizer) -> list[list[str]]:
+    """A response as runs of one token origin, ``[[origin name, text], ...]`` (names: ``tool``,
+    ``sampled``, ``given``), for the report's trajectory browser. Each run is decoded on its own,
+    so the runs' texts join to the response as a person reads it."""
+    if len(ids) != len(origins):
+        raise ValueError(f"{len(ids)} token ids but {len(origins)} origins")
+    segments, start = [], 0
+    for end in range(1, len(ids) + 1):
+        if end == len(ids) or origins[end] != origins[start]:
+            segments.append([TokenOrigin(origins[start]).name.lower(), tokenizer.decode(list(ids[start:end]), skip_special_tokens=False)])
+            start = end
+    return segments
+
+
 class Provenance(Record):
     """Which stage or operation made a trajectory, and from what. ``operation`` is e.g. ``rollout``,
     ``fork``, ``prefix``, a flywheel operation, or ``seed`` (toy seeds); ``edited_step`` is the step

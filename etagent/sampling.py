@@ -29,11 +29,11 @@ from dataclasses import dataclass, field
 from pathlib import Path
 
 from omegaconf import MISSING, DictConfig, OmegaConf
-from tqdm import tqdm
 
 from etagent.agent import AgentConfig, AgentLoop
 from etagent.config import build
 from etagent.llm import ENGINE_RESUME_FREE, EngineConfig
+from etagent.progress import Progress
 from etagent.records import JsonlAppender, Judgement, Question, TrajectoryGroup, read_questions, write_manifest
 from etagent.rundir import claim_output
 from etagent.tools.executor import ToolsConfig, degraded, describe_failures, failure_counts
@@ -279,21 +279,15 @@ def _sample(cfg: DictConfig, stage: str, out: Path, questions: list[Question], j
     with JsonlAppender(out / "trajectories.jsonl") as writer:
         todo = [q for q in questions if q.id not in writer.done]
         log.info("%d questions, %d already done, %d to sample x %d", len(questions), len(questions) - len(todo), len(todo), cfg.n)
-        progress = tqdm(total=len(todo), desc="sampling", unit="question", dynamic_ncols=True, disable=None)
+        progress = Progress("sampling", len(todo), "question")
         runner = _ray if cfg.ray.workers > 0 else _local
-        trajectories, done, logged = 0, 0, time.time()
+        trajectories = 0
         for groups in runner(cfg, stage, todo, judge, token_arrays):
             for group in groups:
                 writer.write(group)
             trajectories += sum(len(g.trajectories) for g in groups)
-            done += len(groups)
             rate = trajectories / max(time.time() - started, 1e-9)
-            progress.update(len(groups))
-            progress.set_postfix(trajectories_per_s=f"{rate:.2f}")
-            # no progress bar when the output is not a terminal (logs, CI): a line every 15 s
-            if progress.disable and (time.time() - logged >= 15 or done == len(todo)):
-                log.info("%d/%d questions, %d trajectories, %.1f trajectories/s", done, len(todo), trajectories, rate)
-                logged = time.time()
+            progress.update(len(groups), trajectories=trajectories, trajectories_per_s=f"{rate:.2f}")
         progress.close()
     metrics = summarise(out / "trajectories.jsonl")
     metrics["degraded"] = degraded(metrics["tool_failures"], cfg.tools.max_failure_share)

@@ -32,11 +32,11 @@ from functools import partial
 from pathlib import Path
 
 from omegaconf import DictConfig, OmegaConf
-from tqdm import tqdm
 
 from etagent.config import build, require_int, require_number
 from etagent.errors import DegradedRun, SettingError, exit_on_user_error
 from etagent.llm import ENGINE_RESUME_FREE
+from etagent.progress import Progress
 from etagent.records import JsonlAppender, TrajectoryGroup, iter_jsonl, read_jsonl, write_jsonl, write_manifest
 from etagent.rundir import claim_output
 from etagent.sampling import RESUME_FREE as SAMPLING_RESUME_FREE
@@ -87,7 +87,7 @@ def score(out: Path, settings: EvaluationJudge, judge) -> None:
     groups = read_jsonl(out / "trajectories.jsonl", TrajectoryGroup)
     with JsonlAppender(out / "scored.jsonl") as writer:
         todo = [g for g in groups if g.id not in writer.done]
-        progress = tqdm(total=len(todo), desc=f"scoring {out.name}", unit="question", disable=None)
+        progress = Progress(f"scoring {out.name}", len(todo), "question")
         for start in range(0, len(todo), settings.batch_questions):
             batch = todo[start : start + settings.batch_questions]
             rows = []

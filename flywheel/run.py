@@ -38,7 +38,6 @@ from collections import Counter
 from pathlib import Path
 
 from omegaconf import DictConfig, OmegaConf
-from tqdm import tqdm
 
 from etagent import scoring
 from etagent.agent import AgentConfig, AgentLoop, check_agent_settings
@@ -46,6 +45,7 @@ from etagent.config import build, require_file, require_int, require_number
 from etagent.errors import DegradedRun, SettingError, exit_on_user_error
 from etagent.llm import ENGINE_RESUME_FREE, Sampling, check_engine_settings, check_sampling
 from etagent.llm.text import TextModel, load_text_model, shared_engine
+from etagent.progress import Progress
 from etagent.records import JsonlAppender, Question, TrajectoryGroup, read_jsonl, read_questions, write_manifest
 from etagent.rundir import claim_output
 from etagent.sampling import RESUME_FREE as SAMPLING_RESUME_FREE
@@ -97,11 +97,11 @@ def question_record(run: QuestionRun, timed_out: bool, seconds: float, editor: b
 async def evolve_all(settings: FlywheelSettings, flywheel: Flywheel, todo: list[Question], writer: JsonlAppender, editor: bool) -> None:
     """Evolve ``todo``, ``settings.concurrency`` questions at a time, writing each as it ends."""
     limit = asyncio.Semaphore(settings.concurrency)
-    progress = tqdm(total=len(todo), desc="flywheel", unit="question", dynamic_ncols=True, disable=None)
-    started, done, made, logged = time.time(), 0, 0, time.time()
+    progress = Progress("flywheel", len(todo), "question")
+    made = 0
 
     async def one(q: Question) -> None:
-        nonlocal done, made, logged
+        nonlocal made
         async with limit:
             run, begun, timed_out = QuestionRun(q), time.time(), False
             try:
@@ -110,14 +110,8 @@ async def evolve_all(settings: FlywheelSettings, flywheel: Flywheel, todo: list[
                 timed_out = True
                 run.event(run.rounds, "question", f"time limit of {settings.question_timeout_s} s reached; kept what was made")
             writer.write(question_record(run, timed_out, time.time() - begun, editor))
-        done, made = done + 1, made + len(run.trajectories)
-        rate = 60 * done / max(time.time() - started, 1e-9)
-        progress.update(1)
-        progress.set_postfix(trajectories=made, questions_per_min=f"{rate:.1f}")
-        # no progress bar when the output is not a terminal (logs, CI): a line every 15 s
-        if progress.disable and (time.time() - logged >= 15 or done == len(todo)):
-            log.info("%d/%d questions, %d trajectories, %.1f questions/min", done, len(todo), made, rate)
-            logged = time.time()
+        made += len(run.trajectories)
+        progress.update(1, trajectories=made)
 
     await asyncio.gather(*(one(q) for q in todo))
     progress.close()

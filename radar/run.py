@@ -35,6 +35,7 @@ from etagent.config import build, require_choice, require_int, require_model
 from etagent.errors import MissingInput, SettingError, UserError, exit_on_user_error
 from etagent.llm import ENGINE_RESUME_FREE, check_engine_settings, check_sampling
 from etagent.llm.text import TextModel, load_text_model
+from etagent.progress import Progress
 from etagent.records import JsonlAppender, TrajectoryGroup, iter_jsonl, read_jsonl, write_manifest
 from etagent.rundir import claim_output
 from etagent.scoring import correctness
@@ -73,6 +74,7 @@ def conciseness(judge: RadarJudge, groups: list[TrajectoryGroup], out: Path) -> 
                 writer.write({"id": t.id, "redundant": toy_redundant(g.source, t.tool_calls), "votes": None})
         elif todo:
             model = load_text_model(judge, "judge")
+            progress = Progress(f"judging conciseness in {out}", len(todo), "trajectory")
 
             async def judge_all():
                 for start in range(0, len(todo), judge.batch):
@@ -86,8 +88,10 @@ def conciseness(judge: RadarJudge, groups: list[TrajectoryGroup], out: Path) -> 
                                 "votes": ["NA" if x is None else ("yes" if x else "no") for x in v],
                             }
                         )
+                    progress.update(len(batch))
 
             asyncio.run(judge_all())
+            progress.close()
     return {row["id"]: row["redundant"] for _, row in iter_jsonl(path)}
 
 

@@ -29,9 +29,9 @@ from dataclasses import asdict
 from pathlib import Path
 
 import numpy as np
-from tqdm import tqdm
 
 from etagent.errors import MissingInput, UserError, exit_on_user_error
+from etagent.progress import Progress
 from etagent.records import RecordError, iter_jsonl, write_manifest
 from retriever.config import EncoderSettings, IndexBuildSettings, RetrieverConfig
 
@@ -79,7 +79,7 @@ def encode_corpus(corpus: Path, chunk_size: int, settings: EncoderSettings, out:
     parts.mkdir(exist_ok=True)
     encoder = None
     position = 0
-    progress = tqdm(desc="encoding passages", unit="passage", dynamic_ncols=True, disable=None)
+    progress = Progress("encoding passages", None, "passage")
     for k, chunk in enumerate(read_corpus(corpus, chunk_size)):
         part = parts / f"part-{k:05d}.npy"
         if k in done and part.exists():
@@ -141,8 +141,11 @@ def build_faiss(b: IndexBuildSettings, seed: int, out: Path, n: int):
             index.train(sample)
     else:
         raise ValueError(f"build.index_type must be Flat, HNSW or IVF-PQ, got {b.index_type!r}")
-    for part in tqdm(parts, desc="indexing", unit="chunk", disable=None):
+    progress = Progress("indexing", len(parts), "chunk")
+    for part in parts:
         index.add(np.ascontiguousarray(np.load(part)))
+        progress.update(1)
+    progress.close()
     if index.ntotal != n:
         raise RuntimeError(f"index holds {index.ntotal} vectors but the corpus has {n} passages")
     tmp = out / "index.faiss.tmp"

@@ -9,7 +9,7 @@ from dataclasses import dataclass, field
 from omegaconf import MISSING
 
 from etagent.agent import AgentConfig
-from etagent.config import WandbConfig
+from etagent.config import TensorBoardConfig, WandbConfig
 from etagent.llm import EngineConfig
 from etagent.tools.executor import ToolsConfig
 
@@ -105,3 +105,4 @@ class RLConfig:
     optim: OptimSettings = field(default_factory=OptimSettings)
     train: RLTrainSettings = field(default_factory=RLTrainSettings)
     wandb: WandbConfig = field(default_factory=WandbConfig)
+    tensorboard: TensorBoardConfig = field(default_factory=TensorBoardConfig)

@@ -6,7 +6,7 @@
 
 Reads the RL parquet of a curriculum stage (``data.train``, as ``pareto/`` writes it) and a
 policy (``model``: a ``save_pretrained`` folder); writes into ``out_dir``: ``metrics.jsonl`` (one
-line per step), ``rollouts/step_{k}.jsonl`` (every rollout with its reward terms),
+line per step), ``rollouts/step_{k}.jsonl`` (every rollout with its reward terms and its text by token origin),
 ``checkpoints/step_{k}/`` (the sharded training state, the last ``train.keep_checkpoints``),
 ``models/step_{k}/`` (every ``train.export_every`` steps) and ``model/`` (the final policy),
 plain ``save_pretrained`` folders the next stage and the evaluation load as they are, and
@@ -77,7 +77,8 @@ from omegaconf import DictConfig, OmegaConf
 from etagent.agent import AgentConfig, AgentLoop, SegmentEntropy, TrajectoryState, check_agent_settings
 from etagent.config import build, require_choice, require_file, require_int, require_model, require_number
 from etagent.errors import DegradedRun, SettingError, exit_on_user_error
-from etagent.records import write_manifest
+from etagent.progress import Progress
+from etagent.records import origin_segments, write_manifest
 from etagent.rundir import claim_output
 from etagent.sampling import RESUME_FREE as SAMPLING_RESUME_FREE
 from etagent.timing import phase
@@ -186,7 +187,7 @@ def check_settings(cfg: DictConfig) -> None:
 
 
 # What a resumed run may change: the step budget and cadences, memory-only sizes, where the tools
-# run and how fast, wandb. The rest changes what the next steps compute and is refused.
+# run and how fast, the loggers. The rest changes what the next steps compute and is refused.
 RESUME_FREE = (
     *(key for key in SAMPLING_RESUME_FREE if key.startswith("tools.")),
     "train.max_steps",
@@ -201,6 +202,7 @@ RESUME_FREE = (
     "engine.max_batch_size",
     "engine.vllm.gpu_memory_utilization",
     "wandb",
+    "tensorboard",
 )
 
 
@@ -459,6 +461,7 @@ def rewards_of(groups: list[list[TrajectoryState]], prompts: list[Prompt], rewar
                     "length": lengths[k],
                     "finish_reason": t.finish_reason,
                     "text": texts[k],
+                    "segments": origin_segments(t.response_ids, t.origin, loop.tokenizer),
                 }
             )
     return rows
@@ -561,8 +564,6 @@ def run(cfg: DictConfig) -> list[dict]:
 
 
 def train(cfg: DictConfig) -> list[dict]:
-    from tqdm import tqdm
-
     from etagent.tools.executor import build_executor
 
     started = time.time()
@@ -579,6 +580,13 @@ def train(cfg: DictConfig) -> list[dict]:
             dir=str(trainer.out),
             config=OmegaConf.to_container(cfg, resolve=True),
         )
+    tensorboard = None
+    if trainer.rank == 0 and cfg.tensorboard.enabled:
+        from tensorboardX import SummaryWriter
+
+        # a resumed run drops the steps its killed predecessor logged after the checkpoint, as
+        # restore_metrics_log does for metrics.jsonl
+        tensorboard = SummaryWriter(str(trainer.out / "tensorboard"), purge_step=trainer.start + 1 if trainer.start else None)
     config = build(AgentConfig, cfg.agent)
     history = []
     with build_executor(cfg.tools) as executor:
@@ -586,14 +594,8 @@ def train(cfg: DictConfig) -> list[dict]:
         loop = AgentLoop(trainer.engine, executor, config, entropy)
         greedy = AgentLoop(trainer.engine, executor, replace(config, sampling=replace(config.sampling, temperature=0.0)), entropy)
         rollout = make_rollout(build(RolloutSettings, cfg.rollout))
-        progress = tqdm(
-            total=trainer.total,
-            initial=trainer.start,
-            desc="rl",
-            unit="step",
-            disable=None if trainer.rank == 0 else True,
-            dynamic_ncols=True,
-        )
+        # a line per step in a log (a step is long); rank 0 alone updates it
+        progress = Progress("rl", trainer.total, "step", initial=trainer.start, every_s=0)
         for step in range(trainer.start + 1, trainer.total + 1):
             metrics = train_step(trainer, step, loop, greedy, rollout)
             if trainer.rank == 0:
@@ -601,19 +603,20 @@ def train(cfg: DictConfig) -> list[dict]:
                     f.write(json.dumps(metrics) + "\n")
                 if wandb_run is not None:
                     wandb_run.log(metrics, step=step)
-                log.info(
-                    "step %d/%d: reward %.3f, raw %.3f, tool calls %.2f, length %.0f, grad norm %.3f, %.1f s",
-                    step,
-                    trainer.total,
-                    metrics["reward/mean"],
-                    metrics["reward/raw"],
-                    metrics["rollout/tool_calls"],
-                    metrics["rollout/length"],
-                    metrics["actor/grad_norm"],
-                    metrics["timing_s/step"],
+                if tensorboard is not None:
+                    for key, value in metrics.items():
+                        if key != "step":
+                            tensorboard.add_scalar(key, value, step)
+                    tensorboard.flush()
+                progress.update(
+                    1,
+                    reward=f"{metrics['reward/mean']:.3f}",
+                    raw=f"{metrics['reward/raw']:.3f}",
+                    tool_calls=f"{metrics['rollout/tool_calls']:.2f}",
+                    length=f"{metrics['rollout/length']:.0f}",
+                    grad_norm=f"{metrics['actor/grad_norm']:.3f}",
+                    step_s=f"{metrics['timing_s/step']:.1f}",
                 )
-            progress.update(1)
-            progress.set_postfix(reward=f"{metrics['reward/mean']:.3f}", raw=f"{metrics['reward/raw']:.3f}")
             history.append(metrics)
         progress.close()
     if not (trainer.out / "model").exists():
@@ -635,6 +638,8 @@ def train(cfg: DictConfig) -> list[dict]:
         )
         if wandb_run is not None:
             wandb_run.finish()
+        if tensorboard is not None:
+            tensorboard.close()
     return history
 
 

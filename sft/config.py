@@ -8,7 +8,7 @@ from dataclasses import dataclass, field
 
 from omegaconf import MISSING
 
-from etagent.config import WandbConfig
+from etagent.config import TensorBoardConfig, WandbConfig
 
 
 @dataclass
@@ -62,3 +62,4 @@ class SFTConfig:
     train: SFTTrainSettings = field(default_factory=SFTTrainSettings)
     lora: LoraSettings = field(default_factory=LoraSettings)
     wandb: WandbConfig = field(default_factory=WandbConfig)
+    tensorboard: TensorBoardConfig = field(default_factory=TensorBoardConfig)

@@ -33,6 +33,7 @@ from omegaconf import DictConfig, OmegaConf
 
 from etagent.config import WandbConfig, build, require_choice, require_file, require_int, require_model, require_number
 from etagent.errors import SettingError, UserError, exit_on_user_error
+from etagent.progress import Progress
 from etagent.records import write_manifest
 from etagent.rundir import claim_output
 from sft.config import LoraSettings, SFTTrainSettings
@@ -97,11 +98,48 @@ def training_arguments(t: SFTTrainSettings, wandb: WandbConfig, seed: int, out: 
         length_column_name="length",
         report_to=report_to,
         run_name=wandb.run_name,
-        disable_tqdm=not t.progress_bar,
+        disable_tqdm=True,  # StepProgress shows the steps, in etagent's progress style
         dataloader_num_workers=0,
         use_cpu=not torch.cuda.is_available(),
         remove_unused_columns=False,
     )
+
+
+def step_progress(bar: bool):
+    """A Trainer callback that shows the steps as every stage shows progress (etagent.progress:
+    a bar on a terminal unless ``bar`` is false, else a line every 15 s), with the last loss."""
+    from transformers import TrainerCallback
+
+    class StepProgress(TrainerCallback):
+        progress: Progress | None = None
+
+        def on_train_begin(self, args, state, control, **kwargs):
+            if state.is_world_process_zero:
+                self.progress = Progress("sft", state.max_steps, "step", initial=state.global_step, bar=None if bar else False)
+
+        def on_log(self, args, state, control, logs=None, **kwargs):
+            if self.progress is not None and logs and "loss" in logs:
+                self.progress.update(0, loss=f"{logs['loss']:.4g}")
+
+        def on_step_end(self, args, state, control, **kwargs):
+            if self.progress is not None:
+                self.progress.update(1)
+
+        def on_train_end(self, args, state, control, **kwargs):
+            if self.progress is not None:
+                self.progress.close()
+
+    return StepProgress()
+
+
+def tensorboard_callback(log_dir: Path, resumed_from: str | None):
+    """The Trainer's own TensorBoard callback, writing event files into ``log_dir`` through
+    tensorboardX; a resumed run drops what its killed predecessor logged after the checkpoint."""
+    from tensorboardX import SummaryWriter
+    from transformers.integrations import TensorBoardCallback
+
+    purge_step = int(Path(resumed_from).name.split("-")[-1]) + 1 if resumed_from else None
+    return TensorBoardCallback(SummaryWriter(str(log_dir), purge_step=purge_step))
 
 
 def load_model(name: str, dtype: str, attn_implementation: str | None, lora: LoraSettings):
@@ -126,8 +164,8 @@ def load_model(name: str, dtype: str, attn_implementation: str | None, lora: Lor
     return model
 
 
-# What a resumed run may change: logging, checkpoint cadence, threads, the progress bar, wandb.
-RESUME_FREE = ("threads", "train.logging_steps", "train.save_steps", "train.save_total_limit", "train.progress_bar", "wandb")
+# What a resumed run may change: logging, checkpoint cadence, threads, the progress bar, the loggers.
+RESUME_FREE = ("threads", "train.logging_steps", "train.save_steps", "train.save_total_limit", "train.progress_bar", "wandb", "tensorboard")
 
 
 def check_settings(cfg: DictConfig) -> None:
@@ -165,6 +203,7 @@ def run(cfg: DictConfig) -> dict:
 
 def train(cfg: DictConfig, out: Path, config: dict) -> dict:
     from transformers import AutoTokenizer, Trainer
+    from transformers.trainer_callback import PrinterCallback
     from transformers.trainer_utils import get_last_checkpoint
 
     started = time.time()
@@ -187,14 +226,17 @@ def train(cfg: DictConfig, out: Path, config: dict) -> dict:
     model = load_model(cfg.model, cfg.model_dtype, cfg.attn_implementation, build(LoraSettings, cfg.lora))
 
     # -- train ------------------------------------------------------------------------------
+    last = get_last_checkpoint(args.output_dir) if Path(args.output_dir).exists() else None
+    logs_here = cfg.tensorboard.enabled and int(os.environ.get("RANK", "0")) == 0
     trainer = Trainer(
         model=model,
         args=args,
         train_dataset=dataset,
         data_collator=Collator(tokenizer.pad_token_id, cfg.train.packing),
         processing_class=tokenizer,
+        callbacks=[step_progress(cfg.train.progress_bar)] + ([tensorboard_callback(out / "tensorboard", last)] if logs_here else []),
     )
-    last = get_last_checkpoint(args.output_dir) if Path(args.output_dir).exists() else None
+    trainer.remove_callback(PrinterCallback)  # its dict per logging step: StepProgress's lines say it
     if last:
         log.info("resuming from %s", last)
     result = trainer.train(resume_from_checkpoint=last)
