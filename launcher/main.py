@@ -10,6 +10,7 @@
     etagent rl [--preset P] [overrides]            GRPO with the efficiency reward (rl/run.py)
     etagent evaluate [--preset P] [overrides]      benchmarks and the paper's table (evaluation/run.py)
     etagent radar [--preset P] [overrides]         radar metrics and chart (radar/run.py)
+    etagent report RUN_DIR [--out FILE]            a run's report page, RUN_DIR/report.html (report/run.py)
     etagent score [FILE] [--judge-url URL ...]     score predictions, one JSON line each
     etagent reward [FILE]                          the RL efficiency reward of groups, one JSON line each (rl/reward.py)
     etagent tool python|search ...                 run one tool call, print its record
@@ -111,6 +112,12 @@ def radar(argv: list[str]) -> None:
     main(argv)
 
 
+def report(argv: list[str]) -> None:
+    from report.run import main
+
+    main(argv)
+
+
 # command: (the sub-command it requires or None, what runs it, help)
 STAGES: dict[str, tuple[str | None, Callable[[list[str]], None], str]] = {
     "toy": ("build", toy, "build the toy world and tiny model: etagent toy build --out DIR"),
@@ -129,6 +136,7 @@ STAGES: dict[str, tuple[str | None, Callable[[list[str]], None], str]] = {
     "evaluate": (None, evaluate, "benchmarks, metrics and the paper's table: etagent evaluate [--preset P] [overrides]"),
     "reward": (None, reward, "the RL efficiency reward of groups given as JSON lines: etagent reward [FILE]"),
     "radar": (None, radar, "radar metrics and chart over evaluation runs: etagent radar [--preset P] [overrides]"),
+    "report": (None, report, "one self-contained HTML page of a run: etagent report RUN_DIR [--out FILE]"),
 }
 UTILITIES = {
     "score": "score predictions given as JSON lines",

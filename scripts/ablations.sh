@@ -153,3 +153,4 @@ for seed in $SEED_LIST; do
 done
 
 python -m evaluation.ablations "$OUT" --seeds "$SEEDS" --references seed-sft seed-data-sft flywheel-sft --variants "${VARIANTS[@]}"
+python -m report.run "$OUT"

@@ -16,19 +16,19 @@ evaluate_on_held_out() {
   stop_retriever
 }
 
-echo "== 1/9 toy world and tiny model -> $RUN/toy"
+echo "== 1/10 toy world and tiny model -> $RUN/toy"
 etagent toy build --out "$RUN/toy"
 
 echo
-echo "== 2/9 retriever index over the toy corpus -> $RUN/index"
+echo "== 2/10 retriever index over the toy corpus -> $RUN/index"
 python -m retriever.build corpus="$RUN/toy/corpus.jsonl" index_dir="$RUN/index"
 
 echo
-echo "== 3/9 SFT of the tiny model on the seed trajectories, tool results masked -> $RUN/sft (about 6.5 minutes)"
+echo "== 3/10 SFT of the tiny model on the seed trajectories, tool results masked -> $RUN/sft (about 6.5 minutes)"
 python -m sft.run model="$RUN/toy/model" data.path="$RUN/toy/sft.jsonl" out_dir="$RUN/sft" train.progress_bar=false
 
 echo
-echo "== 4/9 evaluation of the SFT policy on the held-out questions, with the real tools -> $RUN/eval"
+echo "== 4/10 evaluation of the SFT policy on the held-out questions, with the real tools -> $RUN/eval"
 evaluate_on_held_out "$RUN/sft/model" "$RUN/eval" toy-sft
 python - "$RUN/eval/toy" <<'PY'
 import json, sys
@@ -45,33 +45,38 @@ print("    " + group["trajectories"][i]["text"].replace("\n", "\n    "))
 PY
 
 echo
-echo "== 5/9 the data flywheel with the SFT policy: 384 training questions (4 world versions), an initial rollout"
+echo "== 5/10 the data flywheel with the SFT policy: 384 training questions (4 world versions), an initial rollout"
 echo "   and 3 rounds of evolution each (no editor model: re-rollouts and trajectory hints), exported as SFT data"
 echo "   -> $RUN/flywheel (about 3 minutes)"
 PER_KIND=24 bash scripts/flywheel.sh "$RUN/sft/model" "$RUN"
 
 echo
-echo "== 6/9 SFT of the SFT policy on the flywheel's data, evaluated on the held-out questions -> $RUN/sft-flywheel,"
+echo "== 6/10 SFT of the SFT policy on the flywheel's data, evaluated on the held-out questions -> $RUN/sft-flywheel,"
 echo "   $RUN/eval-flywheel (about 1 minute)"
 python -m sft.run --preset tiny_flywheel model="$RUN/sft/model" data.path="$RUN/flywheel/sft/sft.jsonl" \
   out_dir="$RUN/sft-flywheel" train.progress_bar=false
 evaluate_on_held_out "$RUN/sft-flywheel/model" "$RUN/eval-flywheel" toy-sft+flywheel
 
 echo
-echo "== 7/9 the RL curriculum, two stages from the flywheel-SFT policy: each stage's data (8 chains per RL-pool"
+echo "== 7/10 the RL curriculum, two stages from the flywheel-SFT policy: each stage's data (8 chains per RL-pool"
 echo "   question with the stage's starting policy, Pareto selection), RL with ARPO's tree rollout and the"
 echo "   efficiency reward, evaluation on the held-out questions -> $RUN/rl_data, $RUN/rl, $RUN/eval-rl-stage*"
 echo "   (about 4 minutes per stage)"
 bash scripts/rl_curriculum.sh "$RUN/sft-flywheel/model" 2 "$RUN"
 
 echo
-echo "== 8/9 the SFT policies against the RL stages on the held-out questions -> $RUN/table"
+echo "== 8/10 the SFT policies against the RL stages on the held-out questions -> $RUN/table"
 python -m evaluation.table "$RUN/eval" "$RUN/eval-flywheel" "$RUN/eval-rl-stage1" "$RUN/eval-rl-stage2" --out "$RUN/table"
 
 echo
-echo "== 9/9 radar metrics and chart, the SFT policies against the RL stages -> $RUN/radar"
+echo "== 9/10 radar metrics and chart, the SFT policies against the RL stages -> $RUN/radar"
 python -m radar.run runs="[$RUN/eval,$RUN/eval-flywheel,$RUN/eval-rl-stage1,$RUN/eval-rl-stage2]" \
   labels="[SFT,SFT+flywheel,RL-1,RL-2]" tokenizer="$RUN/sft/model" out_dir="$RUN/radar"
 
 echo
-echo "demo finished: outputs in $RUN"
+echo "== 10/10 the run's report: every stage, the curves, the tables and charts, and a browser over the"
+echo "   trajectories, in one page that opens from disk -> $RUN/report.html"
+python -m report.run "$RUN"
+
+echo
+echo "demo finished: outputs in $RUN, the report in $RUN/report.html"

@@ -67,4 +67,5 @@ for k in $(seq 1 "$STAGES"); do
   if [ -n "${RETRIEVER_PID:-}" ]; then stop_retriever; fi
 done
 echo
-echo "curriculum finished: the last stage's model is $model"
+python -m report.run "$RUN"
+echo "curriculum finished: the last stage's model is $model; the run's report is $RUN/report.html"

@@ -8,6 +8,14 @@ VENV=${ETAGENT_VENV:-.venv}
 # One torch thread per process: tests start servers and subprocesses beside each other on 2 cores.
 export OMP_NUM_THREADS=${OMP_NUM_THREADS:-1} MKL_NUM_THREADS=${MKL_NUM_THREADS:-1} TOKENIZERS_PARALLELISM=false
 export HF_HUB_OFFLINE=1 TRANSFORMERS_OFFLINE=1 WANDB_MODE=offline
+# Headless Chromium for the report's browser tests (tests/test_report.py): Debian's package, where
+# this runs as root with apt-get; elsewhere those tests are skipped, saying why.
+if ! command -v chromium >/dev/null && [ "$(id -u)" = 0 ] && command -v apt-get >/dev/null; then
+  echo "test.sh: installing Debian's chromium for the report's browser tests"
+  export DEBIAN_FRONTEND=noninteractive
+  { apt-get install -y -q --no-install-recommends chromium || { apt-get update -q && apt-get install -y -q --no-install-recommends chromium; }; } >/dev/null 2>&1 ||
+    echo "test.sh: could not install chromium; the report's browser tests will be skipped" >&2
+fi
 if [ $# -eq 0 ]; then set -- -m "not slow"; fi
 "$VENV/bin/python" -m pytest "$@"
 status=$?

@@ -16,7 +16,7 @@ import pytest
 from etagent.timing import phase
 
 ROOT = Path(__file__).resolve().parents[1]
-STAGES = ("flywheel", "direct_rollout", "pareto", "sft", "rl", "retriever", "evaluation", "radar")
+STAGES = ("flywheel", "direct_rollout", "pareto", "sft", "rl", "retriever", "evaluation", "radar", "report")
 
 
 def imported_packages(path: Path) -> set[str]:

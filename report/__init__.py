@@ -1,0 +1,1 @@
+"""One self-contained HTML page per run: pipeline, curves, tables, charts and a trajectory browser (entry: report.run)."""

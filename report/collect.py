@@ -1,0 +1,349 @@
+"""Read a run directory into the plain data the report page shows.
+
+A run directory is what the demo, curriculum and ablation scripts fill: one output folder per
+stage (each with its ``manifest.json``), nested at any depth. This module finds them and reads
+what each stage leaves: manifests (the pipeline), SFT loss histories and RL ``metrics.jsonl``
+(the curves), evaluation summaries (the tables), radar and Pareto charts, and the trajectories
+of evaluations and RL rollouts (the browser).
+
+It never raises on what a run lacks: a stage still running, a killed one, a missing or truncated
+file all become a line in :attr:`Run.problems` naming the file, and the rest is read. It does
+not draw anything (see ``report/page.py``).
+"""
+
+from __future__ import annotations
+
+import json
+import math
+import os
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import Any
+
+from etagent.records import origin_segments
+
+# Files that show a stage wrote here.
+OUTPUT_FILES = {"metrics.jsonl", "summary.json", "trajectories.jsonl"}
+# Folders no stage's outputs sit in: model weights and checkpoints, ray's temporary files.
+SKIPPED_FOLDERS = {"model", "models", "checkpoints", "__pycache__", ".git"}
+
+
+@dataclass
+class Stage:
+    """One output folder with a manifest."""
+
+    folder: str  # relative to the run directory
+    stage: str
+    status: str
+    started_at: str = ""
+    finished_at: str = ""
+    seconds: float | None = None
+    counts: dict[str, Any] = field(default_factory=dict)
+    inputs: list[str] = field(default_factory=list)
+    outputs: list[str] = field(default_factory=list)  # the folder's files and folders, with sizes
+    metrics: dict[str, Any] = field(default_factory=dict)
+    seed: int | None = None
+    git: str = ""
+
+
+@dataclass
+class Run:
+    root: Path
+    stages: list[Stage] = field(default_factory=list)
+    # curve name -> series name -> [(step, value)]
+    curves: dict[str, dict[str, list[tuple[float, float]]]] = field(default_factory=dict)
+    evaluations: list[dict] = field(default_factory=list)  # {"folder", "run", "datasets": {name: metrics}}
+    images: list[dict] = field(default_factory=list)  # {"title", "path"}
+    trajectories: list[dict] = field(default_factory=list)
+    problems: list[str] = field(default_factory=list)
+
+
+def stage_folders(root: Path) -> list[tuple[Path, bool]]:
+    """(folder, has a manifest) for every folder under ``root`` (symbolic links followed, each real
+    folder once) that holds a manifest, or stage outputs with no manifest in it or above it (a
+    stage stopped before it wrote one)."""
+    found, seen, with_manifest = [], set(), []
+    for folder, subfolders, files in os.walk(root, followlinks=True):
+        real = os.path.realpath(folder)
+        if real in seen:
+            subfolders[:] = []
+            continue
+        seen.add(real)
+        subfolders[:] = sorted(d for d in subfolders if d not in SKIPPED_FOLDERS and not d.startswith("."))
+        path = Path(folder)
+        if "manifest.json" in files:
+            with_manifest.append(path)
+            found.append((path, True))
+        elif OUTPUT_FILES & set(files) and not any(path.is_relative_to(m) for m in with_manifest):
+            found.append((path, False))
+    return found
+
+
+def read_json(path: Path, problems: list[str]) -> Any:
+    try:
+        return json.loads(path.read_text())
+    except FileNotFoundError:
+        problems.append(f"{path}: missing")
+    except (json.JSONDecodeError, UnicodeDecodeError) as exc:
+        problems.append(f"{path}: not valid JSON ({exc})")
+    return None
+
+
+def read_lines(path: Path, problems: list[str]) -> list[dict]:
+    """The JSON objects of a JSONL file; an undecodable line is reported and skipped (a writer
+    killed mid-line leaves one at the end)."""
+    rows = []
+    try:
+        with path.open() as f:
+            for number, line in enumerate(f, start=1):
+                if not line.strip():
+                    continue
+                try:
+                    rows.append(json.loads(line))
+                except json.JSONDecodeError:
+                    ending = " (the last line: its writer was stopped while writing it)" if not line.endswith("\n") else ""
+                    problems.append(f"{path}:{number}: not a JSON line{ending}; skipped")
+    except FileNotFoundError:
+        problems.append(f"{path}: missing")
+    return rows
+
+
+def collect(root: str | os.PathLike, tokenizer_for=None, max_trajectories: int = 20000) -> Run:
+    """Everything the report shows of the run in ``root``. ``tokenizer_for(model_path)`` returns a
+    tokenizer to split evaluation responses by token origin (None: by tags only)."""
+    run = Run(Path(root))
+    if not run.root.is_dir():
+        run.problems.append(f"{run.root}: no such directory")
+        return run
+    for folder, has_manifest in stage_folders(run.root):
+        relative = str(folder.relative_to(run.root)) if folder != run.root else "."
+        manifest = read_json(folder / "manifest.json", run.problems) if has_manifest else None
+        if manifest is None:
+            run.problems.append(f"{folder}: stage outputs but no manifest.json (the stage was stopped before it wrote one)")
+            stage = Stage(relative, guess_stage(folder), "no manifest")
+        else:
+            stage = read_stage(relative, manifest)
+            if stage.status != "complete":
+                run.problems.append(
+                    f"{folder}: {stage.stage} is {stage.status} (started {stage.started_at}): still running, or stopped before its end"
+                )
+            for path in stage.inputs:
+                if not Path(path).exists():
+                    run.problems.append(f"{folder}: its input {path} is missing")
+        stage.outputs = listing(folder)
+        run.stages.append(stage)
+        read_outputs(run, folder, stage, tokenizer_for)
+    run.stages.sort(key=lambda s: (s.started_at or "~", s.folder))
+    if len(run.trajectories) > max_trajectories:
+        run.problems.append(f"{len(run.trajectories)} trajectories; the browser holds the first {max_trajectories}")
+        del run.trajectories[max_trajectories:]
+    if not run.stages:
+        run.problems.append(f"{run.root}: no stage output found (no manifest.json below it)")
+    return run
+
+
+def listing(folder: Path) -> list[str]:
+    """What a stage folder holds: its files with their sizes, its folders with a slash."""
+    entries = []
+    for path in sorted(folder.iterdir()):
+        if path.name.startswith(".") or path.name == "manifest.json":
+            continue
+        entries.append(f"{path.name}/" if path.is_dir() else f"{path.name} ({size(path.stat().st_size)})")
+    return entries
+
+
+def size(n: int) -> str:
+    for unit in ("B", "kB", "MB", "GB"):
+        if n < 1000 or unit == "GB":
+            return f"{n:.0f} {unit}" if unit == "B" else f"{n:.1f} {unit}"
+        n /= 1000
+    raise AssertionError("unreachable")
+
+
+def guess_stage(folder: Path) -> str:
+    if (folder / "metrics.jsonl").exists():
+        return "rl"
+    if (folder / "summary.json").exists():
+        return "evaluation"
+    return "unknown"
+
+
+def read_stage(folder: str, manifest: dict) -> Stage:
+    return Stage(
+        folder=folder,
+        stage=str(manifest.get("stage", "unknown")),
+        status=str(manifest.get("status", "complete")),
+        started_at=str(manifest.get("started_at", "")),
+        finished_at=str(manifest.get("finished_at", "")) if manifest.get("status", "complete") == "complete" else "",
+        seconds=manifest.get("seconds") if manifest.get("status", "complete") == "complete" else None,
+        counts=manifest.get("counts") or {},
+        inputs=[i["path"] for i in manifest.get("inputs", []) if isinstance(i, dict) and "path" in i],
+        metrics=manifest.get("metrics") or {},
+        seed=manifest.get("seed"),
+        git=str(manifest.get("git") or ""),
+    )
+
+
+def read_outputs(run: Run, folder: Path, stage: Stage, tokenizer_for) -> None:
+    """What the report shows of one stage's folder."""
+    name = stage.folder
+    if stage.stage == "sft":
+        history = folder / "loss_history.json"
+        if history.exists():
+            entries = read_json(history, run.problems) or []
+            for key in ("loss", "grad_norm", "learning_rate"):
+                points = [(e["step"], e[key]) for e in entries if isinstance(e.get(key), int | float) and "step" in e]
+                if points:
+                    run.curves.setdefault(f"sft/{key}", {})[name] = points
+        elif stage.status == "complete":
+            run.problems.append(f"{history}: missing (the SFT curves need it)")
+    if stage.stage.startswith("rl/") or stage.stage == "rl":
+        read_rl(run, folder, stage)
+    if stage.stage == "evaluation":
+        read_evaluation(run, folder, stage, tokenizer_for)
+    for png, title in (("radar.png", "Radar chart"), ("scatter.png", "Pareto selection")):
+        if (folder / png).exists():
+            run.images.append({"title": f"{title}: {name}", "path": folder / png})
+
+
+def read_rl(run: Run, folder: Path, stage: Stage) -> None:
+    name = stage.folder
+    path = folder / "metrics.jsonl"
+    if not path.exists():
+        run.problems.append(f"{path}: missing (no RL step finished yet)")
+        return
+    for row in read_lines(path, run.problems):
+        step = row.get("step")
+        if not isinstance(step, int | float):
+            continue
+        for key, value in row.items():
+            if key != "step" and isinstance(value, int | float) and not isinstance(value, bool) and math.isfinite(value):
+                run.curves.setdefault(f"rl/{key}", {}).setdefault(name, []).append((step, value))
+    rollouts = sorted((folder / "rollouts").glob("step_*.jsonl"), key=lambda p: int(p.stem.split("_")[1]))
+    questions = rl_questions(folder, run.problems) if rollouts else {}
+    for rollout_file in rollouts:
+        step = int(rollout_file.stem.split("_")[1])
+        rows = read_lines(rollout_file, run.problems)
+        # the reward's terms, averaged over the step's rollouts (metrics.jsonl has their sum)
+        for term in ("f_tool", "f_length", "f_format"):
+            values = [r[term] for r in rows if isinstance(r.get(term), int | float)]
+            if values:
+                run.curves.setdefault(f"rl/reward terms/{term}", {}).setdefault(name, []).append((step, sum(values) / len(values)))
+        for row in rows:
+            question = questions.get(row.get("index"), {})
+            text = str(row.get("text", ""))
+            run.trajectories.append(
+                {
+                    "stage": f"{name} step {step}",
+                    "id": str(row.get("id", "")),
+                    "source": question.get("source", "?"),
+                    "kind": question.get("kind", "?"),
+                    "question": question.get("question", f"(prompt {row.get('index')})"),
+                    "answer": question.get("answer", []),
+                    "correct": bool(row.get("raw", 0) >= 1.0),
+                    "reward": row.get("reward"),
+                    "tool_calls": row.get("tool_calls"),
+                    "redundant": None,
+                    "insufficient": None,
+                    "terms": {k: row[k] for k in ("reward", "raw", "f_tool", "f_length", "f_format", "length") if k in row},
+                    "finish": row.get("finish_reason", ""),
+                    "segments": row.get("segments") or [[None, text]],
+                    "judgement": None,
+                }
+            )
+
+
+def rl_questions(folder: Path, problems: list[str]) -> dict[int, dict]:
+    """The RL data's questions by prompt index, to show beside their rollouts."""
+    manifest = read_json(folder / "manifest.json", []) or {}
+    data = ((manifest.get("config") or {}).get("data") or {}).get("train")
+    if not data or not Path(data).exists():
+        problems.append(f"{folder}: its RL data {data} is missing; rollouts are shown without their questions")
+        return {}
+    from etagent.records import RLRow, read_records
+
+    try:
+        rows = read_records(data, RLRow)
+    except Exception as exc:  # a report shows what it can: the data's own error names the row
+        problems.append(f"{data}: {exc}")
+        return {}
+    return {
+        row.extra_info.index: {
+            "question": row.extra_info.question,
+            "answer": row.reward_model.ground_truth,
+            "source": row.data_source,
+            "kind": row.ability,
+        }
+        for row in rows
+    }
+
+
+def read_evaluation(run: Run, folder: Path, stage: Stage, tokenizer_for) -> None:
+    summary_path = folder / "summary.json"
+    summary = read_json(summary_path, run.problems) if summary_path.exists() else None
+    if summary is None and stage.status == "complete":
+        run.problems.append(f"{summary_path}: missing")
+    name = (summary or {}).get("run") or stage.folder
+    datasets = (summary or {}).get("datasets") or {}
+    run.evaluations.append({"folder": stage.folder, "run": name, "datasets": datasets})
+    manifest = read_json(folder / "manifest.json", []) or {}
+    config = manifest.get("config") or {}
+    model = (config.get("engine") or {}).get("model")
+    pass_mark = float(config.get("qa_pass_mark", 0.8))
+    tokenizer = tokenizer_for(model) if tokenizer_for and model else None
+    for dataset in sorted(p for p in folder.iterdir() if (p / "trajectories.jsonl").exists()):
+        scored = (
+            {row.get("id"): row for row in read_lines(dataset / "scored.jsonl", run.problems)}
+            if (dataset / "scored.jsonl").exists()
+            else {}
+        )
+        for group in read_lines(dataset / "trajectories.jsonl", run.problems):
+            row = scored.get(group.get("id"), {})
+            samples = row.get("samples") or []
+            for k, trajectory in enumerate(group.get("trajectories") or []):
+                metrics = samples[k] if k < len(samples) else {}
+                run.trajectories.append(
+                    {
+                        "stage": f"{stage.folder} ({name}) {dataset.name}",
+                        "id": str(trajectory.get("id", "")),
+                        "source": group.get("source", "?"),
+                        "kind": group.get("kind", "?"),
+                        "question": group.get("question", ""),
+                        "answer": group.get("answer", []),
+                        "correct": sample_correct(metrics, group.get("kind"), pass_mark),
+                        "reward": None,
+                        "tool_calls": metrics.get("tool_calls", trajectory.get("tool_calls_executed")),
+                        "redundant": flag(metrics.get("redundant_calls")),
+                        "insufficient": flag(metrics.get("insufficient_calls")),
+                        "terms": {k: v for k, v in metrics.items() if isinstance(v, int | float) and not isinstance(v, bool)},
+                        "finish": trajectory.get("finish_reason", ""),
+                        "segments": response_segments(trajectory, tokenizer),
+                        "judgement": trajectory.get("judgement"),
+                    }
+                )
+
+
+def sample_correct(metrics: dict, kind: str | None, pass_mark: float) -> bool | None:
+    """Solved as the evaluation's behaviour table counts it: c_i (etagent.scoring.correctness) at
+    least the run's qa_pass_mark."""
+    from etagent.scoring import correctness
+
+    if not metrics or kind not in ("math", "qa"):
+        return None
+    try:
+        return correctness(metrics, kind) >= pass_mark
+    except KeyError:  # scored by an older toolkit without the metric it reads: unscored here
+        return None
+
+
+def flag(value) -> bool | None:
+    return None if value is None else bool(value)
+
+
+def response_segments(trajectory: dict, tokenizer) -> list[list]:
+    """The response by token origin when the trajectory kept its token ids and origins and a
+    tokenizer is at hand; else the whole text, origin not recorded."""
+    ids, origins = trajectory.get("response_ids"), trajectory.get("response_origin")
+    if tokenizer is None or not ids or not origins or len(ids) != len(origins):
+        return [[None, str(trajectory.get("text", ""))]]
+    return origin_segments(ids, origins, tokenizer)

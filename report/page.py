@@ -1,0 +1,271 @@
+"""The report page of one run: a single self-contained HTML file (styles, script, charts and data
+inside it; no server, no network), from what ``report/collect.py`` read.
+
+Curves are drawn here as inline SVG (one small chart per metric, one line per stage folder), the
+radar and Pareto charts are embedded as the PNGs their stages drew. The trajectory browser's data
+sits in the page in chunks of ``CHUNK`` trajectories, each a JSON script element the browser
+parses only when a page of the list needs it: the list is filtered over a small index, and a
+page of thousands of trajectories renders 50 at a time.
+"""
+
+from __future__ import annotations
+
+import base64
+import json
+from html import escape
+from pathlib import Path
+
+from report.collect import Run
+
+CHUNK = 200
+STATIC = Path(__file__).parent / "static"
+COLOURS = ("#1f77b4", "#d62728", "#2ca02c", "#9467bd", "#ff7f0e", "#17becf", "#8c564b", "#e377c2")
+# The curves in the order a reader looks at them; any other metric follows, alphabetically.
+CURVE_ORDER = (
+    "sft/loss",
+    "sft/grad_norm",
+    "sft/learning_rate",
+    "rl/reward/mean",
+    "rl/reward/raw",
+    "rl/reward terms/f_tool",
+    "rl/reward terms/f_length",
+    "rl/reward terms/f_format",
+    "rl/val/score",
+    "rl/rollout/tool_calls",
+    "rl/rollout/length",
+    "rl/actor/entropy",
+    "rl/actor/kl",
+    "rl/actor/grad_norm",
+)
+# Evaluation columns, per dataset, when the run has them.
+TABLE_COLUMNS = ("correctness", "efficiency", "llm_judge", "f1", "em", "pass@1", "pass@2", "pass@4", "pass@8", "tool_calls", "mean_tokens")
+BEHAVIOUR_COLUMNS = ("questions", "correctness", "tool_calls", "redundant_rate", "insufficient_rate", "redundant_when_solved")
+
+
+def render(run: Run) -> str:
+    sections = [
+        ("pipeline", "Pipeline", pipeline_section(run)),
+        ("curves", "Curves", curves_section(run)),
+        ("evaluation", "Evaluation", evaluation_section(run)),
+        ("charts", "Charts", charts_section(run)),
+        ("trajectories", "Trajectories", browser_section(run)),
+    ]
+    nav = " ".join(f'<a href="#{key}">{title}</a>' for key, title, _ in sections)
+    body = "\n".join(f'<section id="{key}"><h2>{title}</h2>\n{html}\n</section>' for key, title, html in sections)
+    return f"""<!DOCTYPE html>
+<html lang="en"><head><meta charset="utf-8">
+<link rel="icon" href="data:,">
+<title>etagent report: {escape(run.root.name)}</title>
+<style>{(STATIC / "report.css").read_text()}</style>
+</head><body>
+<header><h1>Run <code>{escape(str(run.root))}</code></h1><nav>{nav}</nav></header>
+{problems_box(run)}
+{body}
+{trajectory_data(run)}
+<script>{(STATIC / "browser.js").read_text()}</script>
+</body></html>
+"""
+
+
+def problems_box(run: Run) -> str:
+    if not run.problems:
+        return '<div id="problems" class="ok">Every stage found is complete and every file it names is present.</div>'
+    items = "".join(f"<li>{escape(p)}</li>" for p in run.problems)
+    return f'<div id="problems" class="warn"><b>What is missing or incomplete ({len(run.problems)})</b><ul>{items}</ul></div>'
+
+
+def table(header: list[str], rows: list[list[str]], css: str = "") -> str:
+    head = "".join(f"<th>{escape(h)}</th>" for h in header)
+    body = "".join("<tr>" + "".join(f"<td>{cell}</td>" for cell in row) + "</tr>" for row in rows)
+    return f'<table class="{css}"><thead><tr>{head}</tr></thead><tbody>{body}</tbody></table>'
+
+
+def number(value) -> str:
+    if value is None:
+        return "–"
+    if isinstance(value, float):
+        return f"{value:.4g}" if 1e-3 <= abs(value) < 1000 or value == 0 else f"{value:.3g}" if abs(value) < 1e-3 else f"{value:.0f}"
+    return escape(str(value))
+
+
+def pipeline_section(run: Run) -> str:
+    if not run.stages:
+        return "<p>No stage has written anything here yet.</p>"
+    rows = []
+    for s in run.stages:
+        counts = ", ".join(f"{escape(str(k))}: {number(v)}" for k, v in s.counts.items() if not isinstance(v, dict | list))
+        inputs = listed([f"<code>{escape(short(i, run.root))}</code>" for i in s.inputs])
+        outputs = listed([escape(o) for o in s.outputs], separator=" · ", most=12)
+        status = f'<span class="status-{escape(s.status.replace(" ", "-"))}">{escape(s.status)}</span>'
+        rows.append(
+            [
+                escape(s.stage),
+                f"<code>{escape(s.folder)}</code>",
+                status,
+                escape(s.started_at.replace("T", " ")[:19]),
+                duration(s.seconds),
+                counts,
+                inputs,
+                outputs,
+            ]
+        )
+    return table(["stage", "output folder", "status", "started", "took", "counts", "inputs", "outputs"], rows, "pipeline")
+
+
+def duration(seconds: float | None) -> str:
+    if seconds is None:
+        return "–"
+    minutes, s = divmod(round(seconds), 60)
+    return f"{minutes} min {s} s" if minutes else f"{seconds:.1f} s"
+
+
+def listed(items: list[str], separator: str = "<br>", most: int = 8) -> str:
+    shown = separator.join(items[:most])
+    return shown + (f"{separator}and {len(items) - most} more" if len(items) > most else "")
+
+
+def short(path: str, root: Path) -> str:
+    try:
+        return str(Path(path).relative_to(root))
+    except ValueError:
+        return path
+
+
+def curves_section(run: Run) -> str:
+    if not run.curves:
+        return "<p>No curves: no SFT loss history and no RL metrics.jsonl in this run.</p>"
+    order = {name: k for k, name in enumerate(CURVE_ORDER)}
+    names = sorted(run.curves, key=lambda n: (n.split("/")[0], order.get(n, len(order)), n))
+    charts = "".join(line_chart(name, run.curves[name]) for name in names)
+    return f'<div class="charts">{charts}</div>'
+
+
+def line_chart(title: str, series: dict[str, list[tuple[float, float]]], width: int = 310, height: int = 170) -> str:
+    """One metric by step, a line per stage folder, as inline SVG with its axes' ranges written."""
+    points = [p for values in series.values() for p in values]
+    xs, ys = [x for x, _ in points], [y for _, y in points]
+    x0, x1 = min(xs), max(xs)
+    y0, y1 = min(ys), max(ys)
+    if x1 == x0:
+        x1 = x0 + 1
+    if y1 == y0:
+        y0, y1 = y0 - 0.5, y1 + 0.5
+    left, right, top, bottom = 58, 8, 22, 30
+    plot_w, plot_h = width - left - right, height - top - bottom
+
+    def at(x: float, y: float) -> str:
+        return f"{left + (x - x0) / (x1 - x0) * plot_w:.1f},{top + (1 - (y - y0) / (y1 - y0)) * plot_h:.1f}"
+
+    lines, legend = [], []
+    for k, (name, values) in enumerate(series.items()):
+        colour = COLOURS[k % len(COLOURS)]
+        path = " ".join(at(x, y) for x, y in values)
+        dots = (
+            "".join(
+                f'<circle cx="{at(x, y).split(",")[0]}" cy="{at(x, y).split(",")[1]}" r="2" fill="{colour}"><title>{escape(name)} step {number(x)}: {number(y)}</title></circle>'
+                for x, y in values
+            )
+            if len(values) <= 60
+            else ""
+        )
+        lines.append(f'<polyline fill="none" stroke="{colour}" stroke-width="1.5" points="{path}"/>{dots}')
+        legend.append(f'<span style="color:{colour}">&#9632; {escape(name)}</span>')
+    svg = (
+        f'<svg class="curve" width="{width}" height="{height}" viewBox="0 0 {width} {height}" role="img" aria-label="{escape(title)}">'
+        f'<text x="{left}" y="14" class="title">{escape(title)}</text>'
+        f'<rect x="{left}" y="{top}" width="{plot_w}" height="{plot_h}" class="frame"/>'
+        f'<text x="{left - 4}" y="{top + 8}" class="tick" text-anchor="end">{number(y1)}</text>'
+        f'<text x="{left - 4}" y="{top + plot_h}" class="tick" text-anchor="end">{number(y0)}</text>'
+        f'<text x="{left}" y="{height - 14}" class="tick">{number(x0)}</text>'
+        f'<text x="{left + plot_w}" y="{height - 14}" class="tick" text-anchor="end">{number(x1)}</text>'
+        f'<text x="{left + plot_w / 2}" y="{height - 3}" class="tick" text-anchor="middle">step</text>' + "".join(lines) + "</svg>"
+    )
+    return f'<figure class="chart">{svg}<figcaption>{" ".join(legend)}</figcaption></figure>'
+
+
+def evaluation_section(run: Run) -> str:
+    if not run.evaluations:
+        return "<p>No evaluation in this run.</p>"
+    datasets = sorted({d for e in run.evaluations for d in e["datasets"]})
+    parts = []
+    for dataset in datasets:
+        present = [e for e in run.evaluations if dataset in e["datasets"]]
+        columns = [c for c in TABLE_COLUMNS if any(c in e["datasets"][dataset] for e in present)]
+        rows = []
+        for e in present:
+            metrics = e["datasets"][dataset]
+            rows.append([escape(str(e["run"])), f"<code>{escape(e['folder'])}</code>"] + [number(metrics.get(c)) for c in columns])
+        parts.append(f"<h3>{escape(dataset)}</h3>" + table(["run", "folder", *columns], rows, "numbers"))
+        behaviour_rows = []
+        for e in present:
+            for kind, b in (e["datasets"][dataset].get("behaviour") or {}).items():
+                behaviour_rows.append([escape(str(e["run"])), escape(kind)] + [number(b.get(c)) for c in BEHAVIOUR_COLUMNS])
+        if behaviour_rows:
+            parts.append(
+                "<p>Tool-use behaviour per kind of question (calls per sample; rates in % of samples, the last in % of the solved ones):</p>"
+                + table(["run", "kind", *BEHAVIOUR_COLUMNS], behaviour_rows, "numbers behaviour")
+            )
+    return "\n".join(parts)
+
+
+def charts_section(run: Run) -> str:
+    if not run.images:
+        return "<p>No radar chart or Pareto scatter in this run.</p>"
+    figures = []
+    for image in run.images:
+        data = base64.b64encode(Path(image["path"]).read_bytes()).decode()
+        figures.append(
+            f'<figure class="image"><img alt="{escape(image["title"])}" src="data:image/png;base64,{data}"><figcaption>{escape(image["title"])}</figcaption></figure>'
+        )
+    return f'<div class="images">{"".join(figures)}</div>'
+
+
+def browser_section(run: Run) -> str:
+    if not run.trajectories:
+        return "<p>No trajectories: no evaluation samples and no RL rollouts in this run.</p>"
+    return """<div id="filters">
+<label>stage <select id="f-stage"><option value="">all</option></select></label>
+<label>kind <select id="f-kind"><option value="">all</option></select></label>
+<label>answer <select id="f-correct"><option value="">all</option><option value="1">correct</option><option value="0">wrong</option></select></label>
+<label>tool use <select id="f-behaviour"><option value="">all</option><option value="redundant">redundant calls</option>
+<option value="insufficient">insufficient calls</option></select></label>
+<label>reward from <input id="f-reward-min" type="number" step="any" size="6"> to <input id="f-reward-max" type="number" step="any" size="6"></label>
+<label>text <input id="f-text" type="search" placeholder="in the question"></label>
+</div>
+<p id="count"></p>
+<div id="browser"><ol id="list"></ol><div id="detail"><p>Choose a trajectory on the left.</p></div></div>
+<p id="pager"><button id="prev">previous</button> <span id="page"></span> <button id="next">next</button></p>
+<p class="legend">Token origin: <span class="origin-sampled">sampled by the policy</span> <span class="origin-given">given (a prefix, a hint, an edit)</span>
+<span class="origin-tool">inserted tool output</span> <span class="origin-unknown">not recorded</span></p>"""
+
+
+def trajectory_data(run: Run) -> str:
+    """The browser's index (what the filters read) and the trajectories' full records in chunks;
+    nothing when there are none (the script then leaves the page as it is)."""
+    if not run.trajectories:
+        return ""
+    index = [
+        {
+            "stage": t["stage"],
+            "kind": f"{t['source']} ({t['kind']})",
+            "correct": t["correct"],
+            "redundant": t["redundant"],
+            "insufficient": t["insufficient"],
+            "reward": t["reward"],
+            "calls": t["tool_calls"],
+            "q": t["question"][:160],
+        }
+        for t in run.trajectories
+    ]
+    scripts = [f'<script type="application/json" id="index">{script_json(index)}</script>']
+    for start in range(0, len(run.trajectories), CHUNK):
+        scripts.append(
+            f'<script type="application/json" id="chunk-{start // CHUNK}">{script_json(run.trajectories[start : start + CHUNK])}</script>'
+        )
+    scripts.append(f'<script type="application/json" id="chunk-size">{CHUNK}</script>')
+    return "\n".join(scripts)
+
+
+def script_json(value) -> str:
+    """JSON that is safe inside a <script> element (no '</' can close it early)."""
+    return json.dumps(value, ensure_ascii=False, default=str).replace("</", "<\\/").replace("<!--", "\\u003c!--")

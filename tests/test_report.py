@@ -1,0 +1,232 @@
+"""`etagent report`: the report page of a small real run (the tiny SFT, an evaluation and two RL
+steps on the toy world) opened in headless Chromium, and the reports of runs cut short."""
+
+from __future__ import annotations
+
+import json
+import os
+import struct
+import subprocess
+import sys
+import time
+from pathlib import Path
+
+import pytest
+
+from etagent.records import RLRow, read_questions, write_manifest, write_rl_parquet
+from tests.browser import Browser, find_chromium
+from tests.conftest import TOKEN
+from tests.test_evaluation import eval_command
+from tests.test_rl import rl_overrides
+
+ROOT = Path(__file__).resolve().parents[1]
+
+
+@pytest.fixture(scope="module")
+def browser():
+    binary = find_chromium()
+    if binary is None:
+        pytest.skip(
+            "no Chromium: scripts/test.sh installs Debian's chromium package where it runs as root with apt-get; install it to run this test"
+        )
+    chromium = Browser(binary)
+    yield chromium
+    chromium.close()
+
+
+@pytest.fixture(scope="module")
+def small_run(sft_model, toy, server, tmp_path_factory) -> Path:
+    """A run directory laid out as the demo's: the toy world, the SFT, an evaluation of it and an
+    RL stage of two steps."""
+    run = tmp_path_factory.mktemp("run")
+    for name, target in (("toy", toy), ("sft", sft_model)):
+        (run / name).symlink_to(target)
+    env = dict(os.environ, RETRIEVER_TOKEN=TOKEN)
+    subprocess.run(
+        eval_command(sft_model, toy, server, run / "eval", "limit=12", "run_name=toy-sft"),
+        check=True,
+        env=env,
+        capture_output=True,
+        timeout=900,
+    )
+    questions = [q for q in read_questions(toy / "questions" / "test.jsonl") if q.source in ("toy_python", "toy_both", "toy_search")]
+    parquet = write_rl_parquet([RLRow.for_question(q, i, "train") for i, q in enumerate(questions[::10][:8])], run / "rl.parquet")
+    overrides = rl_overrides(sft_model, parquet, server, run / "rl" / "stage1", "train.max_steps=2")
+    result = subprocess.run([sys.executable, "-m", "rl.run", *overrides], env=env, capture_output=True, text=True, timeout=900)
+    assert result.returncode == 0, result.stderr[-3000:]
+    return run
+
+
+def report(run: Path, *args: str) -> subprocess.CompletedProcess:
+    return subprocess.run([sys.executable, "-m", "report.run", str(run), *args], cwd=ROOT, capture_output=True, text=True, timeout=300)
+
+
+def test_the_report_of_a_small_run_in_chromium(small_run, browser, tmp_path):
+    result = report(small_run)
+    assert result.returncode == 0, result.stderr[-3000:]
+    page = small_run / "report.html"
+    assert "wrote" in result.stdout and page.exists()
+    text = page.read_text()
+    assert "http://" not in text.replace("http://127.0.0.1", "") and "https://" not in text  # nothing fetched from outside
+
+    browser.open(page)
+    assert browser.errors() == []
+    # the pipeline: the SFT, the evaluation and the RL stage, complete
+    stages = browser.evaluate(
+        "[...document.querySelectorAll('table.pipeline tbody tr')].map(r => r.cells[0].textContent + ' ' + r.cells[2].textContent)"
+    )
+    assert {"sft complete", "evaluation complete", "rl/stage1 complete"} <= set(stages)
+    # curves: SFT loss and the RL step metrics, each drawn with a line
+    curves = browser.evaluate(
+        "[...document.querySelectorAll('svg.curve')].map(s => [s.getAttribute('aria-label'), s.querySelectorAll('polyline').length])"
+    )
+    drawn = {name for name, lines in curves if lines >= 1}
+    assert {
+        "sft/loss",
+        "rl/reward/mean",
+        "rl/rollout/tool_calls",
+        "rl/rollout/length",
+        "rl/actor/entropy",
+        "rl/actor/grad_norm",
+        "rl/timing_s/generate",
+    } <= drawn
+    # the evaluation table and the behaviour table per kind of question
+    summary = json.loads((small_run / "eval" / "summary.json").read_text())["datasets"]["toy"]
+    row = browser.evaluate("[...document.querySelector('#evaluation table.numbers tbody tr').cells].map(c => c.textContent)")
+    assert row[0] == "toy-sft" and float(row[2]) == pytest.approx(summary["correctness"], abs=0.01)
+    kinds = browser.evaluate("[...document.querySelectorAll('#evaluation table.behaviour tbody tr')].map(r => r.cells[1].textContent)")
+    assert set(kinds) == set(summary["behaviour"])
+
+    # the browser lists every evaluation sample and RL rollout
+    rollouts = sum(len((small_run / "rl" / "stage1" / "rollouts" / f"step_{k}.jsonl").read_text().splitlines()) for k in (1, 2))
+    total = 12 * 2 + rollouts
+    assert browser.evaluate("document.getElementById('count').textContent") == f"{total} of {total} trajectories match"
+    assert browser.evaluate("document.querySelectorAll('#list li').length") == min(total, 50)
+    # a filter narrows them: the wrong answers of the evaluation only
+    stage = browser.evaluate("[...document.getElementById('f-stage').options].map(o => o.value).find(v => v.startsWith('eval'))")
+    browser.evaluate(
+        f"""(() => {{ for (const [id, v] of [['f-stage', {json.dumps(stage)}], ['f-correct', '0']]) {{
+            const e = document.getElementById(id); e.value = v; e.dispatchEvent(new Event('input')); }} }})()"""
+    )
+    wrong = sum(
+        1
+        for row in map(json.loads, (small_run / "eval" / "toy" / "scored.jsonl").read_text().splitlines())
+        for m in row["samples"]
+        if not is_right(m, row["kind"])
+    )
+    assert browser.evaluate("document.getElementById('count').textContent") == f"{wrong} of {total} trajectories match"
+    # an RL rollout in full: its reward terms, and its tokens by origin (sampled, and tool results)
+    browser.evaluate(
+        """(() => { for (const [id, v] of [['f-stage', ''], ['f-correct', '']]) {
+            const e = document.getElementById(id); e.value = v; e.dispatchEvent(new Event('input')); }
+          const e = document.getElementById('f-reward-min'); e.value = '-100'; e.dispatchEvent(new Event('input')); })()"""
+    )
+    assert browser.evaluate("document.getElementById('count').textContent") == f"{rollouts} of {total} trajectories match"
+    browser.evaluate(
+        "[...document.querySelectorAll('#list li')].find(li => li.textContent.includes('tool calls') && !li.textContent.includes(' 0 tool calls')).click()"
+    )
+    assert browser.evaluate("document.querySelector('#detail table.terms').textContent").startswith("reward")
+    origins = browser.evaluate(
+        "[...new Set([...document.querySelectorAll('#detail pre.response span')].map(s => s.className.split(' ').pop()))]"
+    )
+    assert {"origin-sampled", "origin-tool"} <= set(origins)
+    assert browser.evaluate("document.querySelectorAll('#detail pre.response .part-result').length") >= 1
+    shot = browser.screenshot(tmp_path / "report.png")
+    assert shot.stat().st_size > 20_000
+    assert browser.errors() == []
+
+
+def is_right(metrics: dict, kind: str) -> bool:
+    from etagent.scoring import correctness
+
+    return correctness(metrics, kind) >= 0.8
+
+
+def scalars(folder: Path) -> dict[str, list[tuple[int, float]]]:
+    """The scalars of the TensorBoard event files in ``folder``, read back from the TFRecord
+    framing (length, its CRC, the Event proto, its CRC) with tensorboardX's Event message."""
+    from tensorboardX.proto.event_pb2 import Event
+
+    out: dict[str, list[tuple[int, float]]] = {}
+    files = sorted(folder.glob("events.out.tfevents.*"))
+    assert files, f"no event file in {folder}"
+    for path in files:
+        data, pos = path.read_bytes(), 0
+        while pos < len(data):
+            (length,) = struct.unpack("<Q", data[pos : pos + 8])
+            event = Event.FromString(data[pos + 12 : pos + 12 + length])
+            pos += 12 + length + 4
+            for value in event.summary.value:
+                out.setdefault(value.tag, []).append((event.step, value.simple_value))
+    return out
+
+
+def test_tensorboard_event_files_hold_the_sft_and_rl_curves(small_run):
+    """The logger that needs no account, on by default: the SFT's loss as the Trainer logged it,
+    and every RL step's metrics, as in metrics.jsonl."""
+    sft = scalars(small_run / "sft" / "tensorboard")
+    logged = [e for e in json.loads((small_run / "sft" / "loss_history.json").read_text()) if "loss" in e]
+    assert [step for step, _ in sft["train/loss"]] == [e["step"] for e in logged]
+    assert [v for _, v in sft["train/loss"]] == pytest.approx([e["loss"] for e in logged], rel=1e-6)
+    rl = scalars(small_run / "rl" / "stage1" / "tensorboard")
+    for line in map(json.loads, (small_run / "rl" / "stage1" / "metrics.jsonl").read_text().splitlines()):
+        for key in ("reward/mean", "rollout/tool_calls", "actor/grad_norm", "timing_s/generate"):
+            assert (line["step"], pytest.approx(line[key], rel=1e-6)) in rl[key]
+
+
+def test_a_run_cut_short_gives_a_report_that_says_what_is_missing(tmp_path, browser):
+    """A stage still running, a stage killed before its manifest, a missing input, a metrics line
+    cut in the middle and an evaluation without its summary: the page lists each, and opens."""
+    run = tmp_path / "run"
+    started = time.time()
+    rl = run / "rl" / "stage1"
+    rl.mkdir(parents=True)
+    write_manifest(rl, stage="rl/stage1", config={"data": {"train": str(run / "gone.parquet")}}, started_at=started, status="running")
+    (rl / "metrics.jsonl").write_text(json.dumps({"step": 1, "reward/mean": 0.5}) + "\n" + '{"step": 2, "rew')
+    (rl / "rollouts").mkdir()
+    rollout = {"id": "r0", "index": 3, "reward": 0.5, "raw": 1.0, "tool_calls": 0, "text": "<answer>4</answer>"}
+    (rl / "rollouts" / "step_1.jsonl").write_text(json.dumps(rollout) + "\n")
+    sft = run / "sft"
+    sft.mkdir()
+    write_manifest(sft, stage="sft", config={}, inputs=[], started_at=started)
+    evaluation = run / "eval"
+    (evaluation / "toy").mkdir(parents=True)
+    (evaluation / "toy" / "trajectories.jsonl").write_text("")
+    write_manifest(evaluation, stage="evaluation", config={}, started_at=started)
+    orphan = run / "old"
+    orphan.mkdir()
+    (orphan / "summary.json").write_text("{}")
+    flywheel = run / "flywheel"
+    flywheel.mkdir()
+    (flywheel / "trajectories.jsonl").write_text("")
+    data = run / "data.jsonl"
+    data.write_text("{}\n")
+    write_manifest(flywheel, stage="flywheel", config={}, inputs=[data], started_at=started)
+    data.unlink()
+
+    result = report(run)
+    assert result.returncode == 0, result.stderr[-3000:]
+    browser.open(run / "report.html")
+    assert browser.errors() == []
+    problems = browser.evaluate("[...document.querySelectorAll('#problems li')].map(li => li.textContent)")
+    expected = [
+        f"{rl}: rl/stage1 is running",
+        f"{rl / 'metrics.jsonl'}:2: not a JSON line (the last line: its writer was stopped while writing it)",
+        f"{run / 'gone.parquet'} is missing",
+        f"{sft / 'loss_history.json'}: missing",
+        f"{evaluation / 'summary.json'}: missing",
+        f"{orphan}: stage outputs but no manifest.json",
+        f"{flywheel}: its input {data} is missing",
+    ]
+    for line in expected:
+        assert any(line in p for p in problems), (line, problems)
+    # what is there is still shown: the one complete RL step and its rollout
+    assert browser.evaluate("document.getElementById('count').textContent") == "1 of 1 trajectories match"
+    assert (
+        browser.evaluate("document.querySelector('svg.curve[aria-label=\"rl/reward/mean\"] circle').textContent") == "rl/stage1 step 1: 0.5"
+    )
+
+
+def test_a_run_folder_that_is_not_there_is_one_line(tmp_path):
+    result = report(tmp_path / "nowhere")
+    assert result.returncode == 2 and result.stderr.strip() == f"error: {tmp_path / 'nowhere'}: no such directory"
