@@ -24,6 +24,12 @@ from etagent.records import origin_segments
 
 # Files that show a stage wrote here.
 OUTPUT_FILES = {"metrics.jsonl", "summary.json", "trajectories.jsonl"}
+# What a manifest's status says is wrong (etagent.rundir writes "running" when a stage starts;
+# etagent.sampling finishes with "degraded" when the tools failed too often).
+STATUS_PROBLEMS = {
+    "running": "still running, or stopped before its end",
+    "degraded": "finished, but its tools failed on more calls than tools.max_failure_share allows",
+}
 # Folders no stage's outputs sit in: model weights and checkpoints, ray's temporary files.
 SKIPPED_FOLDERS = {"model", "models", "checkpoints", "__pycache__", ".git"}
 
@@ -36,12 +42,10 @@ class Stage:
     stage: str
     status: str
     started_at: str = ""
-    finished_at: str = ""
     seconds: float | None = None
     counts: dict[str, Any] = field(default_factory=dict)
     inputs: list[str] = field(default_factory=list)
     outputs: list[str] = field(default_factory=list)  # the folder's files and folders, with sizes
-    metrics: dict[str, Any] = field(default_factory=dict)
     seed: int | None = None
     git: str = ""
 
@@ -119,13 +123,14 @@ def collect(root: str | os.PathLike, tokenizer_for=None, max_trajectories: int =
         relative = str(folder.relative_to(run.root)) if folder != run.root else "."
         manifest = read_json(folder / "manifest.json", run.problems) if has_manifest else None
         if manifest is None:
-            run.problems.append(f"{folder}: stage outputs but no manifest.json (the stage was stopped before it wrote one)")
-            stage = Stage(relative, guess_stage(folder), "no manifest")
+            if not has_manifest:  # an unreadable one is reported by read_json
+                run.problems.append(f"{folder}: stage outputs but no manifest.json (the stage was stopped before it wrote one)")
+            stage = Stage(relative, guess_stage(folder), "unreadable manifest" if has_manifest else "no manifest")
         else:
             stage = read_stage(relative, manifest)
-            if stage.status != "complete":
+            if stage.status in STATUS_PROBLEMS:
                 run.problems.append(
-                    f"{folder}: {stage.stage} is {stage.status} (started {stage.started_at}): still running, or stopped before its end"
+                    f"{folder}: {stage.stage} is {stage.status} (started {stage.started_at}): {STATUS_PROBLEMS[stage.status]}"
                 )
             for path in stage.inputs:
                 if not Path(path).exists():
@@ -174,11 +179,9 @@ def read_stage(folder: str, manifest: dict) -> Stage:
         stage=str(manifest.get("stage", "unknown")),
         status=str(manifest.get("status", "complete")),
         started_at=str(manifest.get("started_at", "")),
-        finished_at=str(manifest.get("finished_at", "")) if manifest.get("status", "complete") == "complete" else "",
-        seconds=manifest.get("seconds") if manifest.get("status", "complete") == "complete" else None,
+        seconds=manifest.get("seconds") if manifest.get("status", "complete") != "running" else None,
         counts=manifest.get("counts") or {},
         inputs=[i["path"] for i in manifest.get("inputs", []) if isinstance(i, dict) and "path" in i],
-        metrics=manifest.get("metrics") or {},
         seed=manifest.get("seed"),
         git=str(manifest.get("git") or ""),
     )

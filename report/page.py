@@ -105,11 +105,13 @@ def pipeline_section(run: Run) -> str:
                 escape(s.started_at.replace("T", " ")[:19]),
                 duration(s.seconds),
                 counts,
+                number(s.seed),
+                f"<code>{escape(s.git[:10])}</code>",
                 inputs,
                 outputs,
             ]
         )
-    return table(["stage", "output folder", "status", "started", "took", "counts", "inputs", "outputs"], rows, "pipeline")
+    return table(["stage", "output folder", "status", "started", "took", "counts", "seed", "git", "inputs", "outputs"], rows, "pipeline")
 
 
 def duration(seconds: float | None) -> str:

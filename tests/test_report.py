@@ -204,6 +204,14 @@ def test_a_run_cut_short_gives_a_report_that_says_what_is_missing(tmp_path, brow
     write_manifest(flywheel, stage="flywheel", config={}, inputs=[data], started_at=started)
     data.unlink()
 
+    degraded = run / "rollouts"
+    degraded.mkdir()
+    (degraded / "trajectories.jsonl").write_text("")
+    write_manifest(degraded, stage="direct_rollout", config={}, started_at=started, status="degraded")
+    broken = run / "broken"
+    broken.mkdir()
+    (broken / "manifest.json").write_text('{"stage": "pareto", ')
+
     result = report(run)
     assert result.returncode == 0, result.stderr[-3000:]
     browser.open(run / "report.html")
@@ -217,9 +225,12 @@ def test_a_run_cut_short_gives_a_report_that_says_what_is_missing(tmp_path, brow
         f"{evaluation / 'summary.json'}: missing",
         f"{orphan}: stage outputs but no manifest.json",
         f"{flywheel}: its input {data} is missing",
+        f"{degraded}: direct_rollout is degraded",
+        f"{broken / 'manifest.json'}: not valid JSON",
     ]
     for line in expected:
         assert any(line in p for p in problems), (line, problems)
+    assert len(problems) == len(expected)  # each once: the unreadable manifest is not also "no manifest"
     # what is there is still shown: the one complete RL step and its rollout
     assert browser.evaluate("document.getElementById('count').textContent") == "1 of 1 trajectories match"
     assert (
