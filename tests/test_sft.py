@@ -225,7 +225,8 @@ HANDFUL = [
 ]
 
 
-def test_tiny_preset_answers_held_out_questions_with_the_right_tools(sft_model, toy, server, capsys, monkeypatch):
+@pytest.mark.slow
+def test_tiny_preset_answers_held_out_questions_with_the_right_tools(sft_model_full, toy, server, capsys, monkeypatch):
     """The acceptance run: the tiny model trained from scratch on the toy seed trajectories (the
     tiny preset, as the demo runs it), then run through the agent loop with the real tools on
     the 200 held-out toy questions, greedy. It must answer them, not only write the protocol:
@@ -235,15 +236,15 @@ def test_tiny_preset_answers_held_out_questions_with_the_right_tools(sft_model, 
     from etagent.sampling import run_sampling
     from etagent.scoring import rule_correctness, rule_judgement
 
-    manifest = json.loads((sft_model / "manifest.json").read_text())
+    manifest = json.loads((sft_model_full / "manifest.json").read_text())
     final_loss = manifest["metrics"]["final_logged_loss"]
     monkeypatch.setenv("RETRIEVER_TOKEN", "test-token-123")
-    out = sft_model.parent / "held-out"
+    out = sft_model_full.parent / "held-out"
     cfg = load_config(
         "direct_rollout",
         "tiny",
         [
-            f"engine.model={sft_model / 'model'}",
+            f"engine.model={sft_model_full / 'model'}",
             f"questions={toy / 'questions' / 'test.jsonl'}",
             f"out_dir={out}",
             "n=1",
