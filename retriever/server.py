@@ -51,6 +51,7 @@ from __future__ import annotations
 import asyncio
 import logging
 import os
+import socket
 import sqlite3
 import threading
 import time
@@ -58,19 +59,19 @@ from concurrent.futures import ThreadPoolExecutor
 from contextlib import asynccontextmanager
 from dataclasses import dataclass, field
 from pathlib import Path
-from typing import Literal
+from typing import Annotated, Literal
 
 from fastapi import FastAPI, HTTPException, Request
+from fastapi.exceptions import RequestValidationError
 from fastapi.responses import JSONResponse, Response
 from omegaconf import OmegaConf
-from pydantic import BaseModel
+from pydantic import AfterValidator, BaseModel, ConfigDict
 
 from etagent.config import build
-from etagent.errors import MissingInput, exit_on_user_error
+from etagent.errors import MissingInput, SettingError, UserError, exit_on_user_error
 from retriever.config import EncoderSettings, RetrieverConfig, ServeConfig
 
 log = logging.getLogger("retriever.server")
-METHODS = ("dense", "bm25", "hybrid")
 RRF_K = 60
 
 
@@ -222,36 +223,72 @@ class MicroBatcher:
             k = max(p.k for p in batch)
             try:
                 hits, encode_ms, search_ms = await loop.run_in_executor(self.worker, self._encode_and_search, [p.query for p in batch], k)
-            except Exception as exc:  # surface the failure to every waiting request
-                for p in batch:
-                    if not p.future.done():
-                        p.future.set_exception(exc)
+            except Exception:  # a query the encoder or index cannot take: find it, and fail it alone
+                await self._one_by_one(batch, started)
                 continue
             for p, row in zip(batch, hits):
-                timing = {"encode_ms": encode_ms, "search_ms": search_ms, "queue_ms": (started - p.queued_at) * 1000, "batch": len(batch)}
-                if not p.future.done():  # a request whose client went away may have been cancelled
-                    p.future.set_result((row[: p.k], timing))
+                self._answer(p, row, encode_ms, search_ms, started, len(batch))
+
+    @staticmethod
+    def _answer(p: _Pending, row, encode_ms: float, search_ms: float, started: float, size: int) -> None:
+        timing = {"encode_ms": encode_ms, "search_ms": search_ms, "queue_ms": (started - p.queued_at) * 1000, "batch": size}
+        if not p.future.done():  # a request whose client went away may have been cancelled
+            p.future.set_result((row[: p.k], timing))
+
+    async def _one_by_one(self, batch: list[_Pending], started: float) -> None:
+        """A batch that failed, again query by query: each query's request gets its own answer or
+        its own error, so one bad query never fails the requests batched beside it. (Only on
+        failure: the batch is the fast path.)"""
+        loop = asyncio.get_running_loop()
+        for p in batch:
+            try:
+                [row], encode_ms, search_ms = await loop.run_in_executor(self.worker, self._encode_and_search, [p.query], p.k)
+            except Exception as exc:
+                log.warning("a query failed on its own (%s: %s); its request alone gets the error", type(exc).__name__, exc)
+                if not p.future.done():
+                    p.future.set_exception(exc)
+                continue
+            self._answer(p, row, encode_ms, search_ms, started, 1)
 
 
 # ---------------------------------------------------------------------------------------------
 # Requests
 
 
-class RetrieveRequest(BaseModel):
-    queries: list[str]
+def _encodable(text: str) -> str:
+    """A query that is text: a lone surrogate (JSON's ``"\\ud800"``) is not, and no encoder takes it."""
+    try:
+        text.encode("utf-8")
+    except UnicodeEncodeError as exc:
+        raise ValueError(f"not valid text: a lone surrogate at character {exc.start}") from None
+    return text
+
+
+Query = Annotated[str, AfterValidator(_encodable)]
+
+
+class StrictRequest(BaseModel):
+    """Request fields as their types say and nothing else: ``topk`` is an integer, not ``"3"``
+    or ``true`` (pydantic's strict mode). Fields a client adds are ignored, as before."""
+
+    model_config = ConfigDict(strict=True)
+
+
+class RetrieveRequest(StrictRequest):
+    queries: list[Query]
     topk: int = 3
     return_scores: bool = False
     method: Literal["dense", "bm25", "hybrid"] | None = None
 
 
-class SearchRequest(BaseModel):
-    query: str
+class SearchRequest(StrictRequest):
+    query: Query
     top_n: int = 10
     return_score: bool = False
 
 
-class BatchSearchRequest(BaseModel):
-    query: list[str]
+class BatchSearchRequest(StrictRequest):
+    query: list[Query]
     top_n: int = 10
     return_score: bool = False
 
@@ -310,21 +347,40 @@ class Guard:
         await self.app(scope, replay, send)
 
 
+def check_method(index: Index, serve: ServeConfig, index_dir: Path) -> None:
+    if serve.default_method not in index.methods():
+        raise SettingError(
+            "serve.default_method", f"is {serve.default_method}, and {index_dir} has no BM25 index (build.bm25=true builds one)"
+        )
+
+
+def bind(host: str, port: int) -> socket.socket:
+    """The listening socket, bound before the server starts: a port in use (or an address this
+    machine does not have) is a one-line error, not a server that starts and dies."""
+    family = socket.AF_INET6 if ":" in host else socket.AF_INET
+    sock = socket.socket(family, socket.SOCK_STREAM)
+    sock.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEADDR, 1)
+    try:
+        sock.bind((host, port))
+    except OSError as exc:
+        sock.close()
+        raise UserError(f"cannot listen on {host}:{port} (serve.host, serve.port): {exc.strerror}") from None
+    sock.listen(2048)
+    return sock
+
+
 def create_app(index_dir: Path, serve: ServeConfig, encoder: EncoderSettings, index: Index | None = None) -> FastAPI:
     """The app over the index in ``index_dir``, loaded at start-up unless given."""
     token = os.environ.get(serve.token_env) if serve.token_env else None
     if serve.token_env and not token:
-        raise ValueError(f"serve.token_env is {serve.token_env} but that environment variable is empty")
-    if serve.default_method not in METHODS:
-        raise ValueError(f"serve.default_method must be one of {METHODS}, got {serve.default_method!r}")
+        raise SettingError("serve.token_env", f"is {serve.token_env}, and that environment variable is empty")
     state = {"index": index, "batcher": None, "started": time.time(), "requests": 0}
 
     @asynccontextmanager
     async def lifespan(app: FastAPI):
         if state["index"] is None:
             state["index"] = await asyncio.to_thread(Index, index_dir, serve, encoder)
-        if serve.default_method not in state["index"].methods():
-            raise ValueError(f"serve.default_method={serve.default_method} but {index_dir} has no BM25 index")
+        check_method(state["index"], serve, index_dir)
         state["batcher"] = MicroBatcher(state["index"], serve.max_batch, serve.max_wait_ms)
         state["batcher"].start()
         log.info(
@@ -401,6 +457,13 @@ def create_app(index_dir: Path, serve: ServeConfig, encoder: EncoderSettings, in
         }
         return JSONResponse(body, headers=headers)
 
+    @app.exception_handler(RequestValidationError)
+    async def invalid_request(http: Request, exc: RequestValidationError) -> Response:
+        # the reasons without the values: a value that is not text (a lone surrogate) cannot be
+        # written back into a JSON answer, and the client has it anyway
+        detail = [{"loc": list(e["loc"]), "msg": e["msg"], "type": e["type"]} for e in exc.errors()]
+        return JSONResponse({"detail": detail}, status_code=422)
+
     @app.exception_handler(ClientLeft)
     async def client_left(http: Request, exc: ClientLeft) -> Response:
         client = f"{http.client.host}:{http.client.port}" if http.client else "?"
@@ -457,7 +520,7 @@ def main(argv: list[str] | None = None) -> None:
 
     logging.basicConfig(level=logging.INFO, format="%(asctime)s %(name)s %(message)s")
     logging.getLogger("faiss.loader").setLevel(logging.WARNING)  # its CPU-feature probing is noise
-    cfg = parse_stage_args("retriever", argv, prog="python -m retriever.server", doc=__doc__)
+    cfg = parse_stage_args("retriever", argv, prog="python -m retriever.server", doc=__doc__, resumes=False)
     log.info("config:\n%s", OmegaConf.to_yaml(cfg))
     settings = build(RetrieverConfig, cfg)
     serve = settings.serve
@@ -465,8 +528,18 @@ def main(argv: list[str] | None = None) -> None:
         import torch
 
         torch.set_num_threads(serve.torch_threads)
-    app = create_app(Path(settings.index_dir), serve, settings.encoder)
-    uvicorn.run(app, host=serve.host, port=serve.port, log_level="warning", timeout_graceful_shutdown=5)
+    # everything that can refuse to start does so here, before uvicorn: exit 2 with one line
+    index_dir = Path(settings.index_dir)
+    if not index_dir.is_dir():
+        raise SettingError(
+            "index_dir", f"{str(index_dir)!r} is not a folder (build the index first: python -m retriever.build index_dir={index_dir})"
+        )
+    sock = bind(serve.host, serve.port)
+    index = Index(index_dir, serve, settings.encoder)
+    check_method(index, serve, index_dir)
+    app = create_app(index_dir, serve, settings.encoder, index=index)
+    server = uvicorn.Server(uvicorn.Config(app, log_level="warning", timeout_graceful_shutdown=5))
+    server.run(sockets=[sock])
 
 
 if __name__ == "__main__":

@@ -30,8 +30,9 @@ from tests.servers import free_port, wait_until_healthy
 
 
 def post(url, path, body, token=TOKEN, timeout=30, **kw):
-    headers = {"Authorization": f"Bearer {token}"} if token else {}
-    return httpx.post(f"{url}{path}", json=body, headers=headers, timeout=timeout, **kw)
+    """POST ``body`` as JSON; escaped the way JSON allows (a lone surrogate travels as \\ud800)."""
+    headers = {"Authorization": f"Bearer {token}", "Content-Type": "application/json"} if token else {"Content-Type": "application/json"}
+    return httpx.post(f"{url}{path}", content=json.dumps(body).encode(), headers=headers, timeout=timeout, **kw)
 
 
 def search_questions(toy: Path):
@@ -93,6 +94,14 @@ def test_search_tool_through_the_real_server(server, toy):
         ("/retrieve", {"topk": 3}, "queries"),
         ("/batch_search", {"query": ["x"], "top_n": 1000}, "topk must be between 1 and 100"),
         ("/retrieve", {"queries": ["x" * 250_000]}, "over the limit of 200000 (serve.max_body_bytes)"),
+        # strictly typed: a number is not a string, a boolean not a number
+        ("/retrieve", {"queries": ["a"], "topk": "3"}, "topk"),
+        ("/retrieve", {"queries": ["a"], "topk": True}, "topk"),
+        ("/retrieve", {"queries": ["a"], "return_scores": "yes"}, "return_scores"),
+        ("/retrieve", {"queries": [3]}, "queries"),
+        ("/search", {"query": "a", "top_n": 2.0}, "top_n"),
+        # a lone surrogate is not text: refused alone, before any encoder sees it
+        ("/retrieve", {"queries": ["fine", "\ud800"]}, "lone surrogate"),
     ],
 )
 def test_bad_requests_get_422_with_a_reason(server, path, body, reason):
@@ -344,3 +353,69 @@ def test_other_index_types_build_and_serve(toy, tmp_path):
             hits = client.post("/retrieve", json={"queries": ["Quellport", "Zorvak"], "topk": 2}).json()["result"]
             assert len(hits) == 2 and all(len(row) == 2 for row in hits)
             assert client.post("/retrieve", json={"queries": ["a"], "method": "bm25"}).status_code == 422
+
+
+def test_a_query_the_encoder_fails_on_fails_alone(server):
+    """The micro-batcher runs a failed batch again query by query, so one query's failure reaches
+    only its own request. The index is scripted to fail on one query (a control-flow test: the
+    real encoder takes every valid string, and invalid ones are refused at the request)."""
+    from retriever.server import MicroBatcher
+
+    class ScriptedIndex:
+        def dense(self, queries, k):
+            if "poison" in queries:
+                raise RuntimeError("the encoder cannot take this query")
+            return [[(len(q), 1.0)] for q in queries], 0.1, 0.1
+
+        def with_documents(self, hits):
+            return [[({"id": str(p)}, s) for p, s in row] for row in hits]
+
+    async def main():
+        batcher = MicroBatcher(ScriptedIndex(), max_batch=64, max_wait_ms=20)
+        batcher.start()
+        try:
+            return await asyncio.gather(
+                *(batcher.search([q], 3) for q in ["q" * i for i in range(1, 21)] + ["poison"]), return_exceptions=True
+            )
+        finally:
+            await batcher.stop()
+
+    answers = asyncio.run(main())
+    assert isinstance(answers[-1], RuntimeError)
+    assert [a[0][0][0][0]["id"] for a in answers[:-1]] == [str(i) for i in range(1, 21)]
+    # and the real server answers 20 ordinary requests sent beside one it refuses
+    bodies = [{"queries": [f"Zorvak {i}"], "topk": 2} for i in range(20)] + [{"queries": ["\ud800"], "topk": 2}]
+
+    async def send_all():
+        async with httpx.AsyncClient(timeout=60, headers={"Authorization": f"Bearer {TOKEN}"}) as client:
+            send = {"headers": {"Content-Type": "application/json"}}
+            return await asyncio.gather(*(client.post(f"{server}/retrieve", content=json.dumps(b).encode(), **send) for b in bodies))
+
+    statuses = [r.status_code for r in asyncio.run(send_all())]
+    assert statuses == [200] * 20 + [422]
+
+
+def serve_command(index_dir, *overrides):
+    return [sys.executable, "-m", "retriever.server", f"index_dir={index_dir}", *overrides]
+
+
+def test_a_server_that_cannot_start_exits_2_with_one_line(index_dir, tmp_path):
+    taken = socket.socket()
+    taken.bind(("127.0.0.1", 0))
+    taken.listen(1)
+    port = taken.getsockname()[1]
+    try:
+        busy = subprocess.run(serve_command(index_dir, f"serve.port={port}"), capture_output=True, text=True, timeout=120)
+    finally:
+        taken.close()
+    assert busy.returncode == 2, busy.stderr[-2000:]
+    assert (
+        busy.stderr.strip().splitlines()[-1] == f"error: cannot listen on 127.0.0.1:{port} (serve.host, serve.port): Address already in use"
+    )
+    assert "Traceback" not in busy.stderr
+    for missing in (tmp_path / "nothing", tmp_path):  # no folder; a folder with no index in it
+        result = subprocess.run(serve_command(missing, f"serve.port={free_port()}"), capture_output=True, text=True, timeout=120)
+        assert result.returncode == 2, result.stderr[-2000:]
+        assert result.stderr.strip().splitlines()[-1].startswith("error: ") and "Traceback" not in result.stderr
+    out_of_range = subprocess.run(serve_command(index_dir, "serve.port=70000"), capture_output=True, text=True, timeout=120)
+    assert out_of_range.returncode == 2 and "setting serve.port: must be an integer >= 1 and <= 65535, got 70000" in out_of_range.stderr
