@@ -6,9 +6,16 @@ what each stage leaves: manifests (the pipeline), SFT loss histories and RL ``me
 (the curves), evaluation summaries (the tables), radar and Pareto charts, and the trajectories
 of evaluations and RL rollouts (the browser).
 
-It never raises on what a run lacks: a stage still running, a killed one, a missing or truncated
-file all become a line in :attr:`Run.problems` naming the file, and the rest is read. It does
-not draw anything (see ``report/page.py``).
+It never raises on what a run lacks or holds wrong: a stage still running, a killed one, a
+missing, truncated or malformed file (a line that is not an object, a reward that is not a
+number, a manifest that is a list) all become a line in :attr:`Run.problems` naming the file, and
+the rest is read. Every value the page shows is normalised to the type it is shown as
+(:func:`trajectory_entry`); a number that is not finite is shown as text.
+
+It reads only the run: a file or folder whose real path lies outside the run folder (a symbolic
+link out of it, an input a manifest names elsewhere) is listed as a problem and not read, so a
+page made to be shared carries nothing from outside the run. It does not draw anything (see
+``report/page.py``).
 """
 
 from __future__ import annotations
@@ -62,13 +69,23 @@ class Run:
     problems: list[str] = field(default_factory=list)
 
 
-def stage_folders(root: Path) -> list[tuple[Path, bool]]:
-    """(folder, has a manifest) for every folder under ``root`` (symbolic links followed, each real
-    folder once) that holds a manifest, or stage outputs with no manifest in it or above it (a
-    stage stopped before it wrote one)."""
+def inside(root: Path, path: Path) -> bool:
+    """Whether ``path``, links resolved, lies in the run folder ``root``."""
+    return Path(os.path.realpath(path)).is_relative_to(os.path.realpath(root))
+
+
+def stage_folders(root: Path, problems: list[str] | None = None) -> list[tuple[Path, bool]]:
+    """(folder, has a manifest) for every folder under ``root`` (symbolic links followed while
+    they stay in ``root``, each real folder once) that holds a manifest, or stage outputs with no
+    manifest in it or above it (a stage stopped before it wrote one)."""
     found, seen, with_manifest = [], set(), []
     for folder, subfolders, files in os.walk(root, followlinks=True):
         real = os.path.realpath(folder)
+        if not inside(root, Path(folder)):
+            if problems is not None:
+                problems.append(f"{folder}: a link out of the run folder (to {real}); not read")
+            subfolders[:] = []
+            continue
         if real in seen:
             subfolders[:] = []
             continue
@@ -83,33 +100,102 @@ def stage_folders(root: Path) -> list[tuple[Path, bool]]:
     return found
 
 
-def read_json(path: Path, problems: list[str]) -> Any:
+def readable(run: Run, path: Path, problems: list[str]) -> bool:
+    """Whether ``path`` may be read: it exists and lies in the run folder."""
+    if not inside(run.root, path):
+        problems.append(f"{path}: outside the run folder (at {os.path.realpath(path)}); not read")
+        return False
+    if not path.is_file():
+        problems.append(f"{path}: missing" if not path.exists() else f"{path}: not a file")
+        return False
+    return True
+
+
+def read_json(run: Run, path: Path, kind: type = dict, quiet: bool = False) -> Any:
+    """A JSON file of the run holding a ``kind`` (an object, or a list), or None with the problem
+    listed (unless ``quiet``: a second read of a file already reported)."""
+    problems = [] if quiet else run.problems
+    if not readable(run, path, problems):
+        return None
     try:
-        return json.loads(path.read_text())
-    except FileNotFoundError:
-        problems.append(f"{path}: missing")
+        value = json.loads(path.read_text())
     except (json.JSONDecodeError, UnicodeDecodeError) as exc:
         problems.append(f"{path}: not valid JSON ({exc})")
-    return None
+        return None
+    if not isinstance(value, kind):
+        problems.append(f"{path}: holds a JSON {type(value).__name__}, not the {kind.__name__} expected; not read")
+        return None
+    return value
 
 
-def read_lines(path: Path, problems: list[str]) -> list[dict]:
-    """The JSON objects of a JSONL file; an undecodable line is reported and skipped (a writer
-    killed mid-line leaves one at the end)."""
-    rows = []
-    try:
-        with path.open() as f:
-            for number, line in enumerate(f, start=1):
-                if not line.strip():
-                    continue
-                try:
-                    rows.append(json.loads(line))
-                except json.JSONDecodeError:
-                    ending = " (the last line: its writer was stopped while writing it)" if not line.endswith("\n") else ""
-                    problems.append(f"{path}:{number}: not a JSON line{ending}; skipped")
-    except FileNotFoundError:
-        problems.append(f"{path}: missing")
+def read_lines(run: Run, path: Path) -> list[dict]:
+    """The JSON objects of a JSONL file of the run; a line that does not decode, or is not an
+    object, is reported and skipped (a writer killed mid-line leaves one at the end)."""
+    rows, problems = [], run.problems
+    if not readable(run, path, problems):
+        return rows
+    with path.open(errors="replace") as f:
+        for number, line in enumerate(f, start=1):
+            if not line.strip():
+                continue
+            try:
+                row = json.loads(line)
+            except json.JSONDecodeError:
+                ending = " (the last line: its writer was stopped while writing it)" if not line.endswith("\n") else ""
+                problems.append(f"{path}:{number}: not a JSON line{ending}; skipped")
+                continue
+            if not isinstance(row, dict):
+                problems.append(f"{path}:{number}: a JSON {type(row).__name__}, not an object; skipped")
+                continue
+            rows.append(row)
     return rows
+
+
+def number(value) -> float | None:
+    """A finite number, or None (a missing, non-numeric or non-finite value)."""
+    if isinstance(value, bool) or not isinstance(value, int | float) or not math.isfinite(value):
+        return None
+    return value
+
+
+def shown(value):
+    """A number as the page shows it: finite ones as they are, NaN and infinities as text."""
+    if isinstance(value, float) and not math.isfinite(value):
+        return str(value)
+    return value
+
+
+def text(value) -> str:
+    return "" if value is None else str(value)
+
+
+def trajectory_entry(**fields) -> dict:
+    """One trajectory for the browser, every field of the type the page reads it as: texts are
+    strings, the reward and the call count finite numbers or null, the terms numbers or text, the
+    segments [origin, text] pairs; whatever a file held."""
+    segments = fields.get("segments")
+    if not isinstance(segments, list) or not all(isinstance(s, list) and len(s) == 2 for s in segments):
+        segments = [[None, text(fields.get("text"))]]
+    answer = fields.get("answer")
+    terms = fields.get("terms") if isinstance(fields.get("terms"), dict) else {}
+    judgement = fields.get("judgement")
+    return {
+        "stage": text(fields.get("stage")),
+        "id": text(fields.get("id")),
+        "source": text(fields.get("source", "?")),
+        "kind": text(fields.get("kind", "?")),
+        "question": text(fields.get("question")),
+        "answer": [text(a) for a in answer] if isinstance(answer, list) else [text(answer)] if answer is not None else [],
+        "correct": fields.get("correct") if isinstance(fields.get("correct"), bool) else None,
+        "reward": number(fields.get("reward")),
+        "tool_calls": number(fields.get("tool_calls")),
+        "redundant": flag(fields.get("redundant")),
+        "insufficient": flag(fields.get("insufficient")),
+        "terms": {text(k): shown(v) for k, v in terms.items() if isinstance(v, int | float | str) and not isinstance(v, bool)},
+        "finish": text(fields.get("finish")),
+        "segments": [[None if o is None else text(o), text(t)] for o, t in segments],
+        "judgement": {k: shown(v) for k, v in judgement.items()} if isinstance(judgement, dict) else None,
+    }
 
 
 def collect(root: str | os.PathLike, tokenizer_for=None, max_trajectories: int = 20000) -> Run:
@@ -119,25 +205,11 @@ def collect(root: str | os.PathLike, tokenizer_for=None, max_trajectories: int =
     if not run.root.is_dir():
         run.problems.append(f"{run.root}: no such directory")
         return run
-    for folder, has_manifest in stage_folders(run.root):
-        relative = str(folder.relative_to(run.root)) if folder != run.root else "."
-        manifest = read_json(folder / "manifest.json", run.problems) if has_manifest else None
-        if manifest is None:
-            if not has_manifest:  # an unreadable one is reported by read_json
-                run.problems.append(f"{folder}: stage outputs but no manifest.json (the stage was stopped before it wrote one)")
-            stage = Stage(relative, guess_stage(folder), "unreadable manifest" if has_manifest else "no manifest")
-        else:
-            stage = read_stage(relative, manifest)
-            if stage.status in STATUS_PROBLEMS:
-                run.problems.append(
-                    f"{folder}: {stage.stage} is {stage.status} (started {stage.started_at}): {STATUS_PROBLEMS[stage.status]}"
-                )
-            for path in stage.inputs:
-                if not Path(path).exists():
-                    run.problems.append(f"{folder}: its input {path} is missing")
-        stage.outputs = listing(folder)
-        run.stages.append(stage)
-        read_outputs(run, folder, stage, tokenizer_for)
+    for folder, has_manifest in stage_folders(run.root, run.problems):
+        try:
+            collect_folder(run, folder, has_manifest, tokenizer_for)
+        except Exception as exc:  # a file of a shape no reader foresaw: listed, and the rest read
+            run.problems.append(f"{folder}: could not be read ({type(exc).__name__}: {exc}); left out")
     run.stages.sort(key=lambda s: (s.started_at or "~", s.folder))
     if len(run.trajectories) > max_trajectories:
         run.problems.append(f"{len(run.trajectories)} trajectories; the browser holds the first {max_trajectories}")
@@ -145,6 +217,26 @@ def collect(root: str | os.PathLike, tokenizer_for=None, max_trajectories: int =
     if not run.stages:
         run.problems.append(f"{run.root}: no stage output found (no manifest.json below it)")
     return run
+
+
+def collect_folder(run: Run, folder: Path, has_manifest: bool, tokenizer_for) -> None:
+    """One stage folder: its manifest's line in the pipeline, and what it shows."""
+    relative = str(folder.relative_to(run.root)) if folder != run.root else "."
+    manifest = read_json(run, folder / "manifest.json") if has_manifest else None
+    if manifest is None:
+        if not has_manifest:  # an unreadable one is reported by read_json
+            run.problems.append(f"{folder}: stage outputs but no manifest.json (the stage was stopped before it wrote one)")
+        stage = Stage(relative, guess_stage(folder), "unreadable manifest" if has_manifest else "no manifest")
+    else:
+        stage = read_stage(relative, manifest)
+        if stage.status in STATUS_PROBLEMS:
+            run.problems.append(f"{folder}: {stage.stage} is {stage.status} (started {stage.started_at}): {STATUS_PROBLEMS[stage.status]}")
+        for path in stage.inputs:
+            if not Path(path).exists():
+                run.problems.append(f"{folder}: its input {path} is missing")
+    stage.outputs = listing(folder)
+    run.stages.append(stage)
+    read_outputs(run, folder, stage, tokenizer_for)
 
 
 def listing(folder: Path) -> list[str]:
@@ -193,9 +285,13 @@ def read_outputs(run: Run, folder: Path, stage: Stage, tokenizer_for) -> None:
     if stage.stage == "sft":
         history = folder / "loss_history.json"
         if history.exists():
-            entries = read_json(history, run.problems) or []
+            entries = read_json(run, history, kind=list) or []
             for key in ("loss", "grad_norm", "learning_rate"):
-                points = [(e["step"], e[key]) for e in entries if isinstance(e.get(key), int | float) and "step" in e]
+                points = [
+                    (e["step"], e[key])
+                    for e in entries
+                    if isinstance(e, dict) and number(e.get(key)) is not None and number(e.get("step")) is not None
+                ]
                 if points:
                     run.curves.setdefault(f"sft/{key}", {})[name] = points
         elif stage.status == "complete":
@@ -205,7 +301,7 @@ def read_outputs(run: Run, folder: Path, stage: Stage, tokenizer_for) -> None:
     if stage.stage == "evaluation":
         read_evaluation(run, folder, stage, tokenizer_for)
     for png, title in (("radar.png", "Radar chart"), ("scatter.png", "Pareto selection")):
-        if (folder / png).exists():
+        if (folder / png).exists() and readable(run, folder / png, run.problems):
             run.images.append({"title": f"{title}: {name}", "path": folder / png})
 
 
@@ -215,7 +311,7 @@ def read_rl(run: Run, folder: Path, stage: Stage) -> None:
     if not path.exists():
         run.problems.append(f"{path}: missing (no RL step finished yet)")
         return
-    for row in read_lines(path, run.problems):
+    for row in read_lines(run, path):
         step = row.get("step")
         if not isinstance(step, int | float):
             continue
@@ -223,52 +319,53 @@ def read_rl(run: Run, folder: Path, stage: Stage) -> None:
             if key != "step" and isinstance(value, int | float) and not isinstance(value, bool) and math.isfinite(value):
                 run.curves.setdefault(f"rl/{key}", {}).setdefault(name, []).append((step, value))
     rollouts = sorted((folder / "rollouts").glob("step_*.jsonl"), key=lambda p: int(p.stem.split("_")[1]))
-    questions = rl_questions(folder, run.problems) if rollouts else {}
+    questions = rl_questions(run, folder) if rollouts else {}
     for rollout_file in rollouts:
         step = int(rollout_file.stem.split("_")[1])
-        rows = read_lines(rollout_file, run.problems)
+        rows = read_lines(run, rollout_file)
         # the reward's terms, averaged over the step's rollouts (metrics.jsonl has their sum)
         for term in ("f_tool", "f_length", "f_format"):
-            values = [r[term] for r in rows if isinstance(r.get(term), int | float)]
+            values = [r[term] for r in rows if number(r.get(term)) is not None]
             if values:
                 run.curves.setdefault(f"rl/reward terms/{term}", {}).setdefault(name, []).append((step, sum(values) / len(values)))
         for row in rows:
-            question = questions.get(row.get("index"), {})
-            text = str(row.get("text", ""))
+            question = questions.get(row.get("index"), {}) if isinstance(row.get("index"), int) else {}
+            raw = number(row.get("raw"))
             run.trajectories.append(
-                {
-                    "stage": f"{name} step {step}",
-                    "id": str(row.get("id", "")),
-                    "source": question.get("source", "?"),
-                    "kind": question.get("kind", "?"),
-                    "question": question.get("question", f"(prompt {row.get('index')})"),
-                    "answer": question.get("answer", []),
-                    "correct": bool(row.get("raw", 0) >= 1.0),
-                    "reward": row.get("reward"),
-                    "tool_calls": row.get("tool_calls"),
-                    "redundant": None,
-                    "insufficient": None,
-                    "terms": {k: row[k] for k in ("reward", "raw", "f_tool", "f_length", "f_format", "length") if k in row},
-                    "finish": row.get("finish_reason", ""),
-                    "segments": row.get("segments") or [[None, text]],
-                    "judgement": None,
-                }
+                trajectory_entry(
+                    stage=f"{name} step {step}",
+                    id=row.get("id", ""),
+                    source=question.get("source", "?"),
+                    kind=question.get("kind", "?"),
+                    question=question.get("question", f"(prompt {row.get('index')})"),
+                    answer=question.get("answer", []),
+                    correct=None if raw is None else raw >= 1.0,
+                    reward=row.get("reward"),
+                    tool_calls=row.get("tool_calls"),
+                    terms={k: row[k] for k in ("reward", "raw", "f_tool", "f_length", "f_format", "length") if k in row},
+                    finish=row.get("finish_reason", ""),
+                    segments=row.get("segments"),
+                    text=row.get("text", ""),
+                )
             )
 
 
-def rl_questions(folder: Path, problems: list[str]) -> dict[int, dict]:
+def rl_questions(run: Run, folder: Path) -> dict[int, dict]:
     """The RL data's questions by prompt index, to show beside their rollouts."""
-    manifest = read_json(folder / "manifest.json", []) or {}
+    manifest = read_json(run, folder / "manifest.json", quiet=True) or {}
     data = ((manifest.get("config") or {}).get("data") or {}).get("train")
     if not data or not Path(data).exists():
-        problems.append(f"{folder}: its RL data {data} is missing; rollouts are shown without their questions")
+        run.problems.append(f"{folder}: its RL data {data} is missing; rollouts are shown without their questions")
+        return {}
+    if not inside(run.root, Path(data)):
+        run.problems.append(f"{folder}: its RL data {data} lies outside the run folder; rollouts are shown without their questions")
         return {}
     from etagent.records import RLRow, read_records
 
     try:
         rows = read_records(data, RLRow)
     except Exception as exc:  # a report shows what it can: the data's own error names the row
-        problems.append(f"{data}: {exc}")
+        run.problems.append(f"{data}: {exc}")
         return {}
     return {
         row.extra_info.index: {
@@ -283,46 +380,44 @@ def rl_questions(folder: Path, problems: list[str]) -> dict[int, dict]:
 
 def read_evaluation(run: Run, folder: Path, stage: Stage, tokenizer_for) -> None:
     summary_path = folder / "summary.json"
-    summary = read_json(summary_path, run.problems) if summary_path.exists() else None
+    summary = read_json(run, summary_path) if summary_path.exists() else None
     if summary is None and stage.status == "complete":
         run.problems.append(f"{summary_path}: missing")
-    name = (summary or {}).get("run") or stage.folder
+    name = text((summary or {}).get("run") or stage.folder)
     datasets = (summary or {}).get("datasets") or {}
+    if not isinstance(datasets, dict) or not all(isinstance(d, dict) for d in datasets.values()):
+        run.problems.append(f"{summary_path}: its datasets are not objects of metrics; not shown")
+        datasets = {}
     run.evaluations.append({"folder": stage.folder, "run": name, "datasets": datasets})
-    manifest = read_json(folder / "manifest.json", []) or {}
+    manifest = read_json(run, folder / "manifest.json", quiet=True) or {}
     config = manifest.get("config") or {}
     model = (config.get("engine") or {}).get("model")
-    pass_mark = float(config.get("qa_pass_mark", 0.8))
+    pass_mark = number(config.get("qa_pass_mark")) or 0.8
     tokenizer = tokenizer_for(model) if tokenizer_for and model else None
     for dataset in sorted(p for p in folder.iterdir() if (p / "trajectories.jsonl").exists()):
-        scored = (
-            {row.get("id"): row for row in read_lines(dataset / "scored.jsonl", run.problems)}
-            if (dataset / "scored.jsonl").exists()
-            else {}
-        )
-        for group in read_lines(dataset / "trajectories.jsonl", run.problems):
+        scored = {row.get("id"): row for row in read_lines(run, dataset / "scored.jsonl")} if (dataset / "scored.jsonl").exists() else {}
+        for group in read_lines(run, dataset / "trajectories.jsonl"):
             row = scored.get(group.get("id"), {})
-            samples = row.get("samples") or []
-            for k, trajectory in enumerate(group.get("trajectories") or []):
-                metrics = samples[k] if k < len(samples) else {}
+            samples = row.get("samples") if isinstance(row.get("samples"), list) else []
+            for k, trajectory in enumerate(t for t in group.get("trajectories") or [] if isinstance(t, dict)):
+                metrics = samples[k] if k < len(samples) and isinstance(samples[k], dict) else {}
                 run.trajectories.append(
-                    {
-                        "stage": f"{stage.folder} ({name}) {dataset.name}",
-                        "id": str(trajectory.get("id", "")),
-                        "source": group.get("source", "?"),
-                        "kind": group.get("kind", "?"),
-                        "question": group.get("question", ""),
-                        "answer": group.get("answer", []),
-                        "correct": sample_correct(metrics, group.get("kind"), pass_mark),
-                        "reward": None,
-                        "tool_calls": metrics.get("tool_calls", trajectory.get("tool_calls_executed")),
-                        "redundant": flag(metrics.get("redundant_calls")),
-                        "insufficient": flag(metrics.get("insufficient_calls")),
-                        "terms": {k: v for k, v in metrics.items() if isinstance(v, int | float) and not isinstance(v, bool)},
-                        "finish": trajectory.get("finish_reason", ""),
-                        "segments": response_segments(trajectory, tokenizer),
-                        "judgement": trajectory.get("judgement"),
-                    }
+                    trajectory_entry(
+                        stage=f"{stage.folder} ({name}) {dataset.name}",
+                        id=trajectory.get("id", ""),
+                        source=group.get("source", "?"),
+                        kind=group.get("kind", "?"),
+                        question=group.get("question", ""),
+                        answer=group.get("answer", []),
+                        correct=sample_correct(metrics, group.get("kind"), pass_mark),
+                        tool_calls=metrics.get("tool_calls", trajectory.get("tool_calls_executed")),
+                        redundant=metrics.get("redundant_calls"),
+                        insufficient=metrics.get("insufficient_calls"),
+                        terms=metrics,
+                        finish=trajectory.get("finish_reason", ""),
+                        segments=response_segments(trajectory, tokenizer),
+                        judgement=trajectory.get("judgement"),
+                    )
                 )
 
 
@@ -335,7 +430,7 @@ def sample_correct(metrics: dict, kind: str | None, pass_mark: float) -> bool | 
         return None
     try:
         return correctness(metrics, kind) >= pass_mark
-    except KeyError:  # scored by an older toolkit without the metric it reads: unscored here
+    except (KeyError, TypeError, ValueError):  # an older toolkit's scores, or malformed ones: unscored here
         return None
 
 

@@ -12,6 +12,7 @@ from __future__ import annotations
 
 import base64
 import json
+import math
 from html import escape
 from pathlib import Path
 
@@ -269,5 +270,17 @@ def trajectory_data(run: Run) -> str:
 
 
 def script_json(value) -> str:
-    """JSON that is safe inside a <script> element (no '</' can close it early)."""
-    return json.dumps(value, ensure_ascii=False, default=str).replace("</", "<\\/").replace("<!--", "\\u003c!--")
+    """JSON that is safe inside a <script> element (no '</' can close it early) and that a browser
+    parses: a NaN or infinity, which JSON has no words for, is written as text."""
+    return json.dumps(finite(value), ensure_ascii=False, default=str, allow_nan=False).replace("</", "<\\/").replace("<!--", "\\u003c!--")
+
+
+def finite(value):
+    """``value`` with every non-finite float replaced by its text ("nan", "inf", "-inf")."""
+    if isinstance(value, float) and not math.isfinite(value):
+        return str(value)
+    if isinstance(value, dict):
+        return {k: finite(v) for k, v in value.items()}
+    if isinstance(value, list | tuple):
+        return [finite(v) for v in value]
+    return value

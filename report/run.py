@@ -20,7 +20,7 @@ import time
 from functools import cache
 from pathlib import Path
 
-from etagent.errors import MissingInput, exit_on_user_error
+from etagent.errors import MissingInput, UserError, exit_on_user_error
 from report.collect import collect
 from report.page import render
 
@@ -59,6 +59,12 @@ def main(argv: list[str] | None = None) -> None:
     args = parser.parse_args(argv)
     if not Path(args.run_dir).is_dir():
         raise MissingInput(f"{args.run_dir}: no such directory")
+    if args.out is not None:
+        out = Path(args.out)
+        if out.is_dir():
+            raise UserError(f"--out {out}: is a folder; name the HTML file to write, e.g. {out / 'report.html'}")
+        if not out.parent.is_dir():
+            raise UserError(f"--out {out}: its folder {out.parent} does not exist")
     write_report(args.run_dir, args.out)
 
 

@@ -3,8 +3,10 @@ steps on the toy world) opened in headless Chromium, and the reports of runs cut
 
 from __future__ import annotations
 
+import base64
 import json
 import os
+import shutil
 import struct
 import subprocess
 import sys
@@ -13,7 +15,7 @@ from pathlib import Path
 
 import pytest
 
-from etagent.records import RLRow, read_questions, write_manifest, write_rl_parquet
+from etagent.records import RLRow, input_identity, read_questions, write_manifest, write_rl_parquet
 from tests.browser import Browser, find_chromium
 from tests.conftest import TOKEN
 from tests.test_evaluation import eval_command
@@ -39,8 +41,9 @@ def small_run(sft_model, toy, server, tmp_path_factory) -> Path:
     """A run directory laid out as the demo's: the toy world, the SFT, an evaluation of it and an
     RL stage of two steps."""
     run = tmp_path_factory.mktemp("run")
-    for name, target in (("toy", toy), ("sft", sft_model)):
-        (run / name).symlink_to(target)
+    # copies, as the demo's run holds them: the report reads nothing through a link out of the run
+    shutil.copytree(toy, run / "toy", ignore=shutil.ignore_patterns("rl_world"))
+    shutil.copytree(sft_model, run / "sft", ignore=shutil.ignore_patterns("checkpoints"))
     env = dict(os.environ, RETRIEVER_TOKEN=TOKEN)
     subprocess.run(
         eval_command(sft_model, toy, server, run / "eval", "limit=12", "run_name=toy-sft"),
@@ -201,7 +204,7 @@ def test_a_run_cut_short_gives_a_report_that_says_what_is_missing(tmp_path, brow
     (flywheel / "trajectories.jsonl").write_text("")
     data = run / "data.jsonl"
     data.write_text("{}\n")
-    write_manifest(flywheel, stage="flywheel", config={}, inputs=[data], started_at=started)
+    write_manifest(flywheel, stage="flywheel", config={}, inputs=[input_identity("questions", data)], started_at=started)
     data.unlink()
 
     degraded = run / "rollouts"
@@ -241,3 +244,74 @@ def test_a_run_cut_short_gives_a_report_that_says_what_is_missing(tmp_path, brow
 def test_a_run_folder_that_is_not_there_is_one_line(tmp_path):
     result = report(tmp_path / "nowhere")
     assert result.returncode == 2 and result.stderr.strip() == f"error: {tmp_path / 'nowhere'}: no such directory"
+
+
+def test_a_report_reads_only_the_run_and_lists_malformed_files(tmp_path, browser):
+    """A page made to be shared carries nothing from outside the run: a chart or a stage folder
+    that is a link out of it is listed, not read. NaN and infinity are shown as text; a line that
+    is not an object, a reward that is not a number, a question that is a number and a manifest
+    that is a list are listed as problems, and the rest of the page works."""
+    outside = tmp_path / "private"
+    outside.mkdir()
+    secret = b"\x89PNG\r\n\x1a\nSECRET-BYTES-OUTSIDE-THE-RUN"
+    (outside / "radar.png").write_bytes(secret)
+    write_manifest(outside, stage="sft", config={}, started_at=time.time())
+    run = tmp_path / "run"
+    started = time.time()
+    radar = run / "radar"
+    radar.mkdir(parents=True)
+    write_manifest(radar, stage="radar", config={}, started_at=started)
+    (radar / "radar.png").symlink_to(outside / "radar.png")
+    (run / "linked").symlink_to(outside, target_is_directory=True)
+    rl = run / "rl" / "stage1"
+    (rl / "rollouts").mkdir(parents=True)
+    write_manifest(rl, stage="rl/stage1", config={}, started_at=started)
+    (rl / "metrics.jsonl").write_text(json.dumps({"step": 1, "reward/mean": float("nan"), "reward/raw": 0.5}) + "\n")
+    rows = [
+        {"id": "nan", "index": 0, "reward": float("nan"), "raw": float("inf"), "f_tool": float("-inf"), "text": "<answer>1</answer>"},
+        {"id": "string", "index": 1, "reward": "high", "raw": "yes", "tool_calls": "two", "text": "<answer>2</answer>"},
+        [1, 2, 3],
+        {"id": "segments", "index": 2, "reward": 0.5, "segments": "not a list", "text": "<answer>3</answer>"},
+    ]
+    (rl / "rollouts" / "step_1.jsonl").write_text("".join(json.dumps(r) + "\n" for r in rows))
+    evaluation = run / "eval"
+    (evaluation / "toy").mkdir(parents=True)
+    write_manifest(evaluation, stage="evaluation", config={"qa_pass_mark": "high"}, started_at=started)
+    (evaluation / "summary.json").write_text(json.dumps({"run": 7, "datasets": {"toy": {"correctness": float("nan")}}}))
+    group = {
+        "id": 5,
+        "question": 42,
+        "answer": [1],
+        "kind": "qa",
+        "trajectories": [{"id": "t", "text": 3, "judgement": {"score": float("inf")}}],
+    }
+    (evaluation / "toy" / "trajectories.jsonl").write_text(json.dumps(group) + "\n")
+    listed = run / "listed"
+    listed.mkdir()
+    (listed / "manifest.json").write_text("[]")
+
+    result = report(run)
+    assert result.returncode == 0, result.stderr[-3000:]
+    page = (run / "report.html").read_text()
+    assert base64.b64encode(secret).decode() not in page and "SECRET" not in page
+    browser.open(run / "report.html")
+    assert browser.errors() == []
+    problems = browser.evaluate("[...document.querySelectorAll('#problems li')].map(li => li.textContent)")
+    for expected in (
+        f"{radar / 'radar.png'}: outside the run folder",
+        f"{run / 'linked'}: a link out of the run folder",
+        f"{rl / 'rollouts' / 'step_1.jsonl'}:3: a JSON list, not an object; skipped",
+        f"{listed / 'manifest.json'}: holds a JSON list, not the dict expected",
+    ):
+        assert any(expected in p for p in problems), (expected, problems)
+    # every trajectory but the list line is listed and opens; NaN and infinity are text
+    assert browser.evaluate("document.getElementById('count').textContent") == "4 of 4 trajectories match"
+    for i in range(4):
+        browser.evaluate(f"document.querySelectorAll('#list li')[{i}].click()")
+        assert browser.errors() == []
+    browser.evaluate("[...document.querySelectorAll('#list li')].find(li => li.textContent.includes('rl/stage1')).click()")
+    cells = browser.evaluate("[...document.querySelectorAll('#detail td')].map(td => td.textContent)")
+    assert "inf" in cells and "-inf" in cells, cells
+    for bad_out, why in ((run, "is a folder"), (tmp_path / "no" / "such" / "report.html", "does not exist")):
+        refused = report(run, "--out", str(bad_out))
+        assert refused.returncode == 2 and why in refused.stderr and "Traceback" not in refused.stderr, refused.stderr
