@@ -4,6 +4,7 @@ output) within its timeout, the host is unharmed, and no process is left behind.
 from __future__ import annotations
 
 import asyncio
+import functools
 import os
 import random
 import shutil
@@ -19,11 +20,25 @@ from pathlib import Path
 import pytest
 from fastapi import FastAPI, Request
 
-from etagent.tools.sandbox import PythonSandbox, PythonTool, SandboxFusion, SandboxLimits
+from etagent.tools.sandbox import PythonSandbox, PythonTool, SandboxError, SandboxFusion, SandboxLimits
 from tests.servers import serve
 
 TIMEOUT = 3.0
 LIMITS = SandboxLimits(timeout_s=TIMEOUT, memory_mb=1024, processes=32, open_files=128)
+
+
+@functools.cache
+def rlimits_python() -> str | None:
+    """An interpreter the rlimits fallback can run model code with: this one, unless its files are
+    not readable by the identity calls run as (nobody, as root: a Python in a 0700 home folder, as
+    on this project's machines); then the system's, whose standard library every user can read."""
+    try:
+        PythonSandbox(limits=LIMITS, isolation="rlimits").start().close()
+        return None
+    except SandboxError:
+        if not Path("/usr/bin/python3").exists():
+            pytest.skip("the rlimits fallback cannot read this Python's files, and there is no /usr/bin/python3")
+        return "/usr/bin/python3"
 
 
 @pytest.fixture(scope="module")
@@ -270,7 +285,7 @@ def test_concurrent_first_calls_wait_for_the_server_to_start():
 
 def test_rlimits_fallback_still_limits_and_cleans_up():
     limits = SandboxLimits(timeout_s=2.0, memory_mb=512, open_files=64)
-    with PythonSandbox(limits=limits, isolation="rlimits") as sb:
+    with PythonSandbox(python=rlimits_python(), limits=limits, isolation="rlimits") as sb:
         assert sb.isolation == "rlimits"
         tool = PythonTool(sb)
         out = asyncio.run(tool("import os\nprint(os.getcwd())\nopen('f.txt', 'w').write('x')"))
@@ -289,7 +304,7 @@ def test_rlimits_fallback_still_limits_and_cleans_up():
 HOST = """
 import asyncio, os, sys, time
 from etagent.tools.sandbox import PythonSandbox, PythonTool, SandboxLimits
-sandbox = PythonSandbox(limits=SandboxLimits(timeout_s=60), isolation=sys.argv[1])
+sandbox = PythonSandbox(python=sys.argv[3] or None, limits=SandboxLimits(timeout_s=60), isolation=sys.argv[1])
 tool = PythonTool(sandbox)
 assert asyncio.run(tool("print(1)")).text == "1"
 bystander = os.fork()
@@ -327,7 +342,10 @@ def test_a_call_dies_with_its_host(sandbox, isolation, killed):
     marker = f"{60 + random.random():.9f}"  # the child's `sleep` argument, to find it by
     code = f"import os, time\nif os.fork() == 0:\n    os.execv('/bin/sleep', ['sleep', '{marker}'])\ntime.sleep(60)"
     host = subprocess.Popen(
-        [sys.executable, "-c", HOST, isolation, code], stdout=subprocess.PIPE, text=True, cwd=Path(__file__).resolve().parents[1]
+        [sys.executable, "-c", HOST, isolation, code, (rlimits_python() if isolation == "rlimits" else None) or ""],
+        stdout=subprocess.PIPE,
+        text=True,
+        cwd=Path(__file__).resolve().parents[1],
     )
     bystander = None
     try:
@@ -353,7 +371,7 @@ def test_a_call_dies_with_its_host(sandbox, isolation, killed):
             assert time.monotonic() - start < 5, f"left behind after 5 s: {left}, directory exists: {not gone}"
             time.sleep(0.02)
         if killed == "host and server":
-            PythonSandbox(limits=LIMITS, isolation="rlimits").start().close()
+            PythonSandbox(python=rlimits_python(), limits=LIMITS, isolation="rlimits").start().close()
             assert not Path(directory).exists(), "the next sandbox did not remove the abandoned directory"
     finally:
         host.kill()
@@ -374,7 +392,7 @@ def test_only_the_directories_of_dead_servers_are_removed():
     listening.bind(str(live / "zygote.sock"))
     listening.listen()
     try:
-        PythonSandbox(limits=LIMITS, isolation="rlimits").start().close()
+        PythonSandbox(python=rlimits_python(), limits=LIMITS, isolation="rlimits").start().close()
         assert not dead.exists()
         assert (live / "zygote.sock").exists() and starting.exists()
     finally:
@@ -488,3 +506,30 @@ def test_sandbox_fusion_backend_against_a_server_speaking_its_format():
     assert not error.ok and error.text.endswith("ZeroDivisionError: division by zero")
     assert not timeout.ok and timeout.text.startswith("Execution Timeout")
     assert not broken.ok and "no runner available" in broken.text
+
+
+def test_a_fallback_that_cannot_import_the_standard_library_refuses_the_run(tmp_path):
+    """rlimits as root runs calls as nobody, who cannot read a Python installed in a 0700 home
+    folder: the sandbox refuses to start, naming the cause, rather than answering every call
+    with an ImportError counted as the model's mistake. Through the real CLI: exit 2, one line."""
+    if os.getuid() != 0 or rlimits_python() is None:
+        pytest.skip("needs root and a Python whose files nobody cannot read (as on this project's machines)")
+    with pytest.raises(SandboxError, match="cannot import the standard library"):
+        PythonSandbox(limits=LIMITS, isolation="rlimits").start()
+    result = subprocess.run(
+        [sys.executable, "-m", "launcher", "tool", "python", "tools.python.isolation=rlimits"],
+        input="import csv\nprint(1)\n",
+        capture_output=True,
+        text=True,
+        timeout=120,
+    )
+    assert result.returncode == 2, result.stderr
+    assert (
+        result.stderr.strip()
+        .splitlines()[-1]
+        .startswith("error: the python sandbox (isolation rlimits) cannot import the standard library")
+    )
+    assert "Traceback" not in result.stderr
+    # the same fallback with an interpreter it can read works, standard library and preloads included
+    with PythonSandbox(python=rlimits_python(), limits=LIMITS, isolation="rlimits") as sb:
+        assert sb.run_sync("import csv, statistics, fractions\nprint(statistics.mean([1, 2, 3]))").stdout.strip() == "2"

@@ -20,14 +20,16 @@ import os
 import time
 from collections import Counter
 from collections.abc import Callable, Iterable, Sequence
-from dataclasses import dataclass, field
-from typing import Any
+from dataclasses import field
+from typing import Annotated, Any
 
 from omegaconf import MISSING
 
+from etagent.config import register_schema
 from etagent.errors import SettingError
 from etagent.protocol import ToolCall
 from etagent.records import ToolCallRecord
+from etagent.settings import FREE, Fraction, OneOf, PositiveFloat, PositiveInt, group
 from etagent.tools import ToolOutput
 from etagent.tools.sandbox import SandboxLimits
 
@@ -112,98 +114,77 @@ def budget_exhausted_record(call: ToolCall, used: int, limit: int, scope: str) -
     return ToolCallRecord(tool=call.tool, input=call.input, output=text, ok=False, seconds=0.0, budget_exhausted=True)
 
 
-@dataclass
+@group
 class PythonToolConfig:
     """``tools.python`` (configs/tools/_base.yaml documents each field)."""
 
-    backend: str = "sandbox"
-    isolation: str = "auto"
+    backend: Annotated[str, OneOf("sandbox", "sandbox_fusion")] = "sandbox"
+    isolation: Annotated[str, OneOf("auto", "namespaces", "rlimits")] = "auto"
     interpreter: str | None = None
     limits: SandboxLimits = field(default_factory=SandboxLimits)
-    max_output_chars: int = 1000
-    concurrency: int = 32
+    max_output_chars: PositiveInt = 1000
+    concurrency: Annotated[PositiveInt, FREE] = 32
     preload: list[str] = MISSING
     sandbox_fusion_url: str | None = None
 
 
-@dataclass
+@group
 class LocalSearchConfig:
-    """``tools.search.local``: the retriever service."""
+    """``tools.search.local``: the retriever service (where it runs may change on a resumed run)."""
 
-    url: str = MISSING
-    api: str = MISSING
-    method: str | None = MISSING
-    token_env: str | None = None
+    url: Annotated[str, FREE] = MISSING
+    api: Annotated[str, OneOf("retrieve", "search")] = MISSING
+    method: Annotated[str, OneOf("dense", "bm25", "hybrid")] | None = MISSING
+    token_env: Annotated[str | None, FREE] = None
 
 
-@dataclass
+@group
 class WebSearchConfig:
     """``tools.search.web``: a web search API."""
 
-    api_key_env: str = "SERPER_API_KEY"
+    api_key_env: Annotated[str, FREE] = "SERPER_API_KEY"
     endpoint: str | None = None
-    max_results: int = 10
-    max_chars: int = 1000
-    rate_per_s: float = 2.0
+    max_results: PositiveInt = 10
+    max_chars: PositiveInt = 1000
+    rate_per_s: PositiveFloat = 2.0
     zone: str = "serp_api1"
 
 
-@dataclass
+@group
 class SearchCacheConfig:
     """``tools.search.cache``: cached search results."""
 
     path: str | None = None
-    mode: str = "readwrite"
+    mode: Annotated[str, OneOf("readwrite", "replay")] = "readwrite"
 
 
-@dataclass
+@group
 class SearchToolConfig:
     """``tools.search``."""
 
-    backend: str = "local"
-    top_k: int = MISSING
-    max_doc_chars: int = 1200
-    timeout_s: float = 30.0
-    attempts: int = 3
-    concurrency: int = 32
+    backend: Annotated[str, OneOf("local", "serper", "brightdata", "bing")] = "local"
+    top_k: PositiveInt = MISSING
+    max_doc_chars: PositiveInt = 1200
+    timeout_s: Annotated[PositiveFloat, FREE] = 30.0
+    attempts: Annotated[PositiveInt, FREE] = 3
+    concurrency: Annotated[PositiveInt, FREE] = 32
     local: LocalSearchConfig = field(default_factory=LocalSearchConfig)
     web: WebSearchConfig = field(default_factory=WebSearchConfig)
-    cache: SearchCacheConfig = field(default_factory=SearchCacheConfig)
+    # a cache changes where results come from, not what they are
+    cache: Annotated[SearchCacheConfig, FREE] = field(default_factory=SearchCacheConfig)
 
 
-@dataclass
+@group
 class ToolsConfig:
     """The ``tools`` config group (configs/tools/), the schema Hydra checks it against at load."""
 
-    max_failure_share: float = 0.05
+    # how many failures a run tolerates, not what any call returns
+    max_failure_share: Annotated[Fraction, FREE] = 0.05
     python: PythonToolConfig = field(default_factory=PythonToolConfig)
     search: SearchToolConfig = field(default_factory=SearchToolConfig)
 
 
-def check_tool_settings(cfg, prefix: str = "tools") -> None:
-    """The ``tools`` group's counts, limits and choices in their ranges (``prefix``: where the
-    group sits in the stage's config, for the messages)."""
-
-    from etagent.config import placed, require_choice, require_int, require_number
-
-    root = placed(cfg, prefix)
-    require_number(root, f"{prefix}.max_failure_share", 0.0, 1.0)
-    require_choice(root, f"{prefix}.python.backend", ("sandbox", "sandbox_fusion"))
-    require_choice(root, f"{prefix}.search.backend", ("local", "serper", "brightdata", "bing"))
-    for key in ("memory_mb", "file_size_mb", "open_files", "processes", "tmpfs_mb", "max_output_bytes"):
-        require_int(root, f"{prefix}.python.limits.{key}")
-    require_int(root, f"{prefix}.python.limits.cpu_seconds", optional=True)
-    for key in (
-        "python.max_output_chars",
-        "python.concurrency",
-        "search.top_k",
-        "search.max_doc_chars",
-        "search.attempts",
-        "search.concurrency",
-    ):
-        require_int(root, f"{prefix}.{key}")
-    for key in ("python.limits.timeout_s", "search.timeout_s"):
-        require_number(root, f"{prefix}.{key}", above=0)
+register_schema("tools", ToolsConfig)
 
 
 def build_executor(cfg: ToolsConfig) -> ToolExecutor:
@@ -220,6 +201,10 @@ def build_executor(cfg: ToolsConfig) -> ToolExecutor:
         backend = PythonSandbox(
             python=py.interpreter, limits=limits, isolation=py.isolation, preload=tuple(py.preload), max_concurrency=py.concurrency
         )
+        # started here, before any rollout: a sandbox that cannot give the code its isolation or a
+        # Python that imports the standard library refuses the run now (SandboxError, exit 2),
+        # instead of failing every call of it
+        backend.start()
     elif py.backend == "sandbox_fusion":
         backend = SandboxFusion(py.sandbox_fusion_url, limits=limits)
     else:

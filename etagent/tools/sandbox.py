@@ -67,7 +67,9 @@ from pathlib import Path
 
 import httpx
 
+from etagent.errors import UserError
 from etagent.net import ExternalCallError, post_json
+from etagent.settings import PositiveFloat, PositiveInt, group
 from etagent.tools import ToolOutput, truncate
 from etagent.tools.zygote import print_last_expression
 
@@ -93,6 +95,11 @@ DEFAULT_PRELOAD = (
     "heapq",
     "bisect",
 )
+# Imported once when a sandbox starts, besides the preloaded modules (PythonSandbox._probe): what
+# model-written code imports most, the pure-Python modules a call cannot import unless it can read
+# the interpreter's files.
+PROBED_MODULES = ("csv", "textwrap", "dataclasses", "typing", "copy", "operator", "fractions", "statistics")
+PROBE_TIMEOUT_S = 20.0
 SANDBOX_ENVIRONMENT = {
     "PATH": "/usr/local/bin:/usr/bin:/bin",
     "HOME": "/tmp",
@@ -106,18 +113,18 @@ SANDBOX_ENVIRONMENT = {
 }
 
 
-@dataclass
+@group
 class SandboxLimits:
     """Per-call limits. cpu_seconds defaults to the timeout rounded up, plus one."""
 
-    timeout_s: float = 30.0
-    memory_mb: int = 2048
-    file_size_mb: int = 16
-    open_files: int = 256
-    processes: int = 32
-    tmpfs_mb: int = 64
-    max_output_bytes: int = 256_000
-    cpu_seconds: int | None = None
+    timeout_s: PositiveFloat = 30.0
+    memory_mb: PositiveInt = 2048
+    file_size_mb: PositiveInt = 16
+    open_files: PositiveInt = 256
+    processes: PositiveInt = 32
+    tmpfs_mb: PositiveInt = 64
+    max_output_bytes: PositiveInt = 256_000
+    cpu_seconds: PositiveInt | None = None
 
     def for_zygote(self, timeout_s: float) -> dict:
         return {
@@ -150,8 +157,19 @@ class ExecutionResult:
         return self.error is None and not self.timed_out and self.exit_code == 0
 
 
-class SandboxError(RuntimeError):
-    pass
+class SandboxError(UserError, RuntimeError):
+    """The sandbox cannot give the tool what it promises (the isolation asked for, or a Python
+    that imports its standard library): the run is refused at start rather than degraded."""
+
+
+def _receive(conn: socket.socket, size: int) -> bytes:
+    data = b""
+    while len(data) < size:
+        chunk = conn.recv(size - len(data))
+        if not chunk:
+            raise ConnectionError("the sandbox server closed the connection")
+        data += chunk
+    return data
 
 
 def _remove_abandoned_directories() -> None:
@@ -251,10 +269,50 @@ class PythonSandbox:
                 self._stop_server()
                 raise SandboxError(f"the sandbox cannot provide isolation={self.requested_isolation}: {ready.get('error')}")
             self.isolation, self.isolation_note, self.zygote_pid = ready["isolation"], ready["note"], ready["pid"]
-            self._socket_path = os.path.join(self._dir, "zygote.sock")
+            socket_path = os.path.join(self._dir, "zygote.sock")
+            failed = self._probe(socket_path)
+            if failed:
+                self._stop_server()
+                raise SandboxError(
+                    f"the python sandbox (isolation {self.isolation}) cannot import the standard library with {self.python}: {failed}. "
+                    + (
+                        "Its files are not readable by the identity calls run as (nobody, when run as root): a Python installed in a "
+                        "private home folder; set tools.python.interpreter to one installed elsewhere (e.g. /usr/bin/python3), "
+                        "or use isolation namespaces"
+                        if self.isolation == "rlimits"
+                        else "Check tools.python.interpreter"
+                    )
+                )
+            self._socket_path = socket_path
             if self.isolation != "namespaces":
                 log.warning("python sandbox: isolation is %s only: %s", self.isolation, self.isolation_note)
             return self
+
+    def _probe(self, socket_path: str) -> str | None:
+        """One call that imports the standard library's modules model code uses most and the
+        preloaded ones, as every call runs (identity, limits, working directory); what failed,
+        or None. Without it, a sandbox whose calls cannot read the interpreter's files (rlimits
+        as nobody, a Python in a 0700 home folder) would answer every call with an ImportError
+        that counts as the model's mistake."""
+        modules = sorted({*PROBED_MODULES, *self.preload})
+        code = f"import {', '.join(modules)}\nprint('ready')"
+        limits = self.limits.for_zygote(PROBE_TIMEOUT_S)
+        request = json.dumps({"code": code, "timeout": PROBE_TIMEOUT_S, "limits": limits, "max_output_bytes": 65536}).encode()
+        try:
+            with socket.socket(socket.AF_UNIX, socket.SOCK_STREAM) as conn:
+                conn.settimeout(PROBE_TIMEOUT_S + 30)
+                conn.connect(socket_path)
+                conn.sendall(struct.pack(">I", len(request)) + request)
+                header = _receive(conn, 4)
+                response = json.loads(_receive(conn, struct.unpack(">I", header)[0]))
+        except (OSError, ValueError) as exc:
+            return f"the server did not answer ({type(exc).__name__}: {exc})"
+        if "error" in response:
+            return response["error"].strip().splitlines()[-1]
+        if response.get("stdout", "").strip() != "ready":
+            lines = (response.get("stderr") or "").strip().splitlines()
+            return lines[-1] if lines else f"exit code {response.get('exit_code')}"
+        return None
 
     def _ready(self) -> bool:
         return self._socket_path is not None and self._process is not None and self._process.poll() is None
