@@ -4,17 +4,16 @@ with Hydra in direct_rollout/__init__.py, so a key that is not a field fails at 
 
 from __future__ import annotations
 
-from dataclasses import dataclass
-
 from omegaconf import MISSING
 
 from etagent.sampling import SamplingConfig
+from etagent.settings import Fraction, PositiveInt, group
 
 
-@dataclass
+@group
 class DirectRolloutConfig(SamplingConfig):
     """What run_sampling reads (the questions, the engine, the agent, the tools, n), at the top
     level, and direct rollout's own two settings."""
 
-    rl_stage: int = MISSING
-    qa_pass_mark: float = MISSING
+    rl_stage: PositiveInt = MISSING
+    qa_pass_mark: Fraction = MISSING

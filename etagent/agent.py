@@ -60,8 +60,10 @@ from dataclasses import asdict, dataclass, field
 from tokenizers.decoders import DecodeStream
 
 from etagent import protocol
-from etagent.llm import GenerationRequest, Sample, Sampling, check_sampling, exact_segment_entropy, topk_segment_entropy
+from etagent.config import register_schema
+from etagent.llm import GenerationRequest, Sample, Sampling, exact_segment_entropy, topk_segment_entropy
 from etagent.records import Provenance, Question, TokenOrigin, ToolCallRecord, Trajectory
+from etagent.settings import NonNegativeInt, PositiveFloat, PositiveInt, Seed, group
 from etagent.tools.executor import BUDGET_MESSAGE_START, budget_exhausted_record
 
 # Engine-side stops: the tools' closing tags, the end of the answer, and the opening of a result
@@ -81,26 +83,26 @@ class Budgets:
     response_tokens: int = 4096
 
 
-@dataclass
+@group
 class AgentConfig:
     """Budgets and sampling for the loop (the paper's rollout numbers are the defaults); also the
     schema of the ``agent`` config group (configs/agent/), which Hydra fills in place (so not
     frozen)."""
 
     # Executed calls allowed per trajectory, per tool; and in total (None: no total limit).
-    max_python_calls: int = 6
-    max_search_calls: int = 6
-    max_tool_calls: int | None = None
+    max_python_calls: NonNegativeInt = 6
+    max_search_calls: NonNegativeInt = 6
+    max_tool_calls: NonNegativeInt | None = None
     # Over-budget calls answered with the budget message before the trajectory is ended.
-    max_budget_messages: int = 2
+    max_budget_messages: NonNegativeInt = 2
     # Tokens of response (generated plus inserted), and tokens per generation call.
-    max_response_tokens: int = 4096
-    max_segment_tokens: int = 4096
+    max_response_tokens: PositiveInt = 4096
+    max_segment_tokens: PositiveInt = 4096
     # Wall-clock seconds per trajectory; None: no limit (reproducible runs, RL).
-    timeout_s: float | None = 1200.0
+    timeout_s: PositiveFloat | None = 1200.0
     sampling: Sampling = field(default_factory=Sampling)
     # Base seed of every segment's sampling (None: unseeded).
-    seed: int | None = None
+    seed: Seed | None = None
     # Rounds (one engine call for a segment of every unfinished trajectory, then their tool calls)
     # instead of every trajectory on its own: reproducible with an engine that decodes each call
     # by itself (the hf engine's continuous_batching off).
@@ -110,24 +112,7 @@ class AgentConfig:
         return Budgets(self.max_python_calls, self.max_search_calls, self.max_tool_calls, self.max_response_tokens)
 
 
-def check_agent_settings(cfg, prefix: str = "agent") -> None:
-    """The ``agent`` group's budgets and sampling in their ranges."""
-
-    from etagent.config import placed, require_int, require_number
-
-    root = placed(cfg, prefix)
-    for key in ("max_python_calls", "max_search_calls", "max_budget_messages"):
-        require_int(root, f"{prefix}.{key}", minimum=0)
-    require_int(root, f"{prefix}.max_tool_calls", minimum=0, optional=True)
-    for key in ("max_response_tokens", "max_segment_tokens"):
-        require_int(root, f"{prefix}.{key}")
-    check_sampling(cfg.sampling, f"{prefix}.sampling")
-    if not isinstance(cfg.lockstep, bool):
-        from etagent.errors import SettingError
-
-        raise SettingError(f"{prefix}.lockstep", f"must be true or false, got {cfg.lockstep!r}")
-    if cfg.timeout_s is not None:
-        require_number(root, f"{prefix}.timeout_s", above=0)
+register_schema("agent", AgentConfig)
 
 
 @dataclass(frozen=True)

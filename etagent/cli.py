@@ -69,6 +69,15 @@ def score_main(argv: list[str]) -> int:
         from etagent.llm.text import TextModel
 
         served = OpenAIEngine([args.judge_url], args.judge_model, api_key_env=args.judge_api_key_env)
+        from etagent.errors import SettingError
+        from etagent.settings import validate
+
+        try:  # the flags are the judge's sampling settings: the same declaration checks them
+            validate(Sampling, {"temperature": args.judge_temperature})
+        except SettingError as error:
+            raise SettingError(f"--judge-{error.key}", error.reason) from None
+        if args.judge_max_new_tokens < 1:
+            raise SettingError("--judge-max-new-tokens", f"must be an integer >= 1, got {args.judge_max_new_tokens}")
         sampling = Sampling(temperature=args.judge_temperature)
         judge = scoring.LLMJudge(TextModel(served, sampling, args.judge_max_new_tokens, "judge"))
     if args.file:

@@ -20,13 +20,13 @@ from __future__ import annotations
 
 import os
 from collections.abc import Sequence
-from dataclasses import dataclass
 from pathlib import Path
-from typing import TypeVar
+from typing import Annotated, TypeVar
 
 from omegaconf import MISSING, DictConfig, OmegaConf
 
 from etagent.errors import MissingInput, SettingError, UserError
+from etagent.settings import FREE, OneOf, group, validate
 
 T = TypeVar("T")
 
@@ -51,49 +51,36 @@ def presets(stage: str) -> list[str]:
     return sorted(p.stem for p in (config_dir() / stage).glob("*.yaml") if not p.stem.startswith("_"))
 
 
-@dataclass
+@group
 class WandbConfig:
-    """The ``wandb`` group of the training stages (sft, rl; their _base.yaml documents it)."""
+    """The ``wandb`` group of the training stages (sft, rl; their _base.yaml documents it): how a
+    run is logged, never what it computes, so a resumed run may change it."""
 
-    enabled: bool = MISSING
-    mode: str = MISSING
-    project: str = MISSING
-    run_name: str | None = MISSING
+    enabled: Annotated[bool, FREE] = MISSING
+    mode: Annotated[str, OneOf("offline", "online", "disabled"), FREE] = MISSING
+    project: Annotated[str, FREE] = MISSING
+    run_name: Annotated[str | None, FREE] = MISSING
 
 
-@dataclass
+@group
 class TensorBoardConfig:
     """The ``tensorboard`` group of the training stages: event files in ``{out_dir}/tensorboard``,
     the logger that needs no account (view them with ``tensorboard --logdir``)."""
 
-    enabled: bool = MISSING
+    enabled: Annotated[bool, FREE] = MISSING
 
 
-def register_schemas() -> None:
-    """The shared groups' dataclasses as Hydra structured configs: each group's ``_base.yaml``
-    starts from its ``_schema`` (``defaults: [_schema, _self_]``), so a key the dataclass lacks or
-    a value of the wrong type fails at load, naming the key, and :func:`build` makes the object.
-    The stages' own schemas are registered by their packages (:func:`register_stage_schema`)."""
-    from hydra.core.config_store import ConfigStore
+# Every config's schema by name: a stage's whole config (its package registers it on import) or a
+# shared group's (the module that reads the group registers it). Hydra learns them when a config
+# is loaded, so importing a schema does not import Hydra.
+SCHEMAS: dict[str, tuple[type, str | None]] = {}
 
-    from etagent.agent import AgentConfig
-    from etagent.llm import EngineConfig, OpenAIConfig, Sampling
-    from etagent.sampling import RayConfig
-    from etagent.tools.executor import ToolsConfig
-    from etagent.toy.config import ToyConfig
 
-    store = ConfigStore.instance()
-    schemas = {
-        "engine": EngineConfig,
-        "openai": OpenAIConfig,
-        "agent": AgentConfig,
-        "tools": ToolsConfig,
-        "sampling": Sampling,
-        "ray": RayConfig,
-    }
-    for group, schema in schemas.items():
-        store.store(group=group, name="_schema", node=schema)
-    register_stage_schema("toy", ToyConfig)
+def register_schema(name: str, schema: type) -> None:
+    """A shared group's schema (``configs/<name>/``): each of its YAML files starts from it
+    (``defaults: [_schema, _self_]``), so a key the dataclass lacks or a value of the wrong type
+    fails at load, naming the key, and :func:`build` makes the object."""
+    SCHEMAS[name] = (schema, None)
 
 
 def register_stage_schema(stage: str, schema: type) -> None:
@@ -102,15 +89,15 @@ def register_stage_schema(stage: str, schema: type) -> None:
     the stage is a field, and a misspelt or added key (``+train.lerning_rate=1``) or a value of
     the wrong type fails at load, naming the key. The stage's package registers it on import, so
     the core names no stage."""
+    SCHEMAS[stage] = (schema, "_global_")
+
+
+def _store_schemas() -> None:
     from hydra.core.config_store import ConfigStore
 
-    ConfigStore.instance().store(group=stage, name="_schema", node=schema, package="_global_")
-
-
-def _has_schema(stage: str) -> bool:
-    from hydra.core.config_store import ConfigStore
-
-    return "_schema.yaml" in ConfigStore.instance().repo.get(stage, {})
+    store = ConfigStore.instance()
+    for name, (schema, package) in SCHEMAS.items():
+        store.store(group=name, name="_schema", node=schema, package=package)
 
 
 def load_config(stage: str, preset: str = "tiny", overrides: Sequence[str] = ()) -> DictConfig:
@@ -122,16 +109,15 @@ def load_config(stage: str, preset: str = "tiny", overrides: Sequence[str] = ())
     if preset not in presets(stage):
         raise UserError(f"no preset {preset!r} for stage {stage!r} in {root / stage} (have: {', '.join(presets(stage)) or 'none'})")
     from hydra.errors import HydraException
-    from omegaconf import OmegaConf
     from omegaconf.errors import OmegaConfBaseException
 
     GlobalHydra.instance().clear()
-    register_schemas()
-    if not _has_schema(stage):
+    if stage not in SCHEMAS:
         raise UserError(
             f"configs/{stage} has no schema registered: its package registers it when imported "
             f"(register_stage_schema in {stage}/__init__.py); import the stage before loading its config"
         )
+    _store_schemas()
     try:
         with initialize_config_dir(config_dir=str(root), version_base=None):
             cfg = compose(config_name=f"{stage}/{preset}", overrides=list(overrides))
@@ -150,19 +136,32 @@ def load_config(stage: str, preset: str = "tiny", overrides: Sequence[str] = ())
         if reason is None:  # not the null-group case: a bug, so keep its traceback
             raise
         raise UserError(f"{root / stage / preset}.yaml with overrides {' '.join(overrides)}: {reason}") from None
+    check_composed(stage, cfg, f"{root / stage / preset}.yaml", overrides)
+    return cfg
+
+
+def check_composed(stage: str, cfg: DictConfig, preset_file: str, overrides: Sequence[str] = ()) -> None:
+    """What :func:`load_config` checks once Hydra has composed a config (from ``preset_file`` and
+    ``overrides``, which the messages name): no key its schema lacks, none left unset, and every
+    value within its declaration (ranges, choices, finite numbers: etagent/settings.py)."""
+    where = f"{preset_file} with overrides {' '.join(overrides) or '(none)'}"
     added = sorted(_keys_outside_schema(cfg))
     if added:  # Hydra's +key=value adds a key even to a structured group
-        raise UserError(
-            f"{root / stage / preset}.yaml with overrides {' '.join(overrides) or '(none)'}: "
-            f"{', '.join(added)} is not a setting of its group (not a field of its schema)"
-        )
+        raise UserError(f"{where}: {', '.join(added)} is not a setting of its group (not a field of its schema)")
     missing = sorted(OmegaConf.missing_keys(cfg))
     if missing:
         raise UserError(
-            f"{root / stage / preset}.yaml leaves {', '.join(missing)} unset (??? in _base.yaml, no default): "
-            "set them in the preset or on the command line"
+            f"{preset_file} leaves {', '.join(missing)} unset (??? in _base.yaml, no default): set them in the preset or on the command line"
         )
-    return cfg
+    schema, package = SCHEMAS[stage]
+    values = OmegaConf.to_container(cfg, resolve=True)
+    shared_group = package is None  # a shared group's own file composes under the group's name
+    derived = frozenset(_interpolated_keys(cfg[stage] if shared_group else cfg))
+    try:
+        validate(schema, values[stage] if shared_group else values, derived)
+    except SettingError as error:
+        key = f"{stage}.{error.key}" if shared_group else error.key
+        raise SettingError(key, f"{error.reason} ({where})") from None
 
 
 def _under_null(cfg: DictConfig, overrides: Sequence[str]) -> str | None:
@@ -175,6 +174,18 @@ def _under_null(cfg: DictConfig, overrides: Sequence[str]) -> str | None:
             if OmegaConf.select(cfg, parent, default=False) is None and (depth < len(parts) or "={" in override):
                 return f"Could not override '{key}': {parent} is null in this stage, not a group of settings it takes"
     return None
+
+
+def _interpolated_keys(cfg: DictConfig, path: str = "") -> list[str]:
+    """Keys whose value is an interpolation (``${...}``): they take another setting's value."""
+    keys = []
+    for key in cfg.keys():
+        node = cfg._get_node(key)
+        if node._is_interpolation():
+            keys.append(f"{path}{key}")
+        elif isinstance(node, DictConfig) and not node._is_missing() and not node._is_none():
+            keys += _interpolated_keys(node, f"{path}{key}.")
+    return keys
 
 
 def _keys_outside_schema(cfg: DictConfig, path: str = "") -> list[str]:
@@ -207,16 +218,35 @@ def build(schema: type[T], cfg) -> T:
     return OmegaConf.to_object(OmegaConf.merge(OmegaConf.structured(schema), cfg))
 
 
-def parse_stage_args(stage: str, argv: Sequence[str] | None, prog: str, doc: str | None = None) -> DictConfig:
-    """The command line of a stage entry point: ``[--preset NAME] [key=value ...]``."""
+def parse_stage_args(stage: str, argv: Sequence[str] | None, prog: str, doc: str | None = None, resumes: bool = True) -> DictConfig:
+    """The command line of a stage entry point: ``[--preset NAME] [--restart] [key=value ...]``.
+    ``--restart`` starts the stage over in its output folder: what the folder holds is moved into
+    a sibling folder first (etagent.rundir.set_aside), instead of being resumed. A command that
+    does not resume (``resumes=False``: the retriever's server, which writes nothing, and the
+    flywheel's export, which rewrites its files and reads the flywheel's folder) has no
+    ``--restart``."""
     import argparse
+    import logging
     import sys
 
     parser = argparse.ArgumentParser(prog=prog, description=doc, formatter_class=argparse.RawDescriptionHelpFormatter)
     parser.add_argument("--preset", default="tiny", help=f"configs/{stage}/PRESET.yaml (default: tiny)")
+    if resumes:
+        parser.add_argument(
+            "--restart",
+            action="store_true",
+            help="start over instead of resuming: the output folder's contents are moved to OUT.previous-TIME (nothing is deleted)",
+        )
+    parser.set_defaults(restart=False)
     parser.add_argument("overrides", nargs="*", help="Hydra overrides, e.g. key=value")
     args = parser.parse_args(list(sys.argv[1:] if argv is None else argv))
-    return load_config(stage, args.preset, args.overrides)
+    cfg = load_config(stage, args.preset, args.overrides)
+    if args.restart and int(os.environ.get("RANK", "0")) == 0:  # under torchrun, rank 0 owns the folder
+        from etagent.rundir import set_aside
+
+        for aside in set_aside(SCHEMAS[stage][0], OmegaConf.to_container(cfg, resolve=True)):
+            logging.getLogger(stage).warning("--restart: the earlier outputs are in %s", aside)
+    return cfg
 
 
 def resolved_yaml(stage: str, preset: str) -> str:
@@ -262,89 +292,3 @@ def configs_main(argv: list[str]) -> int:
         print("run `etagent configs` to rewrite them", flush=True)
         return 1
     return 0
-
-
-# ---------------------------------------------------------------------------------------------
-# Checking settings before work starts. Each stage's ``check_settings`` calls these for the keys
-# it reads, so a count of 0, a learning rate of "fast" or a model path that does not exist is
-# refused at start, naming the key, instead of failing (or silently doing nothing) later.
-
-
-def placed(cfg: DictConfig, prefix: str) -> DictConfig:
-    """A config holding ``cfg`` at the dotted ``prefix`` (``editor.engine``), so a shared group's
-    checks name its keys as the stage's config spells them."""
-    from omegaconf import OmegaConf
-
-    root = OmegaConf.create({})
-    OmegaConf.update(root, prefix, cfg, force_add=True)
-    return root
-
-
-def _value(cfg: DictConfig, key: str):
-    from omegaconf import OmegaConf
-
-    return OmegaConf.select(cfg, key, throw_on_missing=True)
-
-
-def require_int(cfg: DictConfig, key: str, minimum: int = 1, *, optional: bool = False) -> int | None:
-    """``key`` is an integer >= minimum (or null, when ``optional``)."""
-    value = _value(cfg, key)
-    if value is None and optional:
-        return None
-    if isinstance(value, bool) or not isinstance(value, int) or value < minimum:
-        null = " or null" if optional else ""
-        raise SettingError(key, f"must be an integer >= {minimum}{null}, got {value!r}")
-    return value
-
-
-def require_number(
-    cfg: DictConfig, key: str, minimum: float | None = None, maximum: float | None = None, *, above: float | None = None
-) -> float:
-    """``key`` is a number in [minimum, maximum], or > above."""
-    value = _value(cfg, key)
-    bounds = [
-        f">= {minimum}" if minimum is not None else "",
-        f"> {above}" if above is not None else "",
-        f"<= {maximum}" if maximum is not None else "",
-    ]
-    wanted = "a number " + " and ".join(b for b in bounds if b) if any(bounds) else "a number"
-    if isinstance(value, bool) or not isinstance(value, (int, float)):
-        raise SettingError(key, f"must be {wanted}, got {value!r}")
-    if (minimum is not None and value < minimum) or (maximum is not None and value > maximum) or (above is not None and value <= above):
-        raise SettingError(key, f"must be {wanted}, got {value!r}")
-    return float(value)
-
-
-def require_choice(cfg: DictConfig, key: str, choices: Sequence[str]) -> str:
-    value = _value(cfg, key)
-    if value not in choices:
-        raise SettingError(key, f"must be one of {', '.join(map(str, choices))}, got {value!r}")
-    return value
-
-
-def require_file(cfg: DictConfig, key: str) -> Path:
-    """``key`` names an existing file (or directory, for a parquet dataset)."""
-    value = _value(cfg, key)
-    if not value or not Path(value).exists():
-        raise SettingError(key, f"no file at {value!r}")
-    return Path(value)
-
-
-def require_model(cfg: DictConfig, key: str) -> str:
-    """``key`` names a model: a local directory with config.json, or a Hugging Face repo id
-    (``org/name``) for machines that may download. A value that reads as a local path (it starts
-    with ``/`` or ``.``, has more than one ``/``, or its first part is a local directory, as
-    ``runs/toy/model`` is) must exist, so a typo is refused here rather than inside transformers
-    with a message about repo ids, and before any output is written."""
-    value = _value(cfg, key)
-    if isinstance(value, str) and (Path(value) / "config.json").is_file():
-        return value
-    parts = str(value).split("/") if value else []
-    hub_id = len(parts) == 2 and all(parts) and not str(value).startswith((".", "/")) and not Path(parts[0]).is_dir()
-    if not hub_id:
-        raise SettingError(
-            key,
-            f"no model at {value!r} (a directory with config.json); build the toy model with `etagent toy build` "
-            "or give the path of a local checkpoint",
-        )
-    return value

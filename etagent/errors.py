@@ -1,16 +1,30 @@
-"""The errors a user fixes, and how a command reports them.
+"""The errors a user fixes, and how a command reports them: the one mapping from failure to exit
+status.
 
 A stage refuses bad settings, bad input files and a busy or mismatched output directory before it
 starts work, with a :class:`UserError` whose message names the key, file, line or field. Entry
 points run under :func:`exit_on_user_error`, which prints that message as one line on stderr and
-exits with status 2, without a traceback: the message is the whole story. A run that finished but
+exits with status 2, without a traceback: the message is the whole story. The same holds for the
+errors a library raises on a user's input, told apart by their class (:func:`user_error_line`): a
+file that is missing, a folder given as a file, a file that cannot be read, JSON or parquet that
+does not parse, bytes that are not UTF-8, a record pydantic refuses. A run that finished but
 whose tools failed too often raises :class:`DegradedRun` (status 3) after writing its outputs and
-a manifest that says so. Anything else is a bug or an environment failure and keeps its traceback.
+a manifest that says so. Anything else is a bug and keeps its traceback (so does everything, with
+``ETAGENT_TRACEBACK=1``).
+
+| status | meaning |
+|---|---|
+| 0 | done |
+| 1 | a bug or a crash: the traceback says where |
+| 2 | a user error: one line, naming the setting, file, line or field |
+| 3 | degraded: outputs written, but the tools failed on more calls than allowed |
 """
 
 from __future__ import annotations
 
 import functools
+import json
+import os
 import sys
 from collections.abc import Callable
 from typing import TypeVar
@@ -29,9 +43,9 @@ class UserError(Exception):
 class SettingError(UserError, ValueError):
     """A setting out of its range, of the wrong type, or naming something that does not exist."""
 
-    def __init__(self, key: str, message: str):
-        self.key = key
-        super().__init__(f"setting {key}: {message}")
+    def __init__(self, key: str, reason: str):
+        self.key, self.reason = key, reason
+        super().__init__(f"setting {key}: {reason}")
 
 
 class MissingInput(UserError, FileNotFoundError):
@@ -46,19 +60,52 @@ class DegradedRun(Exception):
     """The run finished, but more of its tool calls failed than the configured share allows."""
 
 
+def user_error_line(error: BaseException) -> str | None:
+    """The one line a user reads for an error they fix, or None for a bug. Besides
+    :class:`UserError`, the errors libraries raise on what a user gave: an ``OSError`` about a
+    file it names (missing, a folder where a file was expected, unreadable), JSON that does not
+    parse, bytes that are not UTF-8, a parquet file that is not one, a record that fails pydantic's
+    validation."""
+    if isinstance(error, UserError):
+        return str(error)
+    if isinstance(error, OSError) and error.filename is not None:
+        reason = {
+            FileNotFoundError: "no such file or folder",
+            IsADirectoryError: "is a folder, where a file was expected",
+            NotADirectoryError: "is not a folder",
+            PermissionError: "permission denied",
+        }.get(type(error), error.strerror or type(error).__name__)
+        return f"{error.filename}: {reason}"
+    if isinstance(error, json.JSONDecodeError):
+        return f"not valid JSON: {error.msg} at line {error.lineno}, column {error.colno}"
+    if isinstance(error, UnicodeDecodeError):
+        return f"not UTF-8 text: byte {error.object[error.start]:#04x} at offset {error.start}"
+    module = type(error).__module__
+    if module.startswith("pyarrow") and type(error).__name__ in ("ArrowInvalid", "ArrowIOError"):
+        return f"not a readable parquet or Arrow file: {str(error).splitlines()[0]}"
+    if module.startswith("pydantic") and type(error).__name__ == "ValidationError":
+        first = error.errors()[0]
+        return f"field '{'.'.join(map(str, first['loc']))}': {first['msg']} ({error.error_count()} problem(s) in {error.title})"
+    return None
+
+
 def exit_on_user_error(main: F) -> F:
-    """Run a command's ``main``; a :class:`UserError` becomes one line on stderr and status 2, a
-    :class:`DegradedRun` one line and status 3."""
+    """Run a command's ``main``; an error the user fixes (:func:`user_error_line`) becomes one line
+    on stderr and status 2, a :class:`DegradedRun` one line and status 3. A bug keeps its
+    traceback."""
 
     @functools.wraps(main)
     def guarded(*args, **kwargs):
         try:
             return main(*args, **kwargs)
-        except UserError as error:
-            print(f"error: {error}", file=sys.stderr, flush=True)
-            sys.exit(EXIT_USER_ERROR)
         except DegradedRun as error:
             print(f"degraded: {error}", file=sys.stderr, flush=True)
             sys.exit(EXIT_DEGRADED)
+        except Exception as error:
+            line = user_error_line(error)
+            if line is None or os.environ.get("ETAGENT_TRACEBACK"):
+                raise
+            print(f"error: {line}", file=sys.stderr, flush=True)
+            sys.exit(EXIT_USER_ERROR)
 
     return guarded

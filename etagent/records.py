@@ -1,6 +1,6 @@
 """The artifacts passed between stages, as typed records, with their readers and writers.
 
-Every stage reads files and writes files (DESIGN.md §3):
+Every stage reads files and writes files (docs/design.md §3):
 
 - questions (:class:`Question`): JSONL, JSON array or parquet;
 - trajectories (:class:`TrajectoryGroup`, one line per question holding its
@@ -26,6 +26,7 @@ from __future__ import annotations
 import hashlib
 import json
 import logging
+import math
 import os
 import platform
 import subprocess
@@ -67,20 +68,27 @@ def _as_str(value: Any) -> Any:
 
 
 def _gold_answers(value: Any) -> Any:
-    """Gold answers as a non-empty list of strings. Benchmarks store a string, a list, an int
-    (aime25) or a bool (csbench assertions)."""
+    """Gold answers as a non-empty list of non-empty strings. Benchmarks store a string, a list, an
+    int (aime25) or a bool (csbench assertions). A null, a nested list, an object or an empty
+    string is refused: a question scored against it could never be right (or always be)."""
     if value is None:
-        raise ValueError("no gold answer")
+        raise ValueError("no gold answer (null)")
     if isinstance(value, (str, int, float, bool)):
         value = [value]
-    if isinstance(value, (list, tuple)):
-        if not value:
-            raise ValueError("empty list of gold answers")
-        answers = [str(v) for v in value]
-        if not any(a.strip() for a in answers):
-            raise ValueError("empty gold answer")
-        return answers
-    return value
+    if not isinstance(value, (list, tuple)):
+        raise ValueError(f"expected a string or a list of strings, got {type(value).__name__}")
+    if not value:
+        raise ValueError("empty list of gold answers")
+    answers = []
+    for i, v in enumerate(value):
+        if v is None or not isinstance(v, (str, int, float, bool)):
+            raise ValueError(f"gold answer {i} is {'null' if v is None else 'a ' + type(v).__name__}, not a string")
+        if isinstance(v, float) and not math.isfinite(v):
+            raise ValueError(f"gold answer {i} is {v}, not a number")
+        if not str(v).strip():
+            raise ValueError(f"empty gold answer (answer {i} is an empty string)")
+        answers.append(str(v))
+    return answers
 
 
 # ---------------------------------------------------------------------------------------------
@@ -573,6 +581,30 @@ def iter_json_objects(source: IO[bytes], name: str) -> Iterator[tuple[int, dict]
         yield number, item
 
 
+def read_json_file(path: str | os.PathLike) -> Any:
+    """A whole JSON file; one that does not parse (or is not UTF-8) is a :class:`RecordError`
+    naming the file and line."""
+    path = Path(path)
+    try:
+        return json.loads(path.read_bytes().decode("utf-8"))
+    except UnicodeDecodeError as exc:
+        raise RecordError(path, None, "(file)", f"not UTF-8: byte {exc.object[exc.start]:#04x} at offset {exc.start}") from None
+    except ValueError as exc:
+        raise RecordError(path, getattr(exc, "lineno", None), "(file)", f"not valid JSON: {getattr(exc, 'msg', exc)}") from None
+
+
+def read_parquet_rows(path: str | os.PathLike) -> list[dict]:
+    """Every row of a parquet file (or a folder of parquet files) as a dict; a file that is not
+    parquet is a :class:`RecordError` naming it."""
+    import pyarrow as pa
+    import pyarrow.parquet as pq
+
+    try:
+        return pq.read_table(path).to_pylist()
+    except (pa.ArrowInvalid, OSError) as exc:
+        raise RecordError(path, None, "(file)", f"not a readable parquet file: {str(exc).splitlines()[0]}") from None
+
+
 def read_jsonl(path: str | os.PathLike, model: type[R], partial_ok: bool = False) -> list[R]:
     """Read and validate every record of a JSONL file (see :func:`iter_jsonl` for ``partial_ok``)."""
     return [parse_record(model, data, path, number) for number, data in iter_jsonl(path, partial_ok)]
@@ -583,16 +615,11 @@ def read_records(path: str | os.PathLike, model: type[R], partial_ok: bool = Fal
     path = Path(path)
     if not path.exists():
         raise MissingInput(f"{path}: no such file")
-    if path.suffix == ".parquet":
-        import pyarrow.parquet as pq
-
-        rows = pq.read_table(path).to_pylist()
+    if path.suffix == ".parquet" or path.is_dir():
+        rows = read_parquet_rows(path)
         return [parse_record(model, row, path, i) for i, row in enumerate(rows, start=1)]
     if path.suffix == ".json":
-        try:
-            rows = json.loads(path.read_text())
-        except ValueError as exc:
-            raise RecordError(path, getattr(exc, "lineno", None), "(file)", f"not valid JSON: {exc}") from None
+        rows = read_json_file(path)
         if not isinstance(rows, list):
             raise RecordError(path, None, "(file)", "expected a JSON array of records")
         return [parse_record(model, row, path, i) for i, row in enumerate(rows, start=1)]
@@ -713,24 +740,52 @@ class JsonlAppender:
 # Manifests
 
 
+# Files up to this size are hashed whole; a larger one (model weights) by its size and
+# SAMPLED_CHUNKS chunks spread evenly over it, so that a resume of a 15 GB model's run does not
+# read 15 GB: a changed file almost always changes its size or one of the chunks.
+WHOLE_FILE_BYTES = 64 << 20
+SAMPLED_CHUNKS, CHUNK_BYTES = 16, 1 << 20
+
+
 def sha256_file(path: str | os.PathLike, chunk: int = 1 << 20) -> str:
+    """sha256 of a file's bytes, or, over WHOLE_FILE_BYTES, of its size and sampled chunks."""
     digest = hashlib.sha256()
+    size = os.path.getsize(path)
     with open(path, "rb") as f:
-        while block := f.read(chunk):
-            digest.update(block)
+        if size <= WHOLE_FILE_BYTES:
+            while block := f.read(chunk):
+                digest.update(block)
+        else:
+            digest.update(f"size {size}".encode())
+            for i in range(SAMPLED_CHUNKS):
+                f.seek((size - CHUNK_BYTES) * i // (SAMPLED_CHUNKS - 1))
+                digest.update(f.read(CHUNK_BYTES))
     return digest.hexdigest()
 
 
 def sha256_path(path: str | os.PathLike) -> str:
-    """sha256 of a file, or of a directory's files (names and contents, in sorted order)."""
+    """sha256 of a file, or of a directory's files (names and contents, in sorted order; an output
+    folder's ``.lock``, which holds its last writer's pid, left out)."""
     path = Path(path)
     if path.is_file():
         return sha256_file(path)
     digest = hashlib.sha256()
-    for file in sorted(p for p in path.rglob("*") if p.is_file()):
+    for file in sorted(p for p in path.rglob("*") if p.is_file() and p.name != ".lock"):
         digest.update(str(file.relative_to(path)).encode())
         digest.update(sha256_file(file).encode())
     return digest.hexdigest()
+
+
+def path_size(path: str | os.PathLike) -> int:
+    """Bytes of a file, or of every file under a folder."""
+    path = Path(path)
+    return path.stat().st_size if path.is_file() else sum(p.stat().st_size for p in path.rglob("*") if p.is_file() and p.name != ".lock")
+
+
+def input_identity(key: str, path: str | os.PathLike) -> dict[str, Any]:
+    """What a manifest records of one input: the setting that names it, its path, its size and
+    its content hash (see :func:`sha256_file`)."""
+    return {"key": key, "path": str(path), "bytes": path_size(path), "sha256": sha256_path(path)}
 
 
 def git_revision() -> dict[str, Any]:
@@ -751,7 +806,7 @@ def write_manifest(
     *,
     stage: str,
     config: dict[str, Any],
-    inputs: Sequence[str | os.PathLike] = (),
+    inputs: Sequence[dict[str, Any]] | None = None,
     counts: dict[str, int] | None = None,
     seed: int | None = None,
     started_at: float,
@@ -760,17 +815,22 @@ def write_manifest(
 ) -> Path:
     """Write ``manifest.json`` into an output directory (atomically).
 
-    Records the stage, the resolved config, every input with its sha256, row counts, the seed,
-    the toolkit's git revision, start and end times and summary metrics.
+    Records the stage, the resolved config, every input (:func:`input_identity`; by default the
+    ones the manifest already holds, which ``etagent.rundir.claim_output`` wrote when the run
+    began), row counts, the seed, the toolkit's git revision, start and end times and summary
+    metrics.
     """
     from etagent import __version__
 
+    path = Path(out_dir) / "manifest.json"
+    if inputs is None:
+        inputs = read_manifest(path).get("inputs", []) if path.exists() else []
     finished = time.time()
     manifest = {
         "stage": stage,
         "status": status,
         "config": config,
-        "inputs": [{"path": str(p), "sha256": sha256_path(p)} for p in inputs],
+        "inputs": list(inputs),
         "counts": counts or {},
         "seed": seed,
         "git": git_revision(),
@@ -781,6 +841,16 @@ def write_manifest(
         "seconds": round(finished - started_at, 3),
         "metrics": metrics or {},
     }
-    path = Path(out_dir) / "manifest.json"
     _atomic_write_text(path, json.dumps(manifest, indent=2, ensure_ascii=False, default=str) + "\n")
     return path
+
+
+def read_manifest(path: str | os.PathLike) -> dict[str, Any]:
+    """A ``manifest.json`` as a dict; one that is not a JSON object is a :class:`RecordError`."""
+    try:
+        manifest = json.loads(Path(path).read_text())
+    except (ValueError, UnicodeDecodeError) as exc:
+        raise RecordError(path, None, "(file)", f"not valid JSON ({exc}); move the directory aside, or rerun with --restart") from None
+    if not isinstance(manifest, dict):
+        raise RecordError(path, None, "(file)", f"expected a JSON object, got {type(manifest).__name__}")
+    return manifest

@@ -1,20 +1,26 @@
-"""An output directory owned by one run at a time, resumed only with the settings it was made with.
+"""An output directory owned by one run at a time, resumed only with the settings and inputs it
+was made with.
 
-Every stage writes into an ``out_dir`` and resumes from what is already there. Two things make
-that safe, and :func:`claim_output` does both before any work starts:
+Every stage writes into an ``out_dir`` and resumes from what is already there. Three things make
+that safe, and :func:`claim_output` does them before any work starts:
 
 - **one writer**: an exclusive ``flock`` on ``out_dir/.lock``, held while the stage runs (the
   kernel drops it when the process dies, ``kill -9`` included, so a crashed run never leaves a
   stale lock). A second run on the same directory is refused with the first one's pid.
 - **the same settings**: the directory's ``manifest.json`` holds the resolved config of the run
-  that wrote it. A rerun whose config differs in a key that changes the output (anything but the
-  stage's ``free`` keys: addresses, concurrency, batch sizes, the output path...) is refused,
-  naming each differing key with both values, since resuming would mix records made two ways
-  under one manifest. Keys present on only one side (a toolkit upgrade added or removed one) are
-  not compared.
+  that wrote it. A rerun whose config differs in a setting that changes the output (any not
+  declared ``FREE`` in the stage's schema: etagent/settings.py) is refused, naming each differing
+  key with both values, since resuming would mix records made two ways under one manifest. Keys
+  present on only one side (a toolkit upgrade added or removed one) are not compared.
+- **the same inputs**: the manifest records each input the schema declares (its path, size and
+  content hash: ``etagent.records.input_identity``). A rerun whose inputs changed, even under
+  the same path, is refused, naming the file.
+
+``--restart`` on a stage's command line (:func:`set_aside`) starts the stage over instead: what
+the folder holds is moved into a sibling folder, never deleted.
 
 The claim then writes a manifest with ``status: running``, so a run killed before its end leaves
-its settings behind for the next one to check; the stage's final :func:`write_manifest` replaces
+its settings behind for the next one to check; the stage's final ``write_manifest`` replaces
 it. This module does not decide what a stage resumes (each stage skips the records it finds).
 """
 
@@ -31,16 +37,18 @@ from pathlib import Path
 from typing import Any
 
 from etagent.errors import OutputBusy, UserError
-from etagent.records import write_manifest
+from etagent.records import input_identity, read_manifest, write_manifest
+from etagent.settings import check_apart, check_paths, free_keys, output_folders
 
 LOCK_NAME = ".lock"
-
-# The keys no stage's output depends on: where things run and how fast.
-ALWAYS_FREE = ("out_dir", "ray.*", "run_name")
 
 
 class SettingsChanged(UserError):
     """A rerun on an output directory made with different settings."""
+
+
+class InputsChanged(UserError):
+    """A rerun on an output directory made from inputs that have changed since."""
 
 
 def flatten(config: Any, prefix: str = "") -> dict[str, Any]:
@@ -56,7 +64,7 @@ def flatten(config: Any, prefix: str = "") -> dict[str, Any]:
 def changed_settings(before: dict, now: dict, free: Sequence[str] = ()) -> list[tuple[str, Any, Any]]:
     """(key, value before, value now) for every key both configs have, not matched by a ``free``
     pattern (fnmatch: ``tools.*.concurrency``), whose values differ."""
-    patterns = (*ALWAYS_FREE, *free)
+    patterns = tuple(free)
     old, new = flatten(before), flatten(json.loads(json.dumps(now, default=str)))
     return [
         (key, old[key], new[key])
@@ -92,10 +100,13 @@ _HELD: dict[Path, list] = {}
 
 
 @contextmanager
-def claim_output(out_dir: str | os.PathLike, *, stage: str, config: dict, free: Sequence[str] = (), resumes: bool = True) -> Iterator[Path]:
-    """Hold ``out_dir`` for the block: lock it, check its manifest's settings against ``config``
-    (unless the stage does not ``resume``: it rewrites all its outputs on every run) and mark it
-    running. A claim on a directory this process already holds only checks."""
+def claim_output(out_dir: str | os.PathLike, *, stage: str, schema: type, config: dict, resumes: bool = True) -> Iterator[Path]:
+    """Hold ``out_dir`` for the block: check the inputs ``schema`` declares in ``config`` (their
+    kinds, and that ``out_dir`` neither holds nor lies in one), lock the folder, check its
+    manifest's settings and inputs against these (unless the stage does not ``resume``: it
+    rewrites all its outputs on every run) and mark it running with these inputs. A claim on a
+    directory this process already holds only checks."""
+    inputs = [input_identity(key, path) for key, path, _ in check_paths(schema, config)]
     out = Path(out_dir)
     out.mkdir(parents=True, exist_ok=True)
     key = out.resolve()
@@ -105,8 +116,9 @@ def claim_output(out_dir: str | os.PathLike, *, stage: str, config: dict, free: 
         _HELD[key] = [_lock(out, stage), 1]
     try:
         if resumes:
-            check_settings(out, config, free)
-        write_manifest(out, stage=stage, config=config, started_at=time.time(), status="running")
+            check_settings(out, config, free_keys(schema))
+            check_inputs(out, inputs)
+        write_manifest(out, stage=stage, config=config, inputs=inputs, started_at=time.time(), status="running")
         yield out
     finally:
         _HELD[key][1] -= 1
@@ -114,20 +126,62 @@ def claim_output(out_dir: str | os.PathLike, *, stage: str, config: dict, free: 
             _HELD.pop(key)[0].close()
 
 
+def _previous_manifest(out: Path) -> dict | None:
+    path = out / "manifest.json"
+    return read_manifest(path) if path.exists() else None
+
+
 def check_settings(out: Path, config: dict, free: Sequence[str] = ()) -> None:
     """Refuse to resume ``out`` when its manifest was written with other settings."""
-    manifest_path = out / "manifest.json"
-    if not manifest_path.exists():
+    manifest = _previous_manifest(out)
+    if manifest is None:
         return
-    try:
-        manifest = json.loads(manifest_path.read_text())
-    except ValueError as exc:
-        raise UserError(f"{manifest_path}: not valid JSON ({exc}); move the directory aside or delete the manifest") from None
     differences = changed_settings(manifest.get("config") or {}, config, free)
     if differences:
         listed = "; ".join(f"{key}: {old!r} then, {new!r} now" for key, old, new in differences[:8])
         more = f" (and {len(differences) - 8} more)" if len(differences) > 8 else ""
         raise SettingsChanged(
             f"{out} was written by a run with other settings ({listed}{more}): resuming would mix outputs made two ways. "
-            "Rerun with the earlier settings to resume, or set out_dir to a new directory"
+            "Rerun with the earlier settings to resume, set out_dir to a new directory, or rerun with --restart to start over"
         )
+
+
+def check_inputs(out: Path, inputs: list[dict]) -> None:
+    """Refuse to resume ``out`` when an input it was made from has changed since: a setting's file
+    (or folder) whose content differs from the manifest's record of it, wherever it now lies."""
+    manifest = _previous_manifest(out)
+    if manifest is None:
+        return
+    before = {i["key"]: i for i in manifest.get("inputs") or [] if isinstance(i, dict) and "key" in i}
+    for now in inputs:
+        then = before.get(now["key"])
+        if then is not None and (then.get("sha256"), then.get("bytes")) != (now["sha256"], now["bytes"]):
+            moved = "" if then.get("path") == now["path"] else f" (then {then.get('path')})"
+            raise InputsChanged(
+                f"{out} was made from another {now['key']}: {now['path']}{moved} has changed since "
+                f"({then.get('bytes')} bytes then, {now['bytes']} now): resuming would mix outputs of two inputs. "
+                "Restore the file, set out_dir to a new directory, or rerun with --restart to start over"
+            )
+
+
+def set_aside(schema: type, config: dict) -> list[Path]:
+    """``--restart``: move what each output folder of ``config`` holds into a sibling folder
+    ``<name>.previous-<time>`` (nothing is deleted), so the stage starts over. The inputs are
+    checked first: an output folder that holds an input is refused before anything moves."""
+    check_apart(schema, config)
+    moved = []
+    for _, folder in output_folders(schema, config):
+        out = Path(folder)
+        if not out.is_dir() or not any(p.name != LOCK_NAME for p in out.iterdir()):
+            continue
+        handle = _lock(out, "restart")
+        try:
+            aside = out.with_name(f"{out.name}.previous-{time.strftime('%Y%m%d-%H%M%S')}-{os.getpid()}")
+            aside.mkdir()
+            for entry in out.iterdir():
+                if entry.name != LOCK_NAME:
+                    entry.rename(aside / entry.name)
+            moved.append(aside)
+        finally:
+            handle.close()
+    return moved

@@ -25,17 +25,19 @@ import logging
 import time
 from collections import Counter
 from collections.abc import Callable, Iterator, Sequence
-from dataclasses import dataclass, field
+from dataclasses import field
 from pathlib import Path
+from typing import Annotated
 
 from omegaconf import MISSING, DictConfig, OmegaConf
 
 from etagent.agent import AgentConfig, AgentLoop
 from etagent.config import build
-from etagent.llm import ENGINE_RESUME_FREE, EngineConfig
+from etagent.llm import EngineConfig, check_engine_settings
 from etagent.progress import Progress
 from etagent.records import JsonlAppender, Judgement, Question, TrajectoryGroup, read_questions, write_manifest
 from etagent.rundir import claim_output
+from etagent.settings import FREE, InputData, NonNegativeFloat, NonNegativeInt, OutputFolder, PositiveInt, check_paths, group, validate
 from etagent.tools.executor import ToolsConfig, degraded, describe_failures, failure_counts
 
 log = logging.getLogger(__name__)
@@ -49,28 +51,33 @@ Judge = Callable[[str, Sequence[str], str], Judgement]
 TOKEN_ARRAYS = frozenset({"prompt_ids", "response_ids", "response_mask", "response_origin", "logprobs", "tempered_logprobs"})
 
 
-@dataclass
+@group
 class RayConfig:
     """``ray``: Ray actors for the rollouts, each with its own engine and tools (configs of the
-    stages that sample document each field)."""
+    stages that sample document each field). Where the work runs, not what it computes: a
+    resumed run may change all of it."""
 
-    workers: int = 0
-    address: str | None = None
-    num_cpus_per_worker: int = 1
-    num_gpus_per_worker: float = 0.0
+    workers: Annotated[NonNegativeInt, FREE] = 0
+    address: Annotated[str | None, FREE] = None
+    num_cpus_per_worker: Annotated[PositiveInt, FREE] = 1
+    num_gpus_per_worker: Annotated[NonNegativeFloat, FREE] = 0.0
 
 
-@dataclass
+@group
 class SamplingConfig:
     """What :func:`run_sampling` reads. A stage's config holds these keys at its top level (direct
-    rollout's, beside its own), or the stage makes one per run (evaluation, one per dataset)."""
+    rollout's, beside its own), or the stage makes one per run (evaluation, one per dataset).
 
-    questions: str = MISSING
-    out_dir: str = MISSING
-    n: int = MISSING
-    batch_questions: int = MISSING
-    limit: int | None = None
-    partial_input_ok: bool = False
+    Each record is one question's, complete in itself, so a resumed run may sample more of the
+    same file (``limit``), from wherever the file now lies (``questions``; its content must be
+    the same: etagent/rundir.py)."""
+
+    questions: Annotated[InputData, FREE] = MISSING
+    out_dir: OutputFolder = MISSING
+    n: PositiveInt = MISSING
+    batch_questions: Annotated[PositiveInt, FREE] = MISSING
+    limit: Annotated[PositiveInt | None, FREE] = None
+    partial_input_ok: Annotated[bool, FREE] = False
     engine: EngineConfig = MISSING
     agent: AgentConfig = MISSING
     tools: ToolsConfig = MISSING
@@ -205,43 +212,12 @@ def _ray(cfg: DictConfig, stage: str, todo: list[Question], judge: Judge, token_
         yield [TrajectoryGroup.model_validate(g) for g in result]
 
 
-# The settings a resumed run may change: where the engine and tools run, how fast, and which
-# questions are sampled (``questions``, ``limit``: each record is one question's, complete in
-# itself, so a rerun may add questions). Every other setting changes what a record means, and a
-# rerun with a different value is refused (etagent/rundir.py).
-RESUME_FREE = (
-    "questions",
-    "limit",
-    "batch_questions",
-    "partial_input_ok",
-    *(f"engine.{key}" for key in ENGINE_RESUME_FREE),
-    "tools.max_failure_share",
-    "tools.*.concurrency",
-    "tools.search.timeout_s",
-    "tools.search.attempts",
-    "tools.search.local.url",
-    "tools.search.local.token_env",
-    "tools.search.web.api_key_env",
-    "tools.search.cache",
-)
-
-
 def check_sampling_settings(cfg: DictConfig) -> None:
-    """Everything a sampling run reads, in range and present, before any output is written."""
-    from etagent.agent import check_agent_settings
-    from etagent.config import require_file, require_int
-    from etagent.llm import check_engine_settings
-    from etagent.tools.executor import check_tool_settings
-
-    require_file(cfg, "questions")
-    require_int(cfg, "n")
-    require_int(cfg, "batch_questions")
-    require_int(cfg, "limit", optional=True)
-    require_int(cfg, "ray.workers", minimum=0)
-    require_int(cfg, "ray.num_cpus_per_worker")
+    """What a sampling run reads, present and of its kind, before any output is written (the
+    ranges were checked at load: etagent/settings.py)."""
+    validate(SamplingConfig, OmegaConf.to_container(cfg, resolve=True))
+    check_paths(SamplingConfig, OmegaConf.to_container(cfg, resolve=True))
     check_engine_settings(cfg.engine)
-    check_agent_settings(cfg.agent)
-    check_tool_settings(cfg.tools)
 
 
 def run_sampling(cfg: DictConfig, stage: str, judge: Judge, token_arrays: bool = True) -> dict:
@@ -257,13 +233,12 @@ def run_sampling(cfg: DictConfig, stage: str, judge: Judge, token_arrays: bool =
     questions = read_questions(cfg.questions, partial_ok=cfg.partial_input_ok)
     if cfg.limit is not None:
         questions = questions[: cfg.limit]
-    with claim_output(cfg.out_dir, stage=stage, config=config, free=RESUME_FREE) as out:
+    with claim_output(cfg.out_dir, stage=stage, schema=SamplingConfig, config=config) as out:
         metrics = _sample(cfg, stage, out, questions, judge, token_arrays, started)
         write_manifest(
             out,
             stage=stage,
             config=config,
-            inputs=[cfg.questions],
             counts={"questions": metrics["questions"], "trajectories": metrics["trajectories"]},
             seed=cfg.agent.seed,
             started_at=started,

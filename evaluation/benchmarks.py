@@ -14,12 +14,11 @@ What this module does not do: download (``evaluation/prepare.py``) or score.
 
 from __future__ import annotations
 
-import json
 from dataclasses import dataclass
 from pathlib import Path
 
 from etagent.errors import MissingInput, SettingError
-from etagent.records import Question, RecordError, iter_jsonl
+from etagent.records import Question, RecordError, iter_jsonl, read_json_file, read_parquet_rows
 
 
 @dataclass(frozen=True)
@@ -122,12 +121,13 @@ def load_benchmark(name: str, path: str | Path, limit: int | None = None, partia
     path = Path(path)
     if not path.exists():
         raise MissingInput(f"{path}: no file for benchmark {name} (see evaluation/prepare.py)")
-    if path.suffix == ".parquet":
-        import pyarrow.parquet as pq
-
-        rows = enumerate(pq.read_table(path).to_pylist(), start=1)
+    if path.suffix == ".parquet" or path.is_dir():
+        rows = enumerate(read_parquet_rows(path), start=1)
     elif path.suffix == ".json":
-        rows = enumerate(json.loads(path.read_text()), start=1)
+        array = read_json_file(path)
+        if not isinstance(array, list):
+            raise RecordError(path, None, "(file)", "expected a JSON array of questions")
+        rows = enumerate(array, start=1)
     else:
         rows = iter_jsonl(path, partial_ok)
     questions, seen = [], set()

@@ -1,55 +1,61 @@
-"""The schema of configs/evaluation/ (evaluation/run.py): field names and types only. The values,
-and what each means, are in configs/evaluation/_base.yaml and the presets; registered with Hydra
-in evaluation/__init__.py, so a key that is not a field fails at load."""
+"""The schema of configs/evaluation/ (evaluation/run.py): each setting declared once with its type,
+its constraints and whether a resumed run may change it (``FREE``: the datasets, each in its own
+folder with its own manifest; where the question files lie, their content being checked; the
+judge's address and pace; the bootstrap). The values, and what each means, are in
+configs/evaluation/_base.yaml and the presets; registered with Hydra in evaluation/__init__.py,
+so a key that is not a field fails at load (etagent/settings.py)."""
 
 from __future__ import annotations
 
-from dataclasses import dataclass, field
+from dataclasses import field
+from typing import Annotated
 
 from omegaconf import MISSING
 
 from etagent.agent import AgentConfig
 from etagent.llm import EngineConfig, Sampling
 from etagent.sampling import RayConfig
+from etagent.settings import FREE, Fraction, InputData, OneOf, OutputFolder, PositiveInt, Seed, group
 from etagent.tools.executor import ToolsConfig
 
 
-@dataclass
+@group
 class EvaluationJudge:
     """The LLM judge of math answers: a text model on its own (served) engine."""
 
     enabled: bool = MISSING
     engine: EngineConfig = field(default_factory=EngineConfig)
     sampling: Sampling = field(default_factory=Sampling)
-    max_new_tokens: int = MISSING
-    attempts: int = MISSING
-    kinds: list[str] = MISSING
-    batch_questions: int = MISSING
+    max_new_tokens: PositiveInt = MISSING
+    attempts: Annotated[PositiveInt, FREE] = MISSING
+    kinds: list[Annotated[str, OneOf("math", "qa")]] = MISSING
+    batch_questions: Annotated[PositiveInt, FREE] = MISSING
 
 
-@dataclass
+@group
 class WebSearch:
-    backend: str | None = MISSING
+    backend: Annotated[str, OneOf("serper", "brightdata", "bing")] | None = MISSING
 
 
-@dataclass
+@group
 class EvaluationConfig:
     engine: EngineConfig = field(default_factory=EngineConfig)
     agent: AgentConfig = field(default_factory=AgentConfig)
     tools: ToolsConfig = field(default_factory=ToolsConfig)
     ray: RayConfig = field(default_factory=RayConfig)
     judge: EvaluationJudge = field(default_factory=EvaluationJudge)
-    datasets: list[str] = MISSING
-    data_dir: str = MISSING
-    # per dataset name: its questions file, instead of data_dir/{name}/test.jsonl
-    files: dict[str, str] = MISSING
-    limit: int | None = MISSING
-    partial_input_ok: bool = MISSING
-    out_dir: str = MISSING
-    run_name: str | None = MISSING
-    n: int = MISSING
-    qa_pass_mark: float = MISSING
-    batch_questions: int = MISSING
-    bootstrap_rounds: int = MISSING
-    seed: int = MISSING
-    web_search: WebSearch = field(default_factory=WebSearch)
+    datasets: Annotated[list[str], FREE] = MISSING
+    data_dir: Annotated[str, FREE] = MISSING
+    # per dataset name: its questions file, instead of data_dir/{name}/test.jsonl (a run records
+    # the file of each dataset it evaluates here: evaluation/run.py)
+    files: Annotated[dict[str, InputData], FREE] = MISSING
+    limit: Annotated[PositiveInt | None, FREE] = MISSING
+    partial_input_ok: Annotated[bool, FREE] = MISSING
+    out_dir: OutputFolder = MISSING
+    run_name: Annotated[str | None, FREE] = MISSING
+    n: PositiveInt = MISSING
+    qa_pass_mark: Fraction = MISSING
+    batch_questions: Annotated[PositiveInt, FREE] = MISSING
+    bootstrap_rounds: Annotated[PositiveInt, FREE] = MISSING
+    seed: Annotated[Seed, FREE] = MISSING
+    web_search: Annotated[WebSearch, FREE] = field(default_factory=WebSearch)

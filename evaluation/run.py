@@ -33,18 +33,17 @@ from pathlib import Path
 
 from omegaconf import DictConfig, OmegaConf
 
-from etagent.config import build, require_int, require_number
+from etagent.config import build
 from etagent.errors import DegradedRun, SettingError, exit_on_user_error
-from etagent.llm import ENGINE_RESUME_FREE
 from etagent.progress import Progress
 from etagent.records import JsonlAppender, TrajectoryGroup, iter_jsonl, read_jsonl, write_jsonl, write_manifest
 from etagent.rundir import claim_output
-from etagent.sampling import RESUME_FREE as SAMPLING_RESUME_FREE
 from etagent.sampling import SamplingConfig, run_sampling
 from etagent.scoring import rule_judgement, sample_metrics
+from etagent.settings import check_paths
 from etagent.tools.executor import degraded, describe_failures
 from evaluation.benchmarks import BENCHMARKS, benchmark_file, load_benchmark
-from evaluation.config import EvaluationJudge
+from evaluation.config import EvaluationConfig, EvaluationJudge
 from evaluation.metrics import aggregate, behaviour
 from evaluation.table import summary_rows, write_table
 
@@ -131,44 +130,25 @@ def behaviour_table(results: dict[str, dict]) -> list[str]:
     return lines
 
 
-def check_settings(cfg: DictConfig) -> None:
-    """What the evaluation reads, in range and present, before any output is written (the
-    rollouts' engine, agent and tools are checked with them, by etagent.sampling)."""
-    from etagent.agent import check_agent_settings
-    from etagent.llm import check_engine_settings, check_sampling
-    from etagent.tools.executor import check_tool_settings
+def check_settings(cfg: DictConfig) -> dict:
+    """What the evaluation reads, present and of its kind, before any output is written (ranges
+    were checked at load; the rollouts' engine, agent and tools are checked with them, by
+    etagent.sampling). Returns the config as run: ``files`` holds the file of each dataset
+    evaluated, and only those, so the manifest records the questions each result came from."""
+    from etagent.llm import check_engine_settings
 
     if not cfg.datasets:
         raise SettingError("datasets", "is empty: name at least one benchmark")
     for name in cfg.datasets:
         if name not in BENCHMARKS:
             raise SettingError("datasets", f"unknown benchmark {name!r}; known: {', '.join(BENCHMARKS)}")
-    for key in ("n", "batch_questions", "bootstrap_rounds", "judge.batch_questions", "judge.attempts", "judge.max_new_tokens"):
-        require_int(cfg, key)
-    require_int(cfg, "limit", optional=True)
+    config = OmegaConf.to_container(cfg, resolve=True)
+    config["files"] = {name: str(benchmark_path(cfg, name)) for name in cfg.datasets}
+    check_paths(EvaluationConfig, config)
     if cfg.judge.enabled:
         check_engine_settings(cfg.judge.engine, "judge.engine")
-        check_sampling(cfg.judge.sampling, "judge.sampling")
-    require_number(cfg, "qa_pass_mark", 0, 1)
     check_engine_settings(cfg.engine)
-    check_agent_settings(cfg.agent)
-    check_tool_settings(cfg.tools)
-
-
-# What a rerun may change besides what the rollouts allow (etagent.sampling.RESUME_FREE): the
-# datasets (each has its own folder and manifest), the judge's address and pace, the bootstrap.
-RESUME_FREE = (
-    *SAMPLING_RESUME_FREE,
-    "datasets",
-    "files",
-    "data_dir",
-    *(f"judge.engine.{key}" for key in ENGINE_RESUME_FREE),
-    "judge.attempts",
-    "judge.batch_questions",
-    "bootstrap_rounds",
-    "seed",
-    "web_search",
-)
+    return config
 
 
 def benchmark_path(cfg: DictConfig, name: str) -> Path:
@@ -179,9 +159,11 @@ def evaluate_dataset(cfg: DictConfig, name: str, questions: list, judge_settings
     out = Path(cfg.out_dir) / name
     out.mkdir(parents=True, exist_ok=True)
     path = benchmark_path(cfg, name)
-    write_jsonl(out / "questions.jsonl", questions)
+    # the questions as read (cut to ``limit``), beside the dataset's folder: an input of its
+    # rollouts, which never lies inside their output folder
+    questions_path = write_jsonl(Path(cfg.out_dir) / "questions" / f"{name}.jsonl", questions)
     rollouts = run_sampling(
-        dataset_sampling(cfg, name, out / "questions.jsonl", out),
+        dataset_sampling(cfg, name, questions_path, out),
         f"evaluation/{name}",
         judge=partial(rule_judgement, qa_pass_mark=cfg.qa_pass_mark),
     )
@@ -198,11 +180,10 @@ def evaluate_dataset(cfg: DictConfig, name: str, questions: list, judge_settings
 
 def run(cfg: DictConfig) -> dict:
     started = time.time()
-    check_settings(cfg)
-    config = OmegaConf.to_container(cfg, resolve=True)
+    config = check_settings(cfg)
     # every benchmark read (and so checked) before anything is written
     questions = {name: load_benchmark(name, benchmark_path(cfg, name), cfg.limit, cfg.partial_input_ok) for name in cfg.datasets}
-    with claim_output(cfg.out_dir, stage="evaluation", config=config, free=RESUME_FREE) as out:
+    with claim_output(cfg.out_dir, stage="evaluation", schema=EvaluationConfig, config=config) as out:
         return _evaluate(cfg, out, config, questions, started)
 
 
@@ -232,7 +213,6 @@ def _evaluate(cfg: DictConfig, out: Path, config: dict, questions: dict[str, lis
         out,
         stage="evaluation",
         config=config,
-        inputs=[str(Path(cfg.out_dir) / name / "questions.jsonl") for name in cfg.datasets],
         counts={name: r["samples"] for name, r in results.items()},
         seed=cfg.seed,
         started_at=started,

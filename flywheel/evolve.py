@@ -52,6 +52,7 @@ import logging
 import random
 from collections import Counter, defaultdict
 from dataclasses import dataclass, field
+from typing import Annotated
 
 from omegaconf import MISSING
 
@@ -60,6 +61,7 @@ from etagent.agent import AgentLoop, Budgets
 from etagent.llm.text import TextModel
 from etagent.net import ExternalCallError
 from etagent.records import Judgement, Question, Trajectory
+from etagent.settings import FREE, Fraction, NonNegativeInt, PositiveFloat, PositiveInt, Seed, group
 from flywheel import prompts
 from flywheel.steps import (
     EditorReplyError,
@@ -95,19 +97,19 @@ def derived_seed(*parts) -> int:
     return int.from_bytes(digest[:8], "big") >> 1
 
 
-@dataclass
+@group
 class FlywheelSettings:
     """The ``flywheel`` config group: names and types only, like every stage schema; the values,
     and what each means, are in configs/flywheel/_base.yaml."""
 
-    rounds: int = MISSING
-    continuation_python_calls: int = MISSING
-    continuation_search_calls: int = MISSING
-    qa_pass_mark: float = MISSING
-    concurrency: int = MISSING  # flywheel/run.py: questions at once, and seconds each
-    question_timeout_s: float = MISSING
-    seed: int = MISSING
-    reply_chars: int = MISSING  # of each raw editor reply kept in the log
+    rounds: NonNegativeInt = MISSING
+    continuation_python_calls: NonNegativeInt = MISSING
+    continuation_search_calls: NonNegativeInt = MISSING
+    qa_pass_mark: Fraction = MISSING
+    concurrency: Annotated[PositiveInt, FREE] = MISSING  # flywheel/run.py: questions at once, and seconds each
+    question_timeout_s: PositiveFloat = MISSING
+    seed: Seed = MISSING
+    reply_chars: Annotated[PositiveInt, FREE] = MISSING  # of each raw editor reply kept in the log
 
 
 @dataclass

@@ -38,7 +38,7 @@ from pathlib import Path
 from omegaconf import DictConfig
 
 from etagent import protocol
-from etagent.errors import exit_on_user_error
+from etagent.errors import SettingError, UserError, exit_on_user_error
 from etagent.records import SFTExample, Trajectory, TrajectoryGroup, export_llamafactory, read_jsonl, read_records, write_jsonl
 
 log = logging.getLogger("flywheel.export")
@@ -95,6 +95,10 @@ def export(cfg: DictConfig) -> dict:
     source = Path(cfg.out_dir) / "trajectories.jsonl"
     e = cfg.export
     out = Path(e.out_dir)
+    if out.resolve() == Path(cfg.out_dir).resolve():
+        raise SettingError("export.out_dir", f"is the flywheel's out_dir ({cfg.out_dir}), which it reads: write the export elsewhere")
+    if e.seed_data and Path(e.seed_data).resolve().is_relative_to(out.resolve()):
+        raise SettingError("export.seed_data", f"{e.seed_data} lies inside export.out_dir, which the export writes")
     out.mkdir(parents=True, exist_ok=True)
     # questions are written as they finish, an order that depends on timing: the data's order must not
     groups = sorted(read_jsonl(source, TrajectoryGroup), key=lambda g: g.id)
@@ -116,6 +120,11 @@ def export(cfg: DictConfig) -> dict:
                     tool_calls=t.tool_calls_written,
                 )
             )
+    if not examples:  # an SFT on this would train on nothing: say why, and write nothing
+        reasons = ", ".join(f"{n} {reason}" for reason, n in dropped.most_common()) or "no trajectories"
+        raise UserError(
+            f"{source}: none of the {sum(len(g.trajectories) for g in groups)} trajectories of {len(groups)} questions is kept as SFT data ({reasons})"
+        )
     write_jsonl(out / "sft.jsonl", examples)
     for fmt in e.llamafactory:
         export_llamafactory(examples, out / "llamafactory" / fmt, name=f"flywheel_{fmt}", fmt=fmt)
@@ -149,7 +158,7 @@ def main(argv: list[str] | None = None) -> None:
     from etagent.config import parse_stage_args
 
     logging.basicConfig(level=logging.INFO, format="%(asctime)s %(name)s %(message)s")
-    cfg = parse_stage_args("flywheel", argv, prog="python -m flywheel.export", doc=__doc__)
+    cfg = parse_stage_args("flywheel", argv, prog="python -m flywheel.export", doc=__doc__, resumes=False)
     r = export(cfg)
     x = r["export"]
     print(

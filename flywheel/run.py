@@ -40,18 +40,19 @@ from pathlib import Path
 from omegaconf import DictConfig, OmegaConf
 
 from etagent import scoring
-from etagent.agent import AgentConfig, AgentLoop, check_agent_settings
-from etagent.config import build, require_file, require_int, require_number
+from etagent.agent import AgentConfig, AgentLoop
+from etagent.config import build
 from etagent.errors import DegradedRun, SettingError, exit_on_user_error
-from etagent.llm import ENGINE_RESUME_FREE, Sampling, check_engine_settings, check_sampling
+from etagent.llm import Sampling, check_engine_settings
 from etagent.llm.text import TextModel, load_text_model, shared_engine
 from etagent.progress import Progress
 from etagent.records import JsonlAppender, Question, TrajectoryGroup, read_jsonl, read_questions, write_manifest
 from etagent.rundir import claim_output
-from etagent.sampling import RESUME_FREE as SAMPLING_RESUME_FREE
+from etagent.settings import check_paths
 from etagent.tools import ToolOutput
-from etagent.tools.executor import build_executor, check_tool_settings, degraded, describe_failures, failure_counts
+from etagent.tools.executor import build_executor, degraded, describe_failures, failure_counts
 from flywheel import prompts
+from flywheel.config import FlywheelConfig
 from flywheel.evolve import OPERATIONS, STAT_FIELDS, Flywheel, FlywheelSettings, QuestionRun, derived_seed
 
 log = logging.getLogger("flywheel")
@@ -117,38 +118,17 @@ async def evolve_all(settings: FlywheelSettings, flywheel: Flywheel, todo: list[
     progress.close()
 
 
-# What a rerun may change besides what rollouts allow (etagent.sampling.RESUME_FREE): the pace,
-# the log's reply length, the export (a later step), the editor's address and batch size.
-RESUME_FREE = (
-    *SAMPLING_RESUME_FREE,
-    "flywheel.concurrency",
-    "flywheel.reply_chars",
-    "export",
-    *(f"editor.engine.{key}" for key in ENGINE_RESUME_FREE),
-)
-
-
 def check_settings(cfg: DictConfig) -> None:
-    """The roles, counts and limits in range and the models present, before any model loads."""
+    """The models and questions present and of their kind, and how the roles go together, before
+    any model loads (ranges were checked at load: flywheel/config.py)."""
     if cfg.editor.enabled and not cfg.editor.engine.model:
         raise SettingError("editor.engine.model", "editor.enabled=true needs it (a model folder, hub id or .gguf file)")
     if not cfg.editor.enabled and (cfg.judge.llm or cfg.summariser.enabled):
         raise SettingError(
             "editor.enabled", "judge.llm and summariser.enabled use the editor's model: set editor.enabled=true and editor.engine.model"
         )
-    require_file(cfg, "questions")
-    require_int(cfg, "limit", optional=True)
-    for key in ("flywheel.concurrency", "judge.attempts", "judge.max_new_tokens", "reflector.max_new_tokens", "editor.max_new_tokens"):
-        require_int(cfg, key)
-    for key in ("flywheel.rounds", "flywheel.continuation_python_calls", "flywheel.continuation_search_calls"):
-        require_int(cfg, key, minimum=0)
-    require_number(cfg, "flywheel.qa_pass_mark", 0, 1)
-    for role in ("reflector", "editor", "judge"):
-        check_sampling(cfg[role].sampling, f"{role}.sampling")
-    require_number(cfg, "flywheel.question_timeout_s", above=0)
+    check_paths(FlywheelConfig, OmegaConf.to_container(cfg, resolve=True))
     check_engine_settings(cfg.engine)
-    check_agent_settings(cfg.agent)
-    check_tool_settings(cfg.tools)
 
 
 def run(cfg: DictConfig) -> dict:
@@ -158,13 +138,12 @@ def run(cfg: DictConfig) -> dict:
     questions = read_questions(cfg.questions, partial_ok=cfg.partial_input_ok)
     if cfg.limit is not None:
         questions = questions[: cfg.limit]
-    with claim_output(cfg.out_dir, stage="flywheel", config=config, free=RESUME_FREE) as out:
+    with claim_output(cfg.out_dir, stage="flywheel", schema=FlywheelConfig, config=config) as out:
         metrics = evolve(cfg, out, questions)
         write_manifest(
             out,
             stage="flywheel",
             config=config,
-            inputs=[cfg.questions],
             counts={"questions": metrics["questions"], "trajectories": metrics["trajectories"]},
             seed=cfg.flywheel.seed,
             started_at=started,

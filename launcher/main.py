@@ -29,8 +29,10 @@ from collections.abc import Callable
 
 
 def register_stage_schemas() -> None:
-    """Every stage's config schema (its package registers it when imported), for ``etagent configs``."""
+    """Every stage's config schema (its package registers it when imported; the shared groups'
+    are registered by the modules that read them, which the stages import), for ``etagent configs``."""
     import direct_rollout  # noqa: F401
+    import etagent.toy.config  # noqa: F401
     import evaluation  # noqa: F401
     import flywheel  # noqa: F401
     import pareto  # noqa: F401

@@ -4,25 +4,30 @@ pareto/__init__.py, so a key that is not a field fails at load."""
 
 from __future__ import annotations
 
-from dataclasses import dataclass, field
+from dataclasses import field
+from typing import Annotated
 
 from omegaconf import MISSING
 
+from etagent.settings import Fraction, InputFileOrFolder, OneOf, OutputFolder, PositiveInt, Seed, group
+from pareto.selection import OBJECTIVES
 
-@dataclass
+
+@group
 class MixedOutcome:
-    math_threshold: float = MISSING
-    qa_pass_mark: float = MISSING
+    math_threshold: Fraction = MISSING
+    qa_pass_mark: Fraction = MISSING
 
 
-@dataclass
+@group
 class ParetoConfig:
-    rl_stage: int = MISSING
-    rollouts: str = MISSING
-    out_dir: str = MISSING
-    count: int = MISSING
-    method: str = MISSING
-    objectives: list[str] = MISSING
+    rl_stage: PositiveInt = MISSING
+    # direct rollout's folder, or its trajectories.jsonl
+    rollouts: InputFileOrFolder = MISSING
+    out_dir: OutputFolder = MISSING
+    count: PositiveInt = MISSING
+    method: Annotated[str, OneOf("pareto", "random")] = MISSING
+    objectives: list[Annotated[str, OneOf(*OBJECTIVES)]] = MISSING
     mixed_outcome: MixedOutcome = field(default_factory=MixedOutcome)
-    seed: int = MISSING
+    seed: Seed = MISSING
     split: str = MISSING

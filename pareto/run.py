@@ -45,10 +45,21 @@ from pathlib import Path
 import numpy as np
 from omegaconf import DictConfig, OmegaConf
 
-from etagent.config import require_choice, require_int, require_number
 from etagent.errors import MissingInput, SettingError, UserError, exit_on_user_error
-from etagent.records import Question, RecordError, RLRow, iter_jsonl, parse_record, write_jsonl, write_manifest, write_rl_parquet
+from etagent.records import (
+    Question,
+    RecordError,
+    RLRow,
+    iter_jsonl,
+    parse_record,
+    read_manifest,
+    write_jsonl,
+    write_manifest,
+    write_rl_parquet,
+)
 from etagent.rundir import claim_output
+from etagent.settings import check_paths
+from pareto.config import ParetoConfig
 from pareto.selection import Chains, mixed_outcome, objectives, select
 
 log = logging.getLogger("pareto")
@@ -175,10 +186,8 @@ def draw_scatter(path: Path, points: np.ndarray, status: list[str], names: list[
 
 
 def check_settings(cfg: DictConfig) -> None:
-    require_int(cfg, "count")
-    require_choice(cfg, "method", ("pareto", "random"))
-    require_number(cfg, "mixed_outcome.math_threshold", 0, 1)
-    require_number(cfg, "mixed_outcome.qa_pass_mark", 0, 1)
+    """The rollouts present, and what the declarations (pareto/config.py) cannot say alone."""
+    check_paths(ParetoConfig, OmegaConf.to_container(cfg, resolve=True))
     if not cfg.objectives:
         raise SettingError("objectives", "is empty: name at least one objective")
 
@@ -187,7 +196,7 @@ def run(cfg: DictConfig) -> dict:
     check_settings(cfg)
     config = OmegaConf.to_container(cfg, resolve=True)
     # every run recomputes the selection from the rollouts, so nothing is resumed
-    with claim_output(cfg.out_dir, stage=f"pareto/stage{cfg.rl_stage}", config=config, resumes=False) as out:
+    with claim_output(cfg.out_dir, stage=f"pareto/stage{cfg.rl_stage}", schema=ParetoConfig, config=config, resumes=False) as out:
         return choose(cfg, out, config)
 
 
@@ -200,7 +209,7 @@ def choose(cfg: DictConfig, out: Path, config: dict) -> dict:
     if not rollouts.exists():
         raise MissingInput(f"rollouts: no {rollouts} (run direct_rollout first)")
     manifest = rollouts.parent / "manifest.json"
-    status = json.loads(manifest.read_text()).get("status") if manifest.exists() else None
+    status = read_manifest(manifest).get("status") if manifest.exists() else None
     if status == "running":
         raise UserError(f"{manifest}: the direct rollout has not finished (status running); rerun it to complete, then select")
     if status == "degraded":
@@ -214,6 +223,12 @@ def choose(cfg: DictConfig, out: Path, config: dict) -> dict:
     mixed = mixed_outcome(chains, threshold)
     reasons = ineligibility(chains, threshold, mixed)
     eligible = np.flatnonzero(mixed)
+    if cfg.method == "pareto" and not len(eligible):
+        reasons_count = ", ".join(f"{n} {r}" for r, n in Counter(r for r in reasons if r is not None).most_common())
+        raise UserError(
+            f"{rollouts}: none of the {len(questions)} questions is eligible ({reasons_count}): an RL stage on them would have no "
+            "question whose rollouts disagree, so no advantage to learn from; roll out more chains per question (n) or more questions"
+        )
     front = np.full(len(questions), -1)
     distance = np.full(len(questions), np.nan)
     if cfg.method == "pareto":
@@ -231,6 +246,10 @@ def choose(cfg: DictConfig, out: Path, config: dict) -> dict:
         draw = np.random.default_rng([int(cfg.seed), 1]).choice(len(questions), size=min(int(cfg.count), len(questions)), replace=False)
         chosen, fronts = np.sort(draw), {}
 
+    if not len(chosen):
+        raise UserError(
+            f"{rollouts}: no question selected of {len(questions)} (count={cfg.count}, method={cfg.method}); nothing for RL to train on"
+        )
     # the parquet: extra_info.index is the position in the selection, the rows are shuffled
     rows = [RLRow.for_question(questions[i], index=k, split=cfg.split) for k, i in enumerate(chosen)]
     order = np.random.default_rng(int(cfg.seed)).permutation(len(rows))
@@ -302,7 +321,6 @@ def choose(cfg: DictConfig, out: Path, config: dict) -> dict:
         out,
         stage=f"pareto/stage{cfg.rl_stage}",
         config=config,
-        inputs=[rollouts],
         counts={"questions": len(questions), "eligible": int(len(eligible)), "selected": int(len(chosen))},
         seed=int(cfg.seed),
         started_at=started,

@@ -4,32 +4,35 @@ radar/__init__.py, so a key that is not a field fails at load."""
 
 from __future__ import annotations
 
-from dataclasses import dataclass, field
+from dataclasses import field
+from typing import Annotated
 
 from omegaconf import MISSING
 
 from etagent.llm import EngineConfig, Sampling
+from etagent.settings import FREE, InputFolder, OneOf, OutputFolder, PositiveInt, TokenizerPath, group
 
 
-@dataclass
+@group
 class RadarJudge:
     """The redundancy judge: the toy world's oracle, or a text model on its own (served) engine."""
 
-    mode: str = MISSING
+    mode: Annotated[str, OneOf("toy_oracle", "llm")] = MISSING
     engine: EngineConfig = field(default_factory=EngineConfig)
-    rounds: int = MISSING
+    rounds: PositiveInt = MISSING
     sampling: Sampling = field(default_factory=Sampling)
-    max_new_tokens: int = MISSING
-    max_trajectory_chars: int = MISSING
-    batch: int = MISSING
+    max_new_tokens: PositiveInt = MISSING
+    max_trajectory_chars: PositiveInt = MISSING
+    batch: Annotated[PositiveInt, FREE] = MISSING
 
 
-@dataclass
+@group
 class RadarConfig:
     judge: RadarJudge = field(default_factory=RadarJudge)
-    runs: list[str] = MISSING
-    labels: list[str] | None = MISSING
-    datasets: list[str] | None = MISSING
-    tokenizer: str = MISSING
-    execution_rule: str = MISSING
-    out_dir: str = MISSING
+    # which runs and datasets are drawn may change on a rerun: each has its own cached verdicts
+    runs: Annotated[list[InputFolder], FREE] = MISSING
+    labels: Annotated[list[str] | None, FREE] = MISSING
+    datasets: Annotated[list[str] | None, FREE] = MISSING
+    tokenizer: TokenizerPath = MISSING
+    execution_rule: Annotated[str, OneOf("paper", "corrected")] = MISSING
+    out_dir: OutputFolder = MISSING

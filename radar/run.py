@@ -31,16 +31,17 @@ from pathlib import Path
 
 from omegaconf import DictConfig, OmegaConf
 
-from etagent.config import build, require_choice, require_int, require_model
+from etagent.config import build
 from etagent.errors import MissingInput, SettingError, UserError, exit_on_user_error
-from etagent.llm import ENGINE_RESUME_FREE, check_engine_settings, check_sampling
+from etagent.llm import check_engine_settings
 from etagent.llm.text import TextModel, load_text_model
 from etagent.progress import Progress
 from etagent.records import JsonlAppender, TrajectoryGroup, iter_jsonl, read_jsonl, write_manifest
 from etagent.rundir import claim_output
 from etagent.scoring import correctness
+from etagent.settings import check_paths
 from radar.chart import AXES, draw
-from radar.config import RadarJudge
+from radar.config import RadarConfig, RadarJudge
 from radar.metrics import REDUNDANCY_PROMPT, execution, majority_redundant, parse_redundancy, reasoning_tokens, toy_redundant
 
 log = logging.getLogger("radar")
@@ -156,41 +157,30 @@ def tool_use_rates(per_dataset: dict[str, dict]) -> tuple[float, float] | None:
     return mean("redundant_rate"), mean("insufficient_rate")
 
 
-# What a rerun may change: which runs and datasets are drawn (each has its own cached verdicts) and
-# where and how fast the judge runs.
-RESUME_FREE = (
-    "runs",
-    "labels",
-    "datasets",
-    *(f"judge.engine.{key}" for key in ENGINE_RESUME_FREE),
-    "judge.batch",
-)
-
-
-def check_settings(cfg: DictConfig) -> None:
+def check_settings(cfg: DictConfig) -> dict:
+    """The runs and the tokenizer present, and what the declarations (radar/config.py) cannot say
+    alone, before any work. Returns the config as run (with the toy oracle, no judge model)."""
     if not cfg.runs:
         raise SettingError("runs", "is empty: give the evaluation output directories to compare")
-    for run_dir in cfg.runs:
+    config = OmegaConf.to_container(cfg, resolve=True)
+    if cfg.judge.mode != "llm":  # the oracle reads the toy world's answers: no judge model
+        config["judge"]["engine"]["model"] = None
+    check_paths(RadarConfig, config)
+    for i, run_dir in enumerate(cfg.runs):
         if not (Path(run_dir) / "summary.json").is_file():
             raise SettingError(
-                "runs", f"{run_dir} has no summary.json: not a finished evaluation (python -m evaluation.run out_dir={run_dir})"
+                f"runs[{i}]", f"{run_dir} has no summary.json: not a finished evaluation (python -m evaluation.run out_dir={run_dir})"
             )
     if cfg.labels and len(cfg.labels) != len(cfg.runs):
         raise SettingError("labels", f"{len(cfg.labels)} labels for {len(cfg.runs)} runs")
-    require_model(cfg, "tokenizer")
-    require_choice(cfg, "execution_rule", ("paper", "corrected"))
-    mode = require_choice(cfg, "judge.mode", ("toy_oracle", "llm"))
-    for key in ("judge.rounds", "judge.max_new_tokens", "judge.max_trajectory_chars", "judge.batch"):
-        require_int(cfg, key)
-    if mode == "llm":
+    if cfg.judge.mode == "llm":
         check_engine_settings(cfg.judge.engine, "judge.engine")
-        check_sampling(cfg.judge.sampling, "judge.sampling")
+    return config
 
 
 def run(cfg: DictConfig) -> dict:
-    check_settings(cfg)
-    config = OmegaConf.to_container(cfg, resolve=True)
-    with claim_output(cfg.out_dir, stage="radar", config=config, free=RESUME_FREE) as out:
+    config = check_settings(cfg)
+    with claim_output(cfg.out_dir, stage="radar", schema=RadarConfig, config=config) as out:
         return measure(cfg, out, config)
 
 
@@ -222,7 +212,6 @@ def measure(cfg: DictConfig, out: Path, config: dict) -> dict:
         out,
         stage="radar",
         config=config,
-        inputs=[str(Path(r) / "summary.json") for r in cfg.runs],
         counts={label: sum(d["trajectories"] for d in r["datasets"].values()) for label, r in result.items()},
         seed=None,
         started_at=started,

@@ -30,9 +30,11 @@ from pathlib import Path
 
 import numpy as np
 
-from etagent.errors import MissingInput, UserError, exit_on_user_error
+from etagent.errors import UserError, exit_on_user_error
 from etagent.progress import Progress
-from etagent.records import RecordError, iter_jsonl, write_manifest
+from etagent.records import RecordError, input_identity, iter_jsonl, write_manifest
+from etagent.rundir import changed_settings
+from etagent.settings import check_paths, free_keys
 from retriever.config import EncoderSettings, IndexBuildSettings, RetrieverConfig
 
 log = logging.getLogger("retriever.build")
@@ -182,25 +184,30 @@ def build_bm25(out: Path, db: sqlite3.Connection) -> None:
 def build_index(cfg: RetrieverConfig) -> dict:
     """Encode, index and store the corpus (resuming a killed build); the build's metrics."""
     started = time.time()
+    [corpus_input] = [input_identity(key, path) for key, path, _ in check_paths(RetrieverConfig, asdict(cfg))]
+    with open(cfg.corpus, "rb") as f:
+        if not any(line.strip() for line in f):  # stops at the first passage
+            raise UserError(f"{cfg.corpus}: no passages (the corpus is empty): an index of nothing would serve no search")
     out = Path(cfg.index_dir)
     manifest = out / "manifest.json"
     if manifest.exists() and (out / "index.faiss").exists():
         previous = json.loads(manifest.read_text())
-        if previous.get("status") == "complete" and previous.get("config") == asdict(cfg):
+        same = not changed_settings(previous.get("config") or {}, asdict(cfg), free_keys(RetrieverConfig))
+        if previous.get("status") == "complete" and same and previous.get("inputs") == [corpus_input]:
             print(f"index in {out} is already built ({previous['counts']['passages']} passages); nothing to do")
             return previous["metrics"]
     out.mkdir(parents=True, exist_ok=True)
     corpus = Path(cfg.corpus)
-    if not corpus.exists():
-        raise MissingInput(f"{corpus}: corpus not found (set corpus=...)")
     db = open_store(out / "docs.sqlite")
-    signature = json.dumps(
-        {"corpus": str(corpus.resolve()), "encoder": asdict(cfg.encoder), "chunk_size": cfg.build.chunk_size},
-        sort_keys=True,
-    )
+    # what the stored vectors are of: the corpus's content (wherever it lies) and the encoder
+    encoder = {k: v for k, v in asdict(cfg.encoder).items() if k not in free_keys(EncoderSettings)}
+    signature = json.dumps({"corpus": corpus_input["sha256"], "encoder": encoder, "chunk_size": cfg.build.chunk_size}, sort_keys=True)
     previous = db.execute("SELECT value FROM meta WHERE key = 'signature'").fetchone()
     if previous and previous[0] != signature:
-        raise UserError(f"{out} holds vectors from another corpus or encoder; use a new index_dir")
+        raise UserError(
+            f"{out} holds vectors of another corpus (or the corpus has changed since) or another encoder; "
+            "use a new index_dir, or rerun with --restart to build it again"
+        )
     db.execute("INSERT OR REPLACE INTO meta VALUES ('signature', ?)", (signature,))
     t0 = time.time()
     n = encode_corpus(corpus, cfg.build.chunk_size, cfg.encoder, out, db)
@@ -225,7 +232,7 @@ def build_index(cfg: RetrieverConfig) -> dict:
         out,
         stage="retriever.build",
         config=asdict(cfg),
-        inputs=[corpus],
+        inputs=[corpus_input],
         counts={"passages": n},
         seed=cfg.seed,
         started_at=started,

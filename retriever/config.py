@@ -5,64 +5,81 @@ key that is not a field fails at load."""
 
 from __future__ import annotations
 
-from dataclasses import dataclass, field
+from dataclasses import field
+from typing import Annotated
 
 from omegaconf import MISSING
 
+from etagent.settings import (
+    FREE,
+    InputData,
+    NonNegativeFloat,
+    NonNegativeInt,
+    OneOf,
+    OutputFolder,
+    Port,
+    PositiveInt,
+    Seed,
+    group,
+)
 
-@dataclass
+
+@group
 class EncoderSettings:
-    kind: str = MISSING
+    kind: Annotated[str, OneOf("sentence-transformers", "transformers")] = MISSING
+    # "minilm" (the packaged all-MiniLM-L6-v2), a local folder or a hub id: resolved by the encoder
     model: str = MISSING
     query_prefix: str = MISSING
     passage_prefix: str = MISSING
-    pooling: str = MISSING
-    max_length: int = MISSING
-    batch_size: int = MISSING
-    device: str = MISSING
+    pooling: Annotated[str, OneOf("mean", "cls")] = MISSING
+    max_length: PositiveInt = MISSING
+    batch_size: Annotated[PositiveInt, FREE] = MISSING
+    device: Annotated[str, OneOf("cpu", "cuda", "auto"), FREE] = MISSING
     fp16: bool = MISSING
 
 
-@dataclass
+@group
 class IndexBuildSettings:
-    chunk_size: int = MISSING
-    index_type: str = MISSING
-    hnsw_m: int = MISSING
-    hnsw_ef_construction: int = MISSING
-    ivf_lists: int = MISSING
-    pq_m: int = MISSING
-    train_size: int = MISSING
-    faiss_gpu: bool = MISSING
+    chunk_size: PositiveInt = MISSING
+    index_type: Annotated[str, OneOf("Flat", "HNSW", "IVF-PQ")] = MISSING
+    hnsw_m: PositiveInt = MISSING
+    hnsw_ef_construction: PositiveInt = MISSING
+    ivf_lists: PositiveInt = MISSING
+    pq_m: PositiveInt = MISSING
+    train_size: PositiveInt = MISSING
+    faiss_gpu: Annotated[bool, FREE] = MISSING
     bm25: bool = MISSING
     keep_embeddings: bool = MISSING
 
 
-@dataclass
+@group
 class ServeConfig:
     """The ``serve`` group. The server reads it as this object (:func:`etagent.config.build`),
     not as the DictConfig: attribute access on a DictConfig is slow on the per-request path."""
 
     host: str = MISSING
-    port: int = MISSING
-    default_method: str = MISSING
-    max_batch: int = MISSING
-    max_wait_ms: float = MISSING
-    max_queries: int = MISSING
-    max_query_chars: int = MISSING
-    max_topk: int = MISSING
-    max_body_bytes: int = MISSING
+    port: Port = MISSING
+    default_method: Annotated[str, OneOf("dense", "bm25", "hybrid")] = MISSING
+    max_batch: PositiveInt = MISSING
+    max_wait_ms: NonNegativeFloat = MISSING
+    max_queries: PositiveInt = MISSING
+    max_query_chars: PositiveInt = MISSING
+    max_topk: PositiveInt = MISSING
+    max_body_bytes: PositiveInt = MISSING
     token_env: str | None = MISSING
-    nprobe: int = MISSING
-    ef_search: int = MISSING
+    nprobe: PositiveInt = MISSING
+    ef_search: PositiveInt = MISSING
     faiss_gpu: bool = MISSING
-    torch_threads: int = MISSING
+    torch_threads: NonNegativeInt = MISSING
 
 
-@dataclass
+@group
 class RetrieverConfig:
-    corpus: str = MISSING
-    index_dir: str = MISSING
-    seed: int = MISSING
+    # the build's input and output; the server reads index_dir (retriever/server.py checks it)
+    corpus: InputData = MISSING
+    index_dir: OutputFolder = MISSING
+    seed: Seed = MISSING
     encoder: EncoderSettings = field(default_factory=EncoderSettings)
     build: IndexBuildSettings = field(default_factory=IndexBuildSettings)
-    serve: ServeConfig = field(default_factory=ServeConfig)
+    # how the index is served, not what it holds
+    serve: Annotated[ServeConfig, FREE] = field(default_factory=ServeConfig)

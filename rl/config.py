@@ -1,103 +1,124 @@
-"""The schema of configs/rl/ (rl/run.py): one dataclass per group, field names and types only.
+"""The schema of configs/rl/ (rl/run.py): one dataclass per group, each setting declared once with
+its type, its constraints and whether a resumed run may change it (``FREE``: the step budget and
+cadences, memory-only sizes, the loggers; everything else changes what the next steps compute).
 The values, and what each means, are in configs/rl/_base.yaml and the presets; registered with
-Hydra in rl/__init__.py, so a key that is not a field fails at load."""
+Hydra in rl/__init__.py, so a key that is not a field fails at load (etagent/settings.py)."""
 
 from __future__ import annotations
 
-from dataclasses import dataclass, field
+from dataclasses import field
+from typing import Annotated
 
 from omegaconf import MISSING
 
 from etagent.agent import AgentConfig
 from etagent.config import TensorBoardConfig, WandbConfig
 from etagent.llm import EngineConfig
+from etagent.settings import (
+    FREE,
+    Fraction,
+    Ge,
+    InputData,
+    Le,
+    Lt,
+    ModelPath,
+    NonNegativeFloat,
+    NonNegativeInt,
+    OneOf,
+    OutputFolder,
+    PositiveFloat,
+    PositiveInt,
+    Seed,
+    group,
+)
 from etagent.tools.executor import ToolsConfig
 
 
-@dataclass
+@group
 class RLData:
-    train: str = MISSING
-    validation: str | None = MISSING
-    prompts_per_step: int = MISSING
-    epochs: int = MISSING
-    max_prompt_tokens: int | None = MISSING
+    train: InputData = MISSING
+    validation: InputData | None = MISSING
+    prompts_per_step: PositiveInt = MISSING
+    epochs: PositiveInt = MISSING
+    max_prompt_tokens: PositiveInt | None = MISSING
 
 
-@dataclass
+@group
 class RolloutSettings:
     """Plain GRPO (``kind: group``) or ARPO's tree (``kind: tree``) and its numbers."""
 
-    n: int = MISSING
-    kind: str = MISSING
-    initial_rollouts: int = MISSING
-    beam_size: int = MISSING
-    branch_probability: float = MISSING
-    entropy_weight: float = MISSING
-    delta_h: str = MISSING
-    entropy: str = MISSING
-    top_logprobs: int = MISSING
-    entropy_window: int = MISSING
+    n: PositiveInt = MISSING
+    kind: Annotated[str, OneOf("group", "tree")] = MISSING
+    initial_rollouts: PositiveInt = MISSING
+    beam_size: PositiveInt = MISSING
+    branch_probability: Fraction = MISSING
+    entropy_weight: NonNegativeFloat = MISSING
+    delta_h: Annotated[str, OneOf("after_result", "lagged")] = MISSING
+    entropy: Annotated[str, OneOf("topk", "exact")] = MISSING
+    top_logprobs: NonNegativeInt = MISSING
+    entropy_window: PositiveInt = MISSING
     dynamic_roots: bool = MISSING
     branch_penalty: bool = MISSING
 
 
-@dataclass
+@group
 class RewardSettings:
-    mode: str = MISSING
-    sigma_tool: float = MISSING
-    sigma_length: float = MISSING
+    mode: Annotated[str, OneOf("default", "paper")] = MISSING
+    sigma_tool: NonNegativeFloat = MISSING
+    sigma_length: NonNegativeFloat = MISSING
     decay: bool = MISSING
 
 
-@dataclass
+@group
 class AlgorithmSettings:
-    clip_low: float = MISSING
-    clip_high: float = MISSING
-    clip_c: float = MISSING
-    eps: float = MISSING
-    kl_coef: float = MISSING
-    kl_estimator: str = MISSING
+    clip_low: Annotated[float, Ge(0), Le(1)] = MISSING
+    clip_high: NonNegativeFloat = MISSING
+    # the dual clip's constant bounds the ratio of negative-advantage tokens from above: > 1
+    clip_c: Annotated[float, Ge(1)] = MISSING
+    eps: PositiveFloat = MISSING
+    kl_coef: NonNegativeFloat = MISSING
+    kl_estimator: Annotated[str, OneOf("k1", "k2", "k3", "low_var_kl")] = MISSING
     entropy_balanced_clipping: bool = MISSING
     entropy_aware_advantage: bool = MISSING
-    tis_cap: float | None = MISSING
+    tis_cap: Annotated[float, Ge(1)] | None = MISSING
 
 
-@dataclass
+@group
 class OptimSettings:
-    lr: float = MISSING
-    betas: list[float] = MISSING
-    eps: float = MISSING
-    weight_decay: float = MISSING
-    grad_clip: float = MISSING
+    lr: PositiveFloat = MISSING
+    betas: list[Annotated[float, Ge(0), Lt(1)]] = MISSING
+    eps: PositiveFloat = MISSING
+    weight_decay: NonNegativeFloat = MISSING
+    grad_clip: PositiveFloat = MISSING
 
 
-@dataclass
+@group
 class RLTrainSettings:
-    device: str = MISSING
-    compute_dtype: str = MISSING
-    gradient_checkpointing: bool = MISSING
-    attn_implementation: str | None = MISSING
-    mini_batch_prompts: int = MISSING
-    micro_batch_tokens: int = MISSING
-    logprob_chunk_tokens: int = MISSING
-    weight_bucket_mb: int = MISSING
-    max_steps: int | None = MISSING
-    save_every: int = MISSING
-    keep_checkpoints: int = MISSING
-    export_every: int | None = MISSING
-    export_dtype: str = MISSING
-    validate_every: int = MISSING
-    seed: int = MISSING
+    device: Annotated[str, OneOf("cpu", "cuda")] = MISSING
+    compute_dtype: Annotated[str, OneOf("float32", "bfloat16", "float16")] = MISSING
+    gradient_checkpointing: Annotated[bool, FREE] = MISSING
+    attn_implementation: Annotated[str, OneOf("sdpa", "eager", "flash_attention_2")] = MISSING
+    mini_batch_prompts: PositiveInt = MISSING
+    micro_batch_tokens: Annotated[PositiveInt, FREE] = MISSING
+    logprob_chunk_tokens: Annotated[PositiveInt, FREE] = MISSING
+    weight_bucket_mb: Annotated[PositiveInt, FREE] = MISSING
+    max_steps: Annotated[PositiveInt | None, FREE] = MISSING
+    save_every: Annotated[PositiveInt, FREE] = MISSING
+    keep_checkpoints: Annotated[PositiveInt, FREE] = MISSING
+    export_every: Annotated[PositiveInt | None, FREE] = MISSING
+    export_dtype: Annotated[str, OneOf("float32", "bfloat16", "float16")] = MISSING
+    validate_every: Annotated[PositiveInt, FREE] = MISSING
+    seed: Seed = MISSING
 
 
-@dataclass
+@group
 class RLConfig:
     engine: EngineConfig = field(default_factory=EngineConfig)
     agent: AgentConfig = field(default_factory=AgentConfig)
     tools: ToolsConfig = field(default_factory=ToolsConfig)
-    rl_stage: int = MISSING
-    model: str = MISSING
-    out_dir: str = MISSING
+    rl_stage: PositiveInt = MISSING
+    model: ModelPath = MISSING
+    out_dir: OutputFolder = MISSING
     data: RLData = field(default_factory=RLData)
     rollout: RolloutSettings = field(default_factory=RolloutSettings)
     reward: RewardSettings = field(default_factory=RewardSettings)

@@ -74,20 +74,20 @@ import torch
 import torch.distributed as dist
 from omegaconf import DictConfig, OmegaConf
 
-from etagent.agent import AgentConfig, AgentLoop, SegmentEntropy, TrajectoryState, check_agent_settings
-from etagent.config import build, require_choice, require_file, require_int, require_model, require_number
+from etagent.agent import AgentConfig, AgentLoop, SegmentEntropy, TrajectoryState
+from etagent.config import build
 from etagent.errors import DegradedRun, SettingError, exit_on_user_error
 from etagent.progress import Progress
 from etagent.records import origin_segments, write_manifest
 from etagent.rundir import claim_output
-from etagent.sampling import RESUME_FREE as SAMPLING_RESUME_FREE
+from etagent.settings import check_paths
 from etagent.timing import phase
-from etagent.tools.executor import check_tool_settings, degraded, describe_failures, failure_counts, merge_failure_counts
+from etagent.tools.executor import degraded, describe_failures, failure_counts, merge_failure_counts
 from rl.actor import response_logprobs, update
 from rl.algorithm import grpo_advantages, logprob_mismatch
 from rl.batch import Batch, BatchPlan, balanced_partition, batch_plan, pack, tempered_rollouts
 from rl.checkpoint import export_model, latest_checkpoint, load_checkpoint, save_checkpoint
-from rl.config import RewardSettings, RolloutSettings
+from rl.config import RewardSettings, RLConfig, RolloutSettings
 from rl.distributed import gather_objects, init_distributed, sum_all, training_device
 from rl.policy import Policy, gathered, load_policy
 from rl.reward import efficiency_reward, raw_correctness, sigma_factor, validation_score
@@ -129,46 +129,20 @@ class Trainer:
 
 
 def check_settings(cfg: DictConfig) -> None:
-    """Before anything starts: the model and data present, the engine, the counts, sizes and
-    rates in their ranges. (RL trains ``model``; the engine group's ``model`` is not read.)"""
-    require_choice(cfg, "engine.kind", ("hf", "vllm"))
+    """Before anything starts: the model and data present and of their kind, and what the
+    declarations (rl/config.py, checked at load) cannot say alone: how settings go together.
+    (RL trains ``model``; the engine group's ``model`` is not read.)"""
+    check_paths(RLConfig, OmegaConf.to_container(cfg, resolve=True))
+    if cfg.engine.kind == "openai":
+        raise SettingError("engine.kind", "must be hf or vllm: RL's engine runs in the trainer's process")
     if cfg.engine.kind == "vllm" and "RANK" not in os.environ:
         raise SettingError("engine.kind", "vllm runs one engine per rank under torchrun: launch with scripts/rl.sh or torchrun -m rl.run")
-    require_model(cfg, "model")
-    require_file(cfg, "data.train")
-    if cfg.data.validation:
-        require_file(cfg, "data.validation")
-    for key in (
-        "data.prompts_per_step",
-        "data.epochs",
-        "rollout.n",
-        "train.mini_batch_prompts",
-        "train.micro_batch_tokens",
-        "train.logprob_chunk_tokens",
-        "train.weight_bucket_mb",
-        "train.save_every",
-        "train.keep_checkpoints",
-        "train.validate_every",
-    ):
-        require_int(cfg, key)
-    for key in ("train.max_steps", "train.export_every", "data.max_prompt_tokens"):
-        require_int(cfg, key, optional=True)
-    require_choice(cfg, "train.attn_implementation", ("sdpa", "eager", "flash_attention_2"))
     if cfg.train.attn_implementation == "flash_attention_2" and importlib.util.find_spec("flash_attn") is None:
         raise SettingError(
             "train.attn_implementation",
             "flash_attention_2 needs the flash-attn package (pip install flash-attn --no-build-isolation, on a GPU machine); "
             "without it set train.attn_implementation=sdpa",
         )
-    require_number(cfg, "optim.lr", above=0)
-    require_number(cfg, "optim.weight_decay", minimum=0)
-    require_number(cfg, "optim.grad_clip", above=0)
-    require_number(cfg, "optim.eps", above=0)
-    require_number(cfg, "reward.sigma_tool", minimum=0)
-    require_number(cfg, "reward.sigma_length", minimum=0)
-    require_number(cfg, "algorithm.kl_coef", minimum=0)
-    if cfg.algorithm.tis_cap is not None:
-        require_number(cfg, "algorithm.tis_cap", minimum=1)
     if cfg.engine.kind == "vllm" and cfg.algorithm.tis_cap is not None and cfg.agent.sampling.temperature != 1:
         # vLLM reports raw log-probabilities; only at T = 1 are they of the distribution sampled from
         raise SettingError(
@@ -176,34 +150,14 @@ def check_settings(cfg: DictConfig) -> None:
             f"needs vLLM's log-probabilities of the sampled distribution, which it reports at agent.sampling.temperature 1 only "
             f"(it is {cfg.agent.sampling.temperature}): set algorithm.tis_cap=null or agent.sampling.temperature=1",
         )
-    require_int(cfg, "rollout.entropy_window")
-    require_int(cfg, "rollout.top_logprobs", minimum=0)
     if cfg.rollout.kind == "tree" and cfg.rollout.top_logprobs == 0:  # the engines measure entropy only where asked for them
         raise SettingError("rollout.top_logprobs", "is 0, and the tree branches on entropies measured with them: set it >= 1 (ARPO: 10)")
-    check_agent_settings(cfg.agent)
     # the policy gradient is of the distribution the rollouts were drawn from: softmax(logits / T)
-    require_number(cfg, "agent.sampling.temperature", above=0)
-    check_tool_settings(cfg.tools)
-
-
-# What a resumed run may change: the step budget and cadences, memory-only sizes, where the tools
-# run and how fast, the loggers. The rest changes what the next steps compute and is refused.
-RESUME_FREE = (
-    *(key for key in SAMPLING_RESUME_FREE if key.startswith("tools.")),
-    "train.max_steps",
-    "train.save_every",
-    "train.keep_checkpoints",
-    "train.validate_every",
-    "train.export_every",
-    "train.micro_batch_tokens",
-    "train.logprob_chunk_tokens",
-    "train.weight_bucket_mb",
-    "train.gradient_checkpointing",
-    "engine.max_batch_size",
-    "engine.vllm.gpu_memory_utilization",
-    "wandb",
-    "tensorboard",
-)
+    if cfg.agent.sampling.temperature <= 0:
+        raise SettingError(
+            "agent.sampling.temperature",
+            f"must be a number > 0, got {cfg.agent.sampling.temperature}: RL's policy gradient needs a distribution (0 is greedy)",
+        )
 
 
 def setup(cfg: DictConfig) -> Trainer:
@@ -559,7 +513,7 @@ def run(cfg: DictConfig) -> list[dict]:
     if int(os.environ.get("RANK", "0")) != 0:  # under torchrun, rank 0 holds the output directory
         return train(cfg)
     config = OmegaConf.to_container(cfg, resolve=True)
-    with claim_output(cfg.out_dir, stage=f"rl/stage{cfg.rl_stage}", config=config, free=RESUME_FREE):
+    with claim_output(cfg.out_dir, stage=f"rl/stage{cfg.rl_stage}", schema=RLConfig, config=config):
         return train(cfg)
 
 
@@ -629,7 +583,6 @@ def train(cfg: DictConfig) -> list[dict]:
             trainer.out,
             stage=f"rl/stage{cfg.rl_stage}",
             config=OmegaConf.to_container(cfg, resolve=True),
-            inputs=[cfg.data.train],
             counts={"prompts": len(trainer.prompts), "steps": trainer.total},
             seed=trainer.seed,
             started_at=started,

@@ -4,9 +4,10 @@
 #
 #   bash scripts/prepare_rl_stage.sh MODEL STAGE [RUN_DIR]
 #
-# Writes RUN_DIR/rl_data/stage{STAGE}/ (RUN_DIR defaults to runs/demo): rollouts/ (the chains,
-# resumable), rl.parquet, scores.jsonl, report.json, scatter.png, manifest.json. Rerunning
-# resumes the rollout where it stopped and recomputes the selection.
+# Writes RUN_DIR/rollouts/stage{STAGE}/ (the chains, resumable) and RUN_DIR/rl_data/stage{STAGE}/
+# (RUN_DIR defaults to runs/demo): rl.parquet, scores.jsonl, report.json, scatter.png,
+# manifest.json. Rerunning resumes the rollout where it stopped and recomputes the selection. (Two
+# sibling folders: a stage's output folder never holds its inputs.)
 #
 # On the toy world (the default) the questions are RUN_DIR/toy/questions/rl.jsonl, asked in a
 # world version of their own: its corpus RUN_DIR/toy/rl_world/corpus.jsonl is indexed into
@@ -30,21 +31,22 @@ export PATH="$VENV/bin:$PATH" HF_HUB_OFFLINE=${HF_HUB_OFFLINE:-1} TRANSFORMERS_O
 PRESET=${PRESET:-tiny}
 QUESTIONS=${QUESTIONS:-$RUN/toy/questions/rl.jsonl}
 OUT=$RUN/rl_data/stage$STAGE
-mkdir -p "$OUT"
+ROLLOUTS=$RUN/rollouts/stage$STAGE
+mkdir -p "$RUN/rollouts"
 
 if [ -z "${SEARCH_URL:-}" ]; then
   CORPUS=${CORPUS:-$RUN/toy/rl_world/corpus.jsonl}
   INDEX=${INDEX:-$RUN/rl_index}
   echo "-- retriever over $CORPUS -> $INDEX"
   python -m retriever.build corpus="$CORPUS" index_dir="$INDEX"
-  source scripts/serve_retriever.sh "$INDEX" "$OUT/retriever.log"
+  source scripts/serve_retriever.sh "$INDEX" "$RUN/rollouts/retriever-stage$STAGE.log"
   SEARCH_URL=$RETRIEVER_URL
 fi
 
-echo "-- direct rollout of $QUESTIONS with $MODEL -> $OUT/rollouts"
+echo "-- direct rollout of $QUESTIONS with $MODEL -> $ROLLOUTS"
 python -m direct_rollout.run --preset "$PRESET" engine.model="$MODEL" questions="$QUESTIONS" rl_stage="$STAGE" \
-  out_dir="$OUT/rollouts" tools.search.local.url="$SEARCH_URL" ${ROLLOUT_ARGS:-}
+  out_dir="$ROLLOUTS" tools.search.local.url="$SEARCH_URL" ${ROLLOUT_ARGS:-}
 if [ -n "${RETRIEVER_PID:-}" ]; then stop_retriever; fi
 
 echo "-- Pareto selection -> $OUT/rl.parquet"
-python -m pareto.run --preset "$PRESET" rl_stage="$STAGE" rollouts="$OUT/rollouts" out_dir="$OUT" ${PARETO_ARGS:-}
+python -m pareto.run --preset "$PRESET" rl_stage="$STAGE" rollouts="$ROLLOUTS" out_dir="$OUT" ${PARETO_ARGS:-}

@@ -1,63 +1,86 @@
-"""The schema of configs/sft/ (sft/run.py): one dataclass per group, field names and types only.
-The values, and what each means, are in configs/sft/_base.yaml and the presets; registered with
-Hydra in sft/__init__.py, so a key that is not a field fails at load."""
+"""The schema of configs/sft/ (sft/run.py): one dataclass per group, each setting declared once with
+its type, its constraints and whether a resumed run may change it (``FREE``: logging, checkpoint
+cadence, threads, the loggers). The values, and what each means, are in configs/sft/_base.yaml and
+the presets; registered with Hydra in sft/__init__.py, so a key that is not a field fails at load
+(etagent/settings.py)."""
 
 from __future__ import annotations
 
-from dataclasses import dataclass, field
+from dataclasses import field
+from typing import Annotated
 
 from omegaconf import MISSING
 
 from etagent.config import TensorBoardConfig, WandbConfig
+from etagent.settings import (
+    FREE,
+    Fraction,
+    Ge,
+    InputData,
+    InputFile,
+    Lt,
+    ModelPath,
+    NonNegativeFloat,
+    NonNegativeInt,
+    OneOf,
+    OutputFolder,
+    PositiveFloat,
+    PositiveInt,
+    Seed,
+    group,
+)
 
 
-@dataclass
+@group
 class SFTData:
-    path: str = MISSING
-    format: str = MISSING
+    path: InputData = MISSING
+    format: Annotated[str, OneOf("etagent", "alpaca", "sharegpt")] = MISSING
 
 
-@dataclass
+@group
 class SFTTrainSettings:
-    batch_size: int = MISSING
-    gradient_accumulation_steps: int = MISSING
-    learning_rate: float = MISSING
-    epochs: float = MISSING
-    max_steps: int = MISSING
-    lr_scheduler: str = MISSING
-    warmup_ratio: float = MISSING
-    weight_decay: float = MISSING
-    max_grad_norm: float = MISSING
-    logging_steps: int = MISSING
-    save_steps: int = MISSING
-    save_total_limit: int | None = MISSING
-    sampling: str = MISSING
+    batch_size: PositiveInt = MISSING
+    gradient_accumulation_steps: PositiveInt = MISSING
+    learning_rate: PositiveFloat = MISSING
+    epochs: PositiveFloat = MISSING
+    # -1: train for ``epochs`` (0 is refused by check_settings)
+    max_steps: Annotated[int, Ge(-1)] = MISSING
+    lr_scheduler: Annotated[
+        str, OneOf("linear", "cosine", "cosine_with_restarts", "polynomial", "constant", "constant_with_warmup", "inverse_sqrt")
+    ] = MISSING
+    warmup_ratio: Fraction = MISSING
+    weight_decay: NonNegativeFloat = MISSING
+    max_grad_norm: PositiveFloat = MISSING
+    logging_steps: Annotated[PositiveInt, FREE] = MISSING
+    save_steps: Annotated[PositiveInt, FREE] = MISSING
+    save_total_limit: Annotated[PositiveInt | None, FREE] = MISSING
+    sampling: Annotated[str, OneOf("random", "group_by_length", "sequential")] = MISSING
     packing: bool = MISSING
     bf16: bool = MISSING
     gradient_checkpointing: bool = MISSING
-    deepspeed: str | None = MISSING
+    deepspeed: InputFile | None = MISSING
     fsdp: str = MISSING
-    progress_bar: bool = MISSING
+    progress_bar: Annotated[bool, FREE] = MISSING
 
 
-@dataclass
+@group
 class LoraSettings:
     enabled: bool = MISSING
-    rank: int = MISSING
-    alpha: int = MISSING
-    dropout: float = MISSING
+    rank: PositiveInt = MISSING
+    alpha: PositiveInt = MISSING
+    dropout: Annotated[float, Ge(0), Lt(1)] = MISSING
     target_modules: list[str] = MISSING
 
 
-@dataclass
+@group
 class SFTConfig:
-    model: str = MISSING
-    out_dir: str = MISSING
-    seed: int = MISSING
-    threads: int = MISSING
-    cutoff_len: int = MISSING
-    model_dtype: str = MISSING
-    attn_implementation: str | None = MISSING
+    model: ModelPath = MISSING
+    out_dir: OutputFolder = MISSING
+    seed: Seed = MISSING
+    threads: Annotated[NonNegativeInt, FREE] = MISSING
+    cutoff_len: PositiveInt = MISSING
+    model_dtype: Annotated[str, OneOf("float32", "bfloat16", "float16")] = MISSING
+    attn_implementation: Annotated[str, OneOf("sdpa", "eager", "flash_attention_2")] | None = MISSING
     data: SFTData = field(default_factory=SFTData)
     train: SFTTrainSettings = field(default_factory=SFTTrainSettings)
     lora: LoraSettings = field(default_factory=LoraSettings)

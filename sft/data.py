@@ -20,14 +20,13 @@ protocol prompt from the user turn, where the paper's alpaca layout put it, to t
 
 from __future__ import annotations
 
-import json
 import logging
 from dataclasses import dataclass
 from pathlib import Path
 
 from etagent import protocol
 from etagent.errors import MissingInput, SettingError
-from etagent.records import Message, RecordError, Segment, SFTExample, read_records
+from etagent.records import Message, RecordError, Segment, SFTExample, read_json_file, read_records
 
 log = logging.getLogger(__name__)
 IGNORE = -100
@@ -65,23 +64,26 @@ def tokenize_example(example: SFTExample, tokenizer) -> Tokenized:
 
 def build_dataset(examples: list[SFTExample], tokenizer, cutoff_len: int) -> tuple[list[Tokenized], dict]:
     """Tokenize every example, dropping those over cutoff_len; returns the rows and a report."""
-    rows, dropped = [], []
+    rows, dropped, untrained = [], [], []
     for example in examples:
         row = tokenize_example(example, tokenizer)
         if len(row) > cutoff_len:
             dropped.append(example.id)
-        elif not any(label != IGNORE for label in row.labels):
-            dropped.append(example.id)  # nothing to learn from
+        elif not any(segment.train for segment in example.segments) or not any(label != IGNORE for label in row.labels):
+            untrained.append(example.id)  # every segment masked: nothing to learn from but the end of the turn
         else:
             rows.append(row)
     report = {
         "examples": len(examples),
         "kept": len(rows),
         "dropped_over_cutoff": len(dropped),
+        "dropped_all_masked": len(untrained),
         "from_token_ids": sum(r.from_token_ids for r in rows),
         "tokens": sum(len(r) for r in rows),
         "trained_tokens": sum(sum(1 for label in r.labels if label != IGNORE) for r in rows),
     }
+    if untrained:
+        log.warning("dropped %d of %d examples whose every segment is masked (first: %s)", len(untrained), len(examples), untrained[:3])
     if dropped:
         log.warning("dropped %d of %d examples longer than cutoff_len=%d (first: %s)", len(dropped), len(examples), cutoff_len, dropped[:3])
     return rows, report
@@ -107,7 +109,9 @@ def load_alpaca(path: Path) -> list[SFTExample]:
     In the paper's data the protocol prompt is the instruction and the question the input; the
     prompt goes to the system turn here, as every other stage has it.
     """
-    rows = json.loads(path.read_text())
+    rows = read_json_file(path)
+    if not isinstance(rows, list):
+        raise RecordError(path, None, "(file)", "expected a JSON array of examples")
     out = []
     for i, row in enumerate(rows, start=1):
         for field in ("instruction", "output"):
@@ -127,7 +131,9 @@ def load_sharegpt(path: Path) -> list[SFTExample]:
     """LLaMA-Factory sharegpt JSON: ``conversations`` of human/gpt turns (observation turns are
     tool results, and so are ``<result>`` spans inline in a gpt turn: both masked), optional
     ``system``. One human turn, then the assistant's."""
-    rows = json.loads(path.read_text())
+    rows = read_json_file(path)
+    if not isinstance(rows, list):
+        raise RecordError(path, None, "(file)", "expected a JSON array of examples")
     out = []
     for i, row in enumerate(rows, start=1):
         turns = row.get("conversations")

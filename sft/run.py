@@ -25,18 +25,20 @@ from __future__ import annotations
 import json
 import logging
 import os
+import shutil
 import time
 from pathlib import Path
 
 import torch
 from omegaconf import DictConfig, OmegaConf
 
-from etagent.config import WandbConfig, build, require_choice, require_file, require_int, require_model, require_number
+from etagent.config import WandbConfig, build
 from etagent.errors import SettingError, UserError, exit_on_user_error
 from etagent.progress import Progress
 from etagent.records import write_manifest
 from etagent.rundir import claim_output
-from sft.config import LoraSettings, SFTTrainSettings
+from etagent.settings import check_paths
+from sft.config import LoraSettings, SFTConfig, SFTTrainSettings
 from sft.data import IGNORE, build_dataset, load_examples
 
 log = logging.getLogger("sft")
@@ -142,6 +144,26 @@ def tensorboard_callback(log_dir: Path, resumed_from: str | None):
     return TensorBoardCallback(SummaryWriter(str(log_dir), purge_step=purge_step))
 
 
+def last_complete_checkpoint(folder: Path) -> str | None:
+    """The newest ``checkpoint-N`` in ``folder`` that a kill did not cut short, removing newer
+    ones that it did. The Trainer writes a checkpoint's ``trainer_state.json`` last, after the
+    weights, optimizer, scheduler and random states, and only then removes older checkpoints, so a
+    checkpoint whose ``trainer_state.json`` reads as JSON is whole, and there is always one to
+    resume from after a kill during a save (the save itself is redone)."""
+    if not folder.is_dir():
+        return None
+    numbered = sorted((p for p in folder.glob("checkpoint-*") if p.is_dir() and p.name[11:].isdigit()), key=lambda p: int(p.name[11:]))
+    for checkpoint in reversed(numbered):
+        try:
+            json.loads((checkpoint / "trainer_state.json").read_text())
+            return str(checkpoint)
+        except (OSError, ValueError):
+            log.warning("%s: a save that did not finish (no readable trainer_state.json); resuming before it", checkpoint)
+            if int(os.environ.get("RANK", "0")) == 0:  # the Trainer saves it again when it gets there
+                shutil.rmtree(checkpoint)
+    return None
+
+
 def load_model(name: str, dtype: str, attn_implementation: str | None, lora: LoraSettings):
     """The model to train: ``name`` in ``dtype``, wrapped with LoRA adapters when ``lora.enabled``."""
     from transformers import AutoModelForCausalLM
@@ -164,27 +186,13 @@ def load_model(name: str, dtype: str, attn_implementation: str | None, lora: Lor
     return model
 
 
-# What a resumed run may change: logging, checkpoint cadence, threads, the progress bar, the loggers.
-RESUME_FREE = ("threads", "train.logging_steps", "train.save_steps", "train.save_total_limit", "train.progress_bar", "wandb", "tensorboard")
-
-
 def check_settings(cfg: DictConfig) -> None:
-    """The model, the data and the training numbers, before anything loads."""
-    require_model(cfg, "model")
-    require_file(cfg, "data.path")
-    require_choice(cfg, "data.format", ("etagent", "alpaca", "sharegpt"))
-    require_int(cfg, "threads", minimum=0)
-    for key in ("cutoff_len", "train.batch_size", "train.gradient_accumulation_steps", "train.logging_steps", "train.save_steps"):
-        require_int(cfg, key)
+    """The model and the data present and of their kind, before anything loads, and what the
+    declarations (sft/config.py, checked at load) cannot say alone."""
+    check_paths(SFTConfig, OmegaConf.to_container(cfg, resolve=True))
     # transformers reads max_steps -1 as "train for train.epochs"
-    if require_int(cfg, "train.max_steps", minimum=-1) == 0:
+    if cfg.train.max_steps == 0:
         raise SettingError("train.max_steps", "must be at least 1, or -1 to train for train.epochs; got 0")
-    require_int(cfg, "train.save_total_limit", optional=True)
-    require_number(cfg, "train.learning_rate", above=0)
-    require_number(cfg, "train.epochs", above=0)
-    require_number(cfg, "train.warmup_ratio", minimum=0)
-    require_number(cfg, "train.weight_decay", minimum=0)
-    require_number(cfg, "train.max_grad_norm", above=0)
     if cfg.train.packing and cfg.attn_implementation != "flash_attention_2":
         raise SettingError(
             "train.packing",
@@ -197,14 +205,13 @@ def run(cfg: DictConfig) -> dict:
     config = OmegaConf.to_container(cfg, resolve=True)
     if int(os.environ.get("RANK", "0")) != 0:  # under torchrun, rank 0 holds the output directory
         return train(cfg, Path(cfg.out_dir), config)
-    with claim_output(cfg.out_dir, stage="sft", config=config, free=RESUME_FREE) as out:
+    with claim_output(cfg.out_dir, stage="sft", schema=SFTConfig, config=config) as out:
         return train(cfg, out, config)
 
 
 def train(cfg: DictConfig, out: Path, config: dict) -> dict:
     from transformers import AutoTokenizer, Trainer
     from transformers.trainer_callback import PrinterCallback
-    from transformers.trainer_utils import get_last_checkpoint
 
     started = time.time()
     out.mkdir(parents=True, exist_ok=True)
@@ -226,7 +233,7 @@ def train(cfg: DictConfig, out: Path, config: dict) -> dict:
     model = load_model(cfg.model, cfg.model_dtype, cfg.attn_implementation, build(LoraSettings, cfg.lora))
 
     # -- train ------------------------------------------------------------------------------
-    last = get_last_checkpoint(args.output_dir) if Path(args.output_dir).exists() else None
+    last = last_complete_checkpoint(Path(args.output_dir))
     logs_here = cfg.tensorboard.enabled and int(os.environ.get("RANK", "0")) == 0
     trainer = Trainer(
         model=model,
@@ -264,7 +271,6 @@ def train(cfg: DictConfig, out: Path, config: dict) -> dict:
             out,
             stage="sft",
             config=config,
-            inputs=[cfg.data.path],
             counts={"examples": data_report["kept"], "steps": trainer.state.global_step},
             seed=cfg.seed,
             started_at=started,

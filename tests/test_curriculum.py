@@ -36,9 +36,7 @@ def test_curriculum_chains_stages_and_resumes(sft_model, toy, index_dir, tmp_pat
     # stage k's data and RL start from model k-1, with no conversion between stages
     assert json.loads((stage1 / "manifest.json").read_text())["config"]["model"] == str(sft_model / "model")
     assert json.loads((stage2 / "manifest.json").read_text())["config"]["model"] == str(stage1 / "model")
-    assert json.loads((run / "rl_data" / "stage2" / "rollouts" / "manifest.json").read_text())["config"]["engine"]["model"] == str(
-        stage1 / "model"
-    )
+    assert json.loads((run / "rollouts" / "stage2" / "manifest.json").read_text())["config"]["engine"]["model"] == str(stage1 / "model")
     # each stage is a fresh run: its own step counter and a sigma schedule that starts at full strength
     for stage in (stage1, stage2):
         metrics = [json.loads(line) for line in (stage / "metrics.jsonl").read_text().splitlines()]

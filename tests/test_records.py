@@ -24,6 +24,7 @@ from etagent.records import (
     Trajectory,
     TrajectoryGroup,
     export_llamafactory,
+    input_identity,
     iter_jsonl,
     read_jsonl,
     read_questions,
@@ -281,14 +282,46 @@ def test_manifest_records_inputs_counts_and_revision(tmp_path):
     data = tmp_path / "in.jsonl"
     write_jsonl(data, [q(0)])
     start = time.time()
+    identity = input_identity("questions", data)
     path = write_manifest(
-        tmp_path / "out", stage="demo", config={"a": 1}, inputs=[data], counts={"rows": 1}, seed=3, started_at=start, metrics={"acc": 0.5}
+        tmp_path / "out",
+        stage="demo",
+        config={"a": 1},
+        inputs=[identity],
+        counts={"rows": 1},
+        seed=3,
+        started_at=start,
+        metrics={"acc": 0.5},
     )
     manifest = json.loads(path.read_text())
     import hashlib
 
-    assert manifest["inputs"] == [{"path": str(data), "sha256": hashlib.sha256(data.read_bytes()).hexdigest()}]
+    assert manifest["inputs"] == [
+        {"key": "questions", "path": str(data), "bytes": data.stat().st_size, "sha256": hashlib.sha256(data.read_bytes()).hexdigest()}
+    ]
     assert manifest["stage"] == "demo" and manifest["config"] == {"a": 1} and manifest["seed"] == 3
     assert manifest["counts"] == {"rows": 1} and manifest["metrics"] == {"acc": 0.5} and manifest["status"] == "complete"
     assert set(manifest["git"]) == {"commit", "dirty"}
     assert manifest["seconds"] >= 0
+    # a final manifest keeps the inputs its run's claim recorded
+    again = write_manifest(tmp_path / "out", stage="demo", config={"a": 1}, started_at=start)
+    assert json.loads(again.read_text())["inputs"] == manifest["inputs"]
+
+
+def test_a_large_file_is_identified_by_its_size_and_sampled_chunks(tmp_path, monkeypatch):
+    """Over WHOLE_FILE_BYTES a file is hashed by its size and chunks spread over it, so a resume of
+    a large model's run does not read it all; a change in any sampled chunk or the size shows."""
+    import etagent.records as records
+
+    monkeypatch.setattr(records, "WHOLE_FILE_BYTES", 1 << 20)
+    monkeypatch.setattr(records, "CHUNK_BYTES", 1 << 10)
+    big = tmp_path / "weights.bin"
+    data = bytearray(os.urandom(3 << 20))
+    big.write_bytes(bytes(data))
+    first = records.sha256_file(big)
+    assert records.sha256_file(big) == first  # the same bytes, the same identity
+    data[0] ^= 0xFF  # the first chunk is always sampled
+    big.write_bytes(bytes(data))
+    assert records.sha256_file(big) != first
+    big.write_bytes(bytes(data) + b"more")
+    assert records.sha256_file(big) != first

@@ -276,7 +276,8 @@ def test_a_second_run_on_the_same_output_directory_is_refused(toy, tmp_path):
             "-c",
             "import sys, time\n"
             "from etagent.rundir import claim_output\n"
-            "with claim_output(sys.argv[1], stage='direct_rollout/stage1', config={}):\n"
+            "from etagent.sampling import SamplingConfig\n"
+            "with claim_output(sys.argv[1], stage='direct_rollout/stage1', schema=SamplingConfig, config={}):\n"
             "    print('held', flush=True); time.sleep(120)\n",
             str(out),
         ],

@@ -40,12 +40,28 @@ import asyncio
 import math
 from collections.abc import Iterable, Iterator, Mapping
 from dataclasses import dataclass, field
-from typing import Protocol
+from typing import Annotated, Protocol
 
 from omegaconf import MISSING
 
+from etagent.config import register_schema
+from etagent.settings import (
+    FREE,
+    Fraction,
+    Gt,
+    Le,
+    ModelPath,
+    NonNegativeFloat,
+    NonNegativeInt,
+    OneOf,
+    PositiveFloat,
+    PositiveInt,
+    Seed,
+    group,
+)
 
-@dataclass
+
+@group
 class Sampling:
     """How tokens are drawn: the one sampling type of the toolkit, read by every engine, set by
     the agent loop (``agent.sampling``) and by every text model's role (``<role>.sampling``:
@@ -54,28 +70,15 @@ class Sampling:
     ``repetition_penalty=1`` disables the penalty. (Not frozen: it is also the schema of the YAML
     groups, which Hydra fills in place.)"""
 
-    temperature: float = 1.0
-    top_p: float = 1.0
-    top_k: int = 0
-    min_p: float = 0.0
-    repetition_penalty: float = 1.0
+    temperature: NonNegativeFloat = 1.0
+    top_p: Annotated[float, Gt(0), Le(1)] = 1.0
+    top_k: NonNegativeInt = 0
+    min_p: Fraction = 0.0
+    repetition_penalty: PositiveFloat = 1.0
 
 
 # what judges ask with, unless told otherwise
 GREEDY = Sampling(temperature=0.0)
-
-
-def check_sampling(cfg, prefix: str) -> None:
-    """A ``sampling`` group's values in their ranges (``prefix``: where it sits, for the messages);
-    its keys and types are the schema's, checked at load."""
-    from etagent.config import placed, require_int, require_number
-
-    root = placed(cfg, prefix)
-    require_number(root, f"{prefix}.temperature", minimum=0)
-    require_number(root, f"{prefix}.top_p", above=0, maximum=1)
-    require_int(root, f"{prefix}.top_k", minimum=0)
-    require_number(root, f"{prefix}.min_p", 0, 1)
-    require_number(root, f"{prefix}.repetition_penalty", above=0)
 
 
 @dataclass(frozen=True)
@@ -283,81 +286,65 @@ def exact_segment_entropy(entropy: list[float] | None, vocab_size: int, window: 
     return sum(entropy[:window]) / math.log(vocab_size)
 
 
-@dataclass
+@group
 class VLLMConfig:
     """``engine.vllm``: vLLM's settings (configs/engine/_base.yaml documents each)."""
 
-    max_model_len: int | None = MISSING
-    gpu_memory_utilization: float = MISSING
-    tensor_parallel_size: int = 1
+    max_model_len: PositiveInt | None = MISSING
+    # memory only: a resumed run may give vLLM more or less of the GPU
+    gpu_memory_utilization: Annotated[float, Gt(0), Le(1), FREE] = MISSING
+    tensor_parallel_size: PositiveInt = 1
     enable_prefix_caching: bool = True
     enforce_eager: bool = False
     colocated: bool = False
-    cpu_kv_cache_gb: float = 1.0
+    cpu_kv_cache_gb: PositiveFloat = 1.0
 
 
-@dataclass
+@group
 class OpenAIConfig:
     """``engine.openai`` (configs/openai/servers.yaml documents each field): a pool of
-    OpenAI-compatible servers, the engine of kind openai."""
+    OpenAI-compatible servers, the engine of kind openai. Where the servers are and how hard they
+    are driven may change on a resumed run; which model they serve may not."""
 
-    urls: list[str] = field(default_factory=list)
+    urls: Annotated[list[str], FREE] = field(default_factory=list)
     served_model: str | None = None
-    api_key_env: str | None = None
-    timeout_s: float = 600.0
-    attempts: int = 3
-    concurrency: int = 64
-    max_model_len: int = 32768
+    api_key_env: Annotated[str | None, FREE] = None
+    timeout_s: Annotated[PositiveFloat, FREE] = 600.0
+    attempts: Annotated[PositiveInt, FREE] = 3
+    concurrency: Annotated[PositiveInt, FREE] = 64
+    max_model_len: PositiveInt = 32768
 
 
-@dataclass
+@group
 class EngineConfig:
     """The ``engine`` config group (configs/engine/), the schema Hydra checks it against at load:
     a model behind an engine, for the policy and for the judges and the flywheel's editor alike.
     ``openai`` is set only in the stages whose configs include the servers' group (not RL's)."""
 
-    kind: str = MISSING
+    kind: Annotated[str, OneOf("hf", "vllm", "openai")] = MISSING
     # null only where no model is used (an editor that is off)
-    model: str | None = MISSING
-    device: str = MISSING
-    dtype: str = MISSING
-    max_batch_size: int = 64
+    model: ModelPath | None = MISSING
+    device: Annotated[str, OneOf("cpu", "cuda", "auto")] = MISSING
+    dtype: Annotated[str, OneOf("float32", "bfloat16", "float16", "auto")] = MISSING
+    max_batch_size: Annotated[PositiveInt, FREE] = 64
     continuous_batching: bool = True
-    seed: int = 0
+    seed: Seed = 0
     vllm: VLLMConfig = field(default_factory=VLLMConfig)
     openai: OpenAIConfig | None = None
 
 
-# The engine settings a resumed run may change (keys under an ``engine`` group): where its servers
-# are and how fast it goes, never what it generates.
-ENGINE_RESUME_FREE = ("max_batch_size", "openai.urls", "openai.concurrency", "openai.timeout_s", "openai.attempts", "openai.api_key_env")
-
-
 def check_engine_settings(cfg, prefix: str = "engine") -> None:
-    """The ``engine`` group's choices and counts in range, and its model present (a local
-    directory, or a hub id where downloads are possible: see etagent.config.require_model)."""
-    from etagent.config import placed, require_choice, require_int, require_model, require_number
+    """What the ``engine`` group's declarations cannot say alone: an openai engine needs the
+    servers' group and at least one URL. (Ranges, choices and the model's presence follow from
+    the declarations: etagent/settings.py.)"""
     from etagent.errors import SettingError
 
-    root = placed(cfg, prefix)
-    kind = require_choice(root, f"{prefix}.kind", ("hf", "vllm", "openai"))
-    require_model(root, f"{prefix}.model")
-    require_int(root, f"{prefix}.max_batch_size")
-    if not isinstance(cfg.continuous_batching, bool):
-        raise SettingError(f"{prefix}.continuous_batching", f"must be true or false, got {cfg.continuous_batching!r}")
-    if kind == "vllm":
-        require_int(root, f"{prefix}.vllm.max_model_len")
-        require_number(root, f"{prefix}.vllm.gpu_memory_utilization", above=0, maximum=1)
-        require_int(root, f"{prefix}.vllm.tensor_parallel_size")
-    if kind == "openai":
+    if cfg.kind == "openai":
         if cfg.openai is None:
             raise SettingError(f"{prefix}.kind", "is openai, and this stage's config includes no servers' settings (configs/openai) for it")
         if not cfg.openai.urls:
             served = "the policy" if prefix == "engine" else prefix.removesuffix(".engine")  # e.g. judge
             raise SettingError(f"{prefix}.openai.urls", f"is empty: give the URL(s) serving {served}, e.g. [http://127.0.0.1:8011/v1]")
-        require_int(root, f"{prefix}.openai.concurrency")
-        require_int(root, f"{prefix}.openai.attempts")
-        require_number(root, f"{prefix}.openai.timeout_s", above=0)
 
 
 def make_engine(cfg: EngineConfig):
@@ -405,3 +392,8 @@ def make_engine(cfg: EngineConfig):
             concurrency=o.concurrency,
         )
     raise ValueError(f"engine.kind must be hf, vllm or openai, got {cfg.kind!r}")
+
+
+register_schema("engine", EngineConfig)
+register_schema("openai", OpenAIConfig)
+register_schema("sampling", Sampling)

@@ -34,6 +34,7 @@ from omegaconf import DictConfig, OmegaConf
 from etagent import protocol
 from etagent.errors import UserError, exit_on_user_error
 from etagent.records import SFTExample, TrajectoryGroup, write_jsonl, write_manifest
+from etagent.toy.config import ToyConfig  # noqa: F401 -- registers configs/toy's schema
 from etagent.toy.model import DIGIT_CHUNKS, build_model, save_policy, train_tokenizer
 from etagent.toy.seeds import BEHAVIOURS, ToySearch, write_trajectory
 from etagent.toy.world import KINDS, make_questions, make_world

@@ -3,57 +3,64 @@ and types only; the values, and what each means, are in the YAML."""
 
 from __future__ import annotations
 
-from dataclasses import dataclass, field
+from dataclasses import field
+from typing import Annotated
 
 from omegaconf import MISSING
 
+from etagent.config import register_stage_schema
+from etagent.settings import Fraction, Ge, NonNegativeInt, OutputFolder, PositiveInt, Seed, group
 from etagent.tools.executor import ToolsConfig
 
 
-@dataclass
+@group
 class ToyWorldSize:
-    people: int = MISSING
-    cities: int = MISSING
-    training_versions: int = MISSING
+    people: PositiveInt = MISSING
+    cities: PositiveInt = MISSING
+    training_versions: PositiveInt = MISSING
 
 
-@dataclass
+@group
 class ToyQuestionCounts:
     # per kind of question (search, python, both, none)
-    train: dict[str, int] = MISSING
-    test_per_kind: int = MISSING
-    rl: dict[str, int] = MISSING
+    train: dict[str, NonNegativeInt] = MISSING
+    test_per_kind: PositiveInt = MISSING
+    rl: dict[str, NonNegativeInt] = MISSING
 
 
-@dataclass
+@group
 class ToySeeds:
-    per_question: int = MISSING
+    per_question: PositiveInt = MISSING
     # share of each seed behaviour (efficient, redundant, insufficient)
-    mix: dict[str, float] = MISSING
+    mix: dict[str, Fraction] = MISSING
 
 
-@dataclass
+@group
 class ToyTokenizer:
-    vocab_size: int = MISSING
+    # the toy tokenizer's special and word tokens alone take a few hundred
+    vocab_size: Annotated[int, Ge(256)] = MISSING
 
 
-@dataclass
+@group
 class ToyModel:
-    hidden_size: int = MISSING
-    layers: int = MISSING
-    heads: int = MISSING
-    kv_heads: int = MISSING
-    intermediate_size: int = MISSING
-    max_positions: int = MISSING
+    hidden_size: PositiveInt = MISSING
+    layers: PositiveInt = MISSING
+    heads: PositiveInt = MISSING
+    kv_heads: PositiveInt = MISSING
+    intermediate_size: PositiveInt = MISSING
+    max_positions: PositiveInt = MISSING
 
 
-@dataclass
+@group
 class ToyConfig:
     tools: ToolsConfig = field(default_factory=ToolsConfig)
-    out_dir: str = MISSING
-    seed: int = MISSING
+    out_dir: OutputFolder = MISSING
+    seed: Seed = MISSING
     world: ToyWorldSize = field(default_factory=ToyWorldSize)
     questions: ToyQuestionCounts = field(default_factory=ToyQuestionCounts)
     seeds: ToySeeds = field(default_factory=ToySeeds)
     tokenizer: ToyTokenizer = field(default_factory=ToyTokenizer)
     model: ToyModel = field(default_factory=ToyModel)
+
+
+register_stage_schema("toy", ToyConfig)

@@ -1,0 +1,457 @@
+"""How a setting is declared, and every check that follows from its declaration.
+
+A stage's config is a tree of dataclasses (``<stage>/config.py``; a shared group beside the code
+that reads it). Each field is one setting, declared once: its type and, in ``Annotated``
+metadata, what else is true of it::
+
+    learning_rate: PositiveFloat = MISSING                     # > 0 and finite
+    top_p: Annotated[float, Gt(0), Le(1)] = MISSING            # in (0, 1]
+    kind: Annotated[str, OneOf("hf", "vllm")] = MISSING        # one of these
+    model: ModelPath = MISSING                                 # an input: a model folder
+    threads: Annotated[NonNegativeInt, FREE] = MISSING         # a resumed run may change it
+
+Hydra and OmegaConf see only the plain type (they drop ``Annotated``'s metadata), and check keys
+and types at load. From the metadata come:
+
+- :func:`validate`: every value within its constraints, by pydantic over the composed config, at
+  load (``etagent.config.load_config``). Numbers are finite everywhere (NaN passes every ``<``
+  and ``>``) unless a field says :data:`NON_FINITE_OK`.
+- :func:`input_paths` and :func:`check_paths`: the files, folders and models a run reads, each
+  checked for its kind before any work, and the output folder kept apart from all of them.
+- :func:`free_keys`: the settings a resumed run may change (``FREE``: where and how fast work
+  runs, never what it computes); every other setting must equal the manifest's
+  (``etagent.rundir``).
+
+A group that has an ``enabled`` field set to false is not read by its stage: its paths are not
+checked (an editor or judge that is off may name a model that is not there). Ranges are checked
+all the same: a value out of range is wrong whether or not it is read.
+
+What this module does not do: hold any setting's value or documentation (those are in
+``configs/<stage>/_base.yaml``), or check relations between settings (each stage's
+``check_settings`` does, naming the keys).
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import functools
+import json
+import math
+import types
+import typing
+from collections.abc import Iterator
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Annotated, Any
+
+from annotated_types import Ge, Gt, Le, Lt
+from pydantic import AllowInfNan, ConfigDict, TypeAdapter, ValidationError
+from pydantic_core import core_schema
+
+from etagent.errors import SettingError
+
+__all__ = [
+    "FREE",
+    "NON_FINITE_OK",
+    "Ge",
+    "Gt",
+    "Le",
+    "Lt",
+    "OneOf",
+    "PathKind",
+    "Setting",
+    "group",
+    "validate",
+    "settings_of",
+    "free_keys",
+    "input_paths",
+    "check_paths",
+]
+
+
+# ---------------------------------------------------------------------------------------------
+# The vocabulary of declarations
+
+
+@dataclass(frozen=True)
+class Free:
+    """A resumed run may change this setting: it says where or how fast work runs, or how it is
+    logged, never what the run computes."""
+
+
+FREE = Free()
+
+# A number that may be infinite or NaN (no field says so today; the marker is how one would).
+NON_FINITE_OK = AllowInfNan(True)
+
+
+@dataclass(frozen=True)
+class OneOf:
+    """The value is one of ``choices``."""
+
+    choices: tuple[Any, ...]
+
+    def __init__(self, *choices: Any):
+        object.__setattr__(self, "choices", choices)
+
+    def __get_pydantic_core_schema__(self, source, handler):
+        return core_schema.no_info_after_validator_function(self._check, handler(source))
+
+    def _check(self, value):
+        if value not in self.choices:
+            raise ValueError(f"must be one of {', '.join(map(str, self.choices))}")
+        return value
+
+
+@dataclass(frozen=True)
+class PathKind:
+    """The setting names a path the run reads (``input``) or writes (``output``), and what must
+    be there: ``file``, ``folder``, ``file or folder``, ``data`` (a file, or a folder of parquet
+    files), ``model`` (a
+    model folder with its config, weights and tokenizer; a ``.gguf`` file; or a hub id, for
+    machines that may download), ``tokenizer`` (a folder with a tokenizer, or a hub id)."""
+
+    role: str  # input or output
+    kind: str
+
+
+INPUT_FILE = PathKind("input", "file")
+INPUT_FOLDER = PathKind("input", "folder")
+INPUT_DATA = PathKind("input", "data")
+INPUT_FILE_OR_FOLDER = PathKind("input", "file or folder")
+INPUT_MODEL = PathKind("input", "model")
+INPUT_TOKENIZER = PathKind("input", "tokenizer")
+OUTPUT_FOLDER = PathKind("output", "folder")
+
+# The common declarations, by name.
+PositiveInt = Annotated[int, Ge(1)]
+NonNegativeInt = Annotated[int, Ge(0)]
+PositiveFloat = Annotated[float, Gt(0)]
+NonNegativeFloat = Annotated[float, Ge(0)]
+Fraction = Annotated[float, Ge(0.0), Le(1.0)]
+Seed = Annotated[int, Ge(0)]
+Port = Annotated[int, Ge(1), Le(65535)]
+InputFile = Annotated[str, INPUT_FILE]
+InputFolder = Annotated[str, INPUT_FOLDER]
+InputData = Annotated[str, INPUT_DATA]
+InputFileOrFolder = Annotated[str, INPUT_FILE_OR_FOLDER]
+ModelPath = Annotated[str, INPUT_MODEL]
+TokenizerPath = Annotated[str, INPUT_TOKENIZER]
+# where a run writes is not what it computes: a resumed run may name its folder another way
+OutputFolder = Annotated[str, OUTPUT_FOLDER, FREE]
+
+
+def group(cls: type) -> type:
+    """A group of settings: a dataclass whose numbers are validated as finite (pydantic reads
+    ``__pydantic_config__`` from a standard dataclass). Every schema class uses it instead of
+    ``@dataclass``."""
+    cls.__pydantic_config__ = ConfigDict(allow_inf_nan=False)
+    return dataclass(cls)
+
+
+# ---------------------------------------------------------------------------------------------
+# Reading declarations
+
+
+@dataclass(frozen=True)
+class Setting:
+    """One declared setting: its dotted key, its plain type, its metadata, and whether it may be
+    null. ``container`` is ``list`` or ``dict`` for a setting holding several values of the
+    declared kind (each is checked), else None."""
+
+    key: str
+    type: Any
+    metadata: tuple[Any, ...]
+    optional: bool
+    container: type | None = None
+
+    def has(self, kind: type) -> bool:
+        return any(isinstance(m, kind) for m in self.metadata)
+
+    def first(self, kind: type):
+        return next((m for m in self.metadata if isinstance(m, kind)), None)
+
+
+def _unwrap(hint) -> tuple[Any, tuple[Any, ...], bool]:
+    """(plain type, metadata, optional) of a type hint: ``Annotated[int, Ge(1)] | None`` ->
+    (int, (Ge(1),), True)."""
+    optional = False
+    metadata: tuple[Any, ...] = ()
+    while True:
+        origin = typing.get_origin(hint)
+        if origin is Annotated:
+            metadata += hint.__metadata__
+            hint = hint.__origin__
+        elif origin in (typing.Union, types.UnionType):
+            rest = [a for a in typing.get_args(hint) if a is not type(None)]
+            optional = optional or len(rest) < len(typing.get_args(hint))
+            if len(rest) != 1:
+                return hint, metadata, optional
+            hint = rest[0]
+        else:
+            return hint, metadata, optional
+
+
+@functools.cache
+def settings_of(schema: type, prefix: str = "") -> tuple[Setting, ...]:
+    """Every leaf setting of a schema, nested groups walked; a group's own metadata (``FREE`` on
+    a whole group) passes to its settings."""
+    found: list[Setting] = []
+    hints = typing.get_type_hints(schema, include_extras=True)
+    for f in dataclasses.fields(schema):
+        plain, metadata, optional = _unwrap(hints[f.name])
+        key = f"{prefix}{f.name}"
+        if dataclasses.is_dataclass(plain):
+            found += [dataclasses.replace(s, metadata=s.metadata + metadata) for s in settings_of(plain, key + ".")]
+            continue
+        container = None
+        origin = typing.get_origin(plain)
+        if origin in (list, dict):
+            container = origin
+            element, element_metadata, _ = _unwrap(typing.get_args(plain)[-1])
+            plain, metadata = element, metadata + element_metadata
+        found.append(Setting(key, plain, metadata, optional, container))
+    return tuple(found)
+
+
+def free_keys(schema: type) -> tuple[str, ...]:
+    """The keys a resumed run may change: those declared ``FREE``."""
+    return tuple(s.key for s in settings_of(schema) if s.has(Free))
+
+
+# ---------------------------------------------------------------------------------------------
+# Checking values
+
+
+@functools.cache
+def _adapter(schema: type) -> TypeAdapter:
+    return TypeAdapter(schema)
+
+
+def _key(loc: tuple) -> str:
+    key = ""
+    for part in loc:
+        key += f"[{part}]" if isinstance(part, int) else (f".{part}" if key else str(part))
+    return key
+
+
+def validate(schema: type, values: dict, derived: frozenset[str] = frozenset()) -> None:
+    """Every value of a resolved config (a plain dict) within its declaration; the first that is
+    not raises :class:`SettingError` naming its key, what it must be and what it is. Keys in
+    ``derived`` (interpolations such as RL's ``engine.device: ${train.device}``) are named only
+    when nothing else is wrong: the key a user set comes first."""
+    try:
+        _adapter(schema).validate_python(values)
+    except ValidationError as error:
+        problems = [e for e in error.errors() if e["type"] != "missing"] or error.errors()
+        problems.sort(key=lambda e: _key(e["loc"]) in derived)
+        first = problems[0]
+        key = _key(first["loc"])
+        declared = {s.key: s for s in settings_of(schema)}.get(key.split("[")[0])
+        value = first.get("input")
+        finite = not (isinstance(value, float) and not math.isfinite(value))
+        reason = wanted(declared, finite) if declared is not None else first["msg"].replace("Input should be", "must be")
+        more = f" (and {len(problems) - 1} more)" if len(problems) > 1 else ""
+        raise SettingError(key, f"{reason}, got {value!r}{more}") from None
+
+
+def wanted(setting: Setting, finite: bool = True) -> str:
+    """What a setting must be, in words, from its declaration: ``must be an integer >= 1 or
+    null``, ``must be a number > 0 and <= 1``, ``must be one of hf, vllm, openai``."""
+    choice = setting.first(OneOf)
+    if choice is not None:
+        return f"must be one of {', '.join(map(str, choice.choices))}"
+    if setting.type in (int, float):
+        bounds = []
+        for m in setting.metadata:
+            if isinstance(m, Ge):
+                bounds.append(f">= {m.ge}")
+            elif isinstance(m, Gt):
+                bounds.append(f"> {m.gt}")
+            elif isinstance(m, Le):
+                bounds.append(f"<= {m.le}")
+            elif isinstance(m, Lt):
+                bounds.append(f"< {m.lt}")
+        what = "an integer" if setting.type is int else "a number" if finite else "a finite number"
+        return f"must be {what}" + (f" {' and '.join(bounds)}" if bounds else "") + (" or null" if setting.optional else "")
+    return f"must be a {setting.type.__name__}" + (" or null" if setting.optional else "")
+
+
+def _leaves(setting: Setting, value: Any) -> Iterator[tuple[str, Any]]:
+    """(key, value) of each value a setting holds: itself, or each element of its list or dict."""
+    if value is None:
+        return
+    if setting.container is list:
+        yield from ((f"{setting.key}[{i}]", v) for i, v in enumerate(value))
+    elif setting.container is dict:
+        yield from ((f"{setting.key}.{k}", v) for k, v in value.items())
+    else:
+        yield setting.key, value
+
+
+def _disabled(values: dict, key: str) -> bool:
+    """Whether ``key`` lies in a group whose ``enabled`` is false (its stage does not read it)."""
+    parts = key.split(".")
+    node: Any = values
+    for part in parts[:-1]:
+        if not isinstance(node, dict) or part not in node:
+            return False
+        node = node[part]
+        if isinstance(node, dict) and node.get("enabled") is False:
+            return True
+    return False
+
+
+def _select(values: dict, key: str) -> Any:
+    node: Any = values
+    for part in key.split("."):
+        if not isinstance(node, dict):
+            return None
+        node = node.get(part)
+    return node
+
+
+def input_paths(schema: type, values: dict) -> list[tuple[str, str, str]]:
+    """(key, path, kind) of every input a run reads, from the declarations, skipping null values
+    and disabled groups. A model or tokenizer given as a hub id is not a local path: it is left
+    out."""
+    found = []
+    for setting in settings_of(schema):
+        kind = setting.first(PathKind)
+        if kind is None or kind.role != "input" or _disabled(values, setting.key):
+            continue
+        for key, value in _leaves(setting, _select(values, setting.key)):
+            if kind.kind in ("model", "tokenizer") and is_hub_id(value):
+                continue
+            found.append((key, str(value), kind.kind))
+    # a path two settings name (RL's engine.model follows model) is one input, named by the
+    # setting nearest the top: the one a user sets
+    found.sort(key=lambda item: item[0].count("."))
+    seen: set[tuple[str, str]] = set()
+    unique = []
+    for key, value, kind in found:
+        if (value, kind) not in seen:
+            seen.add((value, kind))
+            unique.append((key, value, kind))
+    return unique
+
+
+def output_folders(schema: type, values: dict) -> list[tuple[str, str]]:
+    """(key, path) of every output folder a run writes."""
+    found = []
+    for setting in settings_of(schema):
+        kind = setting.first(PathKind)
+        if kind is not None and kind.role == "output" and not _disabled(values, setting.key):
+            found += [(key, str(value)) for key, value in _leaves(setting, _select(values, setting.key))]
+    return found
+
+
+def is_hub_id(value: str) -> bool:
+    """``org/name`` that is not a local path: it does not start with ``.`` or ``/``, has one
+    ``/``, and its first part is not a local folder (``runs/model`` is local when ``runs`` is)."""
+    parts = str(value).split("/")
+    return (
+        len(parts) == 2
+        and all(parts)
+        and not str(value).startswith((".", "/", "~"))
+        and not Path(parts[0]).exists()
+        and not Path(value).exists()
+    )
+
+
+WEIGHT_FILES = ("model.safetensors", "model.safetensors.index.json", "pytorch_model.bin", "pytorch_model.bin.index.json")
+TOKENIZER_FILES = ("tokenizer.json", "tokenizer.model", "vocab.json")
+
+
+def _path_problem(path: Path, kind: str) -> str | None:
+    """Why ``path`` is not an input of ``kind``, or None when it is."""
+    if not path.exists():
+        return "does not exist"
+    if kind == "file" and not path.is_file():
+        return "is a folder, not a file"
+    if kind == "folder" and not path.is_dir():
+        return "is a file, not a folder"
+    if kind == "data" and path.is_dir() and not any(path.glob("*.parquet")):
+        return "is a folder with no parquet files, not a data file"
+    if kind == "model" and path.is_file():
+        return None if path.suffix == ".gguf" else "is a file, not a model folder (or a .gguf file)"
+    if kind in ("model", "tokenizer"):
+        if not path.is_dir():
+            return f"is not a {kind} folder"
+        if kind == "model":
+            config = path / "config.json"
+            if not config.is_file():
+                return "has no config.json (not a model folder)"
+            try:
+                json.loads(config.read_text())
+            except (ValueError, UnicodeDecodeError) as exc:
+                return f"has a config.json that is not valid JSON ({exc})"
+            if not any((path / name).is_file() for name in WEIGHT_FILES) and not any(path.glob("*.safetensors")):
+                return f"has no weights ({', '.join(WEIGHT_FILES)})"
+        if not any((path / name).is_file() for name in TOKENIZER_FILES):
+            return f"has no tokenizer ({' or '.join(TOKENIZER_FILES)})"
+    return None
+
+
+def _overlap(a: Path, b: Path) -> str | None:
+    """How two paths overlap, or None."""
+    if a == b:
+        return "is"
+    if a in b.parents:
+        return "contains"
+    if b in a.parents:
+        return "lies inside"
+    return None
+
+
+def check_paths(schema: type, values: dict) -> list[tuple[str, str, str]]:
+    """Before any work: every input of the kind its declaration says, and the outputs apart from
+    the inputs (:func:`check_apart`). Returns the inputs (key, path, kind)."""
+    inputs = input_paths(schema, values)
+    for key, value, kind in inputs:
+        problem = _path_problem(Path(value), kind)
+        if problem == "does not exist":
+            raise SettingError(
+                key, f"no {kind} at {value!r}" + (" (build the toy model with `etagent toy build`)" if kind == "model" else "")
+            )
+        if problem:
+            raise SettingError(key, f"{value!r} {problem}")
+    check_apart(schema, values)
+    return inputs
+
+
+def check_apart(schema: type, values: dict) -> None:
+    """No output folder that equals, contains or lies inside an input: a run never writes over,
+    or moves, what it reads."""
+    inputs = input_paths(schema, values)
+    for out_key, out_value in output_folders(schema, values):
+        out = Path(out_value).resolve()
+        for key, value, _ in inputs:
+            how = _overlap(out, Path(value).resolve())
+            if how:
+                raise SettingError(
+                    out_key, f"{out_value!r} {how} the input {key}={value!r}: outputs never overwrite inputs; write elsewhere"
+                )
+
+
+def out_of_range_values(setting: Setting) -> list[Any]:
+    """Values the declaration refuses, one per bound or choice, plus NaN and infinities for
+    numbers: what tests feed every setting to see that each is refused at load."""
+    values: list[Any] = []
+    if setting.type in (int, float) and setting.type is not bool:
+        step = 1 if setting.type is int else 0.5
+        for m in setting.metadata:
+            if isinstance(m, Ge):
+                values.append(m.ge - step)
+            elif isinstance(m, Gt):
+                values.append(m.gt)
+            elif isinstance(m, Le):
+                values.append(m.le + step)
+            elif isinstance(m, Lt):
+                values.append(m.lt)
+        if not any(m == NON_FINITE_OK for m in setting.metadata):
+            values += [math.nan, math.inf, -math.inf]
+    choice = setting.first(OneOf)
+    if choice is not None:
+        values.append("not-" + "-".join(map(str, choice.choices)))
+    return values
