@@ -1,13 +1,17 @@
 """Retriever throughput and build cost: our server against the one-request-per-encode design.
 
     python bench/bench_retriever.py [--requests 600] [--sizes 10000,100000] [--skip-build]
+                                    [--concurrency 1,8,32,64] [--rounds 1] [--at COMMIT ...]
 
 Serving: builds a toy index (the default encoder, all-MiniLM-L6-v2, Flat), then serves it twice
 on 127.0.0.1, one server at a time: ours (retriever.server: micro-batched encoding and search in
 a worker thread) and the peers' design (FlashRAG's and Search-R1's servers: each request encodes
 its own queries and searches inside the request handler, blocking the event loop; see
 bench/one_at_a_time_server.py). Same encoder, same index, same queries, same torch threads.
-Reports QPS and p50/p99 latency at concurrency 1, 8, 32 and 64.
+Reports QPS and p50/p99 latency at each concurrency, and the ratio to the peer. ``--at COMMIT``
+serves our server as it was at that commit too (from a git worktree), side by side in the same
+run: the old way against the new. ``--rounds`` repeats every server's measurement, the servers
+taking turns, so that drift in the machine's speed falls on all of them.
 
 Building: wall time and peak memory of `python -m retriever.build` for synthetic corpora of the
 given sizes (toy-world passages).
@@ -34,8 +38,10 @@ import httpx
 ROOT = Path(__file__).resolve().parents[1]
 
 
-def start(command: list[str], url: str) -> subprocess.Popen:
-    proc = subprocess.Popen(command, stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL, cwd=ROOT)
+def start(command: list[str], url: str, tree: Path = ROOT) -> subprocess.Popen:
+    """A server from the checkout ``tree`` (its modules and its configs), once it answers /health."""
+    env = dict(os.environ, PYTHONPATH=str(tree))
+    proc = subprocess.Popen(command, stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL, cwd=tree, env=env)
     deadline = time.monotonic() + 180
     while time.monotonic() < deadline:
         try:
@@ -126,6 +132,9 @@ def main() -> None:
     parser.add_argument("--sizes", default="10000,100000")
     parser.add_argument("--skip-build", action="store_true")
     parser.add_argument("--threads", type=int, default=os.cpu_count())
+    parser.add_argument("--concurrency", default="1,8,32,64", help="comma-separated concurrencies")
+    parser.add_argument("--rounds", type=int, default=1, help="measurements per server and concurrency, taking turns")
+    parser.add_argument("--at", action="append", default=[], metavar="COMMIT", help="also serve our server as at this commit")
     parser.add_argument("overrides", nargs="*", help="retriever config overrides for both servers, e.g. encoder.kind=transformers")
     args = parser.parse_args()
     os.environ.update(HF_HUB_OFFLINE="1", OMP_NUM_THREADS=str(args.threads))
@@ -151,43 +160,80 @@ def main() -> None:
 
     rows = []
     port = 18000 + os.getpid() % 1000
-    servers = {
-        "etagent (micro-batched)": [
-            sys.executable,
-            "-m",
-            "retriever.server",
-            f"index_dir={work / 'index'}",
-            f"serve.port={port}",
-            f"serve.torch_threads={args.threads}",
-            *args.overrides,
-        ],
-        "one request per encode": [
-            sys.executable,
-            str(ROOT / "bench" / "one_at_a_time_server.py"),
-            str(work / "index"),
-            str(port),
-            str(args.threads),
-            *args.overrides,
-        ],
+    documents = sum(1 for line in (work / "toy" / "corpus.jsonl").read_text().splitlines() if line.strip())
+    servers: dict[str, tuple[list[str], Path]] = {}
+    for commit in args.at:  # our server as it was: its own checkout, its own configs
+        tree = work / f"at-{commit}"
+        subprocess.run(["git", "worktree", "add", "--detach", str(tree), commit], check=True, cwd=ROOT, capture_output=True)
+        servers[f"etagent at {commit}"] = (
+            [
+                sys.executable,
+                "-m",
+                "retriever.server",
+                f"index_dir={work / 'index'}",
+                f"serve.port={port}",
+                f"serve.torch_threads={args.threads}",
+            ],
+            tree,
+        )
+    servers |= {
+        "etagent (micro-batched)": (
+            [
+                sys.executable,
+                "-m",
+                "retriever.server",
+                f"index_dir={work / 'index'}",
+                f"serve.port={port}",
+                f"serve.torch_threads={args.threads}",
+                *args.overrides,
+            ],
+            ROOT,
+        ),
+        "one request per encode": (
+            [
+                sys.executable,
+                str(ROOT / "bench" / "one_at_a_time_server.py"),
+                str(work / "index"),
+                str(port),
+                str(args.threads),
+                *args.overrides,
+            ],
+            ROOT,
+        ),
     }
-    for name, command in servers.items():
-        url = f"http://127.0.0.1:{port}"
-        proc = start(command, url)
-        try:
-            asyncio.run(load(url, queries, 50, 8))  # warm up
-            for concurrency in (1, 8, 32, 64):
-                n = args.requests if concurrency > 1 else args.requests // 4
-                rows.append((name, concurrency, *asyncio.run(load(url, queries, n, concurrency))))
-        finally:
-            proc.terminate()
-            proc.wait()
+    concurrencies = [int(c) for c in args.concurrency.split(",")]
+    try:
+        for _ in range(args.rounds):
+            for name, (command, tree) in servers.items():
+                url = f"http://127.0.0.1:{port}"
+                proc = start(command, url, tree)
+                try:
+                    asyncio.run(load(url, queries, 200, 8))  # warm up
+                    for concurrency in concurrencies:
+                        n = args.requests if concurrency > 1 else args.requests // 4
+                        rows.append((name, concurrency, *asyncio.run(load(url, queries, n, concurrency))))
+                finally:
+                    proc.terminate()
+                    proc.wait()
+    finally:
+        for commit in args.at:
+            subprocess.run(["git", "worktree", "remove", "--force", str(work / f"at-{commit}")], cwd=ROOT, capture_output=True)
     print(
-        f"{os.cpu_count()} CPUs, torch threads {args.threads}, encoder all-MiniLM-L6-v2, Flat index over {300} toy passages, {args.requests} requests of 1 query"
+        f"{os.cpu_count()} CPUs, torch threads {args.threads}, encoder all-MiniLM-L6-v2, Flat index over {documents} toy passages, "
+        f"{args.requests} requests of 1 query, {args.rounds} round(s)"
     )
     print(f"{'server':<26} {'conc':>4} {'QPS':>8} {'p50 ms':>8} {'p99 ms':>8} {'errors':>6} {'x peer':>7}")
-    for name, concurrency, qps, p50, p99, errors in rows:
-        peer = next(r[2] for r in rows if r[0] == "one request per encode" and r[1] == concurrency)
-        print(f"{name:<26} {concurrency:>4} {qps:>8.1f} {p50:>8.1f} {p99:>8.1f} {errors:>6} {qps / peer:>7.2f}")
+    for concurrency in concurrencies:
+        peer = [r[2] for r in rows if r[0] == "one request per encode" and r[1] == concurrency]
+        peer_mean = sum(peer) / len(peer)
+        for name in servers:
+            mine = [r for r in rows if r[0] == name and r[1] == concurrency]
+            qps = sum(r[2] for r in mine) / len(mine)
+            p50 = sum(r[3] for r in mine) / len(mine)
+            p99 = max(r[4] for r in mine)
+            errors = sum(r[5] for r in mine)
+            each = ", ".join(f"{r[2]:.0f}" for r in mine)
+            print(f"{name:<26} {concurrency:>4} {qps:>8.1f} {p50:>8.1f} {p99:>8.1f} {errors:>6} {qps / peer_mean:>7.2f}  ({each})")
 
     if not args.skip_build:
         print(f"\n{'passages':>9} {'build s':>9} {'peak RSS MB':>12}")

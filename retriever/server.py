@@ -200,8 +200,12 @@ class MicroBatcher:
         return list(await asyncio.gather(*(p.future for p in pending)))
 
     def _encode_and_search(self, queries: list[str], k: int):
-        hits, encode_ms, search_ms = self.index.dense(queries, k)
-        return self.index.with_documents(hits), encode_ms, search_ms
+        # a query asked twice in one batch (the rollouts of one prompt often search alike) is
+        # encoded and searched once: the same string gives the same vector and the same hits
+        unique = list(dict.fromkeys(queries))
+        hits, encode_ms, search_ms = self.index.dense(unique, k)
+        found = dict(zip(unique, self.index.with_documents(hits)))
+        return [found[q] for q in queries], encode_ms, search_ms
 
     async def _run(self) -> None:
         loop = asyncio.get_running_loop()

@@ -95,3 +95,25 @@ def test_phases_add_up_and_survive_errors():
         raise RuntimeError("boom")
     assert set(metrics) == {"timing_s/generate", "timing_s/reward", "timing_s/update"}
     assert metrics["timing_s/generate"] >= 0.03 and 0.01 <= metrics["timing_s/reward"] < metrics["timing_s/generate"]
+
+
+def imported_modules(path: Path) -> set[str]:
+    """Every module an ``etagent`` file imports, by its full name, inside functions too."""
+    names = set()
+    for node in ast.walk(ast.parse(path.read_text(), filename=str(path))):
+        if isinstance(node, ast.Import):
+            names |= {alias.name for alias in node.names}
+        elif isinstance(node, ast.ImportFrom) and node.level == 0 and node.module:
+            names.add(node.module)
+    return {name for name in names if name.startswith("etagent")}
+
+
+def test_the_declarations_sit_at_the_bottom_and_config_imports_no_group():
+    """etagent/settings.py and etagent/errors.py import nothing of the core but each other, and
+    etagent/config.py (loading configs) imports no module that defines a group: each group's
+    module registers its own schema, so there is no import circle through config.py."""
+    core = ROOT / "etagent"
+    assert imported_modules(core / "errors.py") == set()
+    assert imported_modules(core / "settings.py") <= {"etagent.errors"}
+    assert imported_modules(core / "config.py") <= {"etagent.errors", "etagent.settings", "etagent.rundir"}
+    assert imported_modules(core / "rundir.py") <= {"etagent.errors", "etagent.settings", "etagent.records"}
