@@ -161,34 +161,21 @@ def main() -> None:
     rows = []
     port = 18000 + os.getpid() % 1000
     documents = sum(1 for line in (work / "toy" / "corpus.jsonl").read_text().splitlines() if line.strip())
+    ours = [
+        sys.executable,
+        "-m",
+        "retriever.server",
+        f"index_dir={work / 'index'}",
+        f"serve.port={port}",
+        f"serve.torch_threads={args.threads}",
+    ]
     servers: dict[str, tuple[list[str], Path]] = {}
     for commit in args.at:  # our server as it was: its own checkout, its own configs
         tree = work / f"at-{commit}"
         subprocess.run(["git", "worktree", "add", "--detach", str(tree), commit], check=True, cwd=ROOT, capture_output=True)
-        servers[f"etagent at {commit}"] = (
-            [
-                sys.executable,
-                "-m",
-                "retriever.server",
-                f"index_dir={work / 'index'}",
-                f"serve.port={port}",
-                f"serve.torch_threads={args.threads}",
-            ],
-            tree,
-        )
+        servers[f"etagent at {commit}"] = (ours, tree)
     servers |= {
-        "etagent (micro-batched)": (
-            [
-                sys.executable,
-                "-m",
-                "retriever.server",
-                f"index_dir={work / 'index'}",
-                f"serve.port={port}",
-                f"serve.torch_threads={args.threads}",
-                *args.overrides,
-            ],
-            ROOT,
-        ),
+        "etagent (micro-batched)": ([*ours, *args.overrides], ROOT),
         "one request per encode": (
             [
                 sys.executable,

@@ -50,25 +50,6 @@ from pydantic_core import core_schema
 
 from etagent.errors import SettingError
 
-__all__ = [
-    "FREE",
-    "NON_FINITE_OK",
-    "Ge",
-    "Gt",
-    "Le",
-    "Lt",
-    "OneOf",
-    "PathKind",
-    "Setting",
-    "group",
-    "validate",
-    "settings_of",
-    "free_keys",
-    "input_paths",
-    "check_paths",
-]
-
-
 # ---------------------------------------------------------------------------------------------
 # The vocabulary of declarations
 

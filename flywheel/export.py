@@ -2,7 +2,9 @@
 
     python -m flywheel.export [--preset tiny|paper] [overrides]     # or: etagent flywheel export ...
 
-Reads ``out_dir/trajectories.jsonl`` (``flywheel/run.py``) and writes into ``export.out_dir``:
+Reads ``out_dir/trajectories.jsonl`` (``flywheel/run.py``), or that of each folder in
+``export.runs`` (several runs exported together: one per world version on the toy world), and
+writes into ``export.out_dir``, which never holds what it reads:
 
 - ``sft.jsonl``: one chat example per kept trajectory (the protocol prompt in the system turn,
   the question, the trajectory as the assistant turn with its tool results as masked segments,
@@ -35,11 +37,13 @@ import statistics
 from collections import Counter
 from pathlib import Path
 
-from omegaconf import DictConfig
+from omegaconf import DictConfig, OmegaConf
 
 from etagent import protocol
-from etagent.errors import SettingError, UserError, exit_on_user_error
+from etagent.errors import MissingInput, UserError, exit_on_user_error
 from etagent.records import SFTExample, Trajectory, TrajectoryGroup, export_llamafactory, read_jsonl, read_records, write_jsonl
+from etagent.settings import check_paths
+from flywheel.config import ExportSettings
 
 log = logging.getLogger("flywheel.export")
 
@@ -92,16 +96,25 @@ def spread(calls_per_question: dict[str, list[int]]) -> dict:
 
 def export(cfg: DictConfig) -> dict:
     """Write the SFT data and the report; return the report."""
-    source = Path(cfg.out_dir) / "trajectories.jsonl"
     e = cfg.export
+    runs = [str(run) for run in e.runs] if e.runs else [str(cfg.out_dir)]
+    # the export's own reading of the settings: the runs are read, export.out_dir written
+    check_paths(ExportSettings, {**OmegaConf.to_container(e, resolve=True), "runs": runs})
     out = Path(e.out_dir)
-    if out.resolve() == Path(cfg.out_dir).resolve():
-        raise SettingError("export.out_dir", f"is the flywheel's out_dir ({cfg.out_dir}), which it reads: write the export elsewhere")
-    if e.seed_data and Path(e.seed_data).resolve().is_relative_to(out.resolve()):
-        raise SettingError("export.seed_data", f"{e.seed_data} lies inside export.out_dir, which the export writes")
     out.mkdir(parents=True, exist_ok=True)
     # questions are written as they finish, an order that depends on timing: the data's order must not
-    groups = sorted(read_jsonl(source, TrajectoryGroup), key=lambda g: g.id)
+    groups, seen = [], {}
+    for run in runs:
+        source = Path(run) / "trajectories.jsonl"
+        if not source.is_file():
+            raise MissingInput(f"{source}: no trajectories (run the flywheel into {run} first)")
+        for group in read_jsonl(source, TrajectoryGroup):
+            if group.id in seen:
+                raise UserError(f"{source}: question {group.id!r} is also in {seen[group.id]}: export each question from one run")
+            seen[group.id] = source
+            groups.append(group)
+    groups.sort(key=lambda g: g.id)
+    source = ", ".join(str(Path(run) / "trajectories.jsonl") for run in runs)
     examples, dropped, kept_ops = [], Counter(), Counter()
     kept_calls: dict[str, list[int]] = {}
     for group in groups:

@@ -65,7 +65,16 @@ def main(argv: list[str] | None = None) -> None:
             raise UserError(f"--out {out}: is a folder; name the HTML file to write, e.g. {out / 'report.html'}")
         if not out.parent.is_dir():
             raise UserError(f"--out {out}: its folder {out.parent} does not exist")
+        if out.is_file() and not is_report(out):
+            raise UserError(f"--out {out}: is a file the report did not write (it never writes over the run's files); name a new file")
     write_report(args.run_dir, args.out)
+
+
+def is_report(path: Path) -> bool:
+    """Whether ``path`` is a page this command wrote (its head names it), so writing it again
+    replaces no one's data."""
+    with path.open("rb") as f:
+        return b"<title>etagent report: " in f.read(400)
 
 
 if __name__ == "__main__":

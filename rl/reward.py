@@ -207,20 +207,32 @@ FIELDS = {
 
 
 def group_problems(group: dict) -> dict[str, str]:
-    """What is wrong with one group's fields, by field (empty when nothing is). The sigmas may be
-    0 (the end of a stage's decay) but not negative: a negative sigma rewards the longer answer
-    with more tool calls, the opposite of the reward's purpose."""
+    """What is wrong with one group's fields, by field (empty when nothing is). The mode and the
+    sigmas are RL's reward settings and are checked by their declaration (rl/config.py
+    RewardSettings: the sigmas finite and >= 0, 0 being the end of a stage's decay; a negative
+    sigma rewards the longer answer with more tool calls, the opposite of the reward's purpose)."""
+    from etagent.errors import SettingError
+    from etagent.settings import validate
+    from rl.config import RewardSettings
+
     lengths, responses = group["lengths"], group["responses"]
     problems = {
         "data_source": group["data_source"] not in DATA_SOURCES and f"must be one of {', '.join(DATA_SOURCES)}",
-        "mode": group.get("mode", "default") not in MODES and f"must be one of {', '.join(MODES)}",
         "responses": not responses and "empty: a group has at least one response",
         "ground_truth": not any(str(g).strip() for g in group["ground_truth"]) and "no gold answer",
         "lengths": (len(lengths) != len(responses) and f"{len(lengths)} lengths for {len(responses)} responses")
         or (any(isinstance(n, bool) or not isinstance(n, int) or n < 0 for n in lengths) and "must be integers >= 0"),
-        "sigma_tool": group["sigma_tool"] < 0 and f"must be >= 0, got {group['sigma_tool']}",
-        "sigma_length": group["sigma_length"] < 0 and f"must be >= 0, got {group['sigma_length']}",
     }
+    settings = {
+        "mode": group.get("mode", "default"),
+        "sigma_tool": group["sigma_tool"],
+        "sigma_length": group["sigma_length"],
+        "decay": False,
+    }
+    try:
+        validate(RewardSettings, settings)
+    except SettingError as error:
+        problems[error.key] = error.reason
     return {field: problem for field, problem in problems.items() if problem}
 
 

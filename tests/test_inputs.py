@@ -212,8 +212,17 @@ def test_a_folder_where_a_file_is_expected_and_unreadable_files_are_one_line(toy
     refused(etagent("rl", f"model={toy / 'model'}", f"data.train={corrupt}", f"out_dir={tmp_path / 'rl2'}"), "not a readable parquet file")
     empty = tmp_path / "corpus.jsonl"
     empty.write_text("")
-    result = etagent("retriever", "build", f"corpus={empty}", f"index_dir={tmp_path / 'index'}")
-    assert result.returncode == 2 and "Traceback" not in result.stderr, result.stderr[-2000:]
+    refused(etagent("retriever", "build", f"corpus={empty}", f"index_dir={tmp_path / 'index'}"), "no passages (the corpus is empty)")
+    refused(
+        etagent(
+            "retriever",
+            "build",
+            f"corpus={toy / 'corpus.jsonl'}",
+            f"index_dir={tmp_path / 'index2'}",
+            f"encoder.model={tmp_path / 'nothing'}",
+        ),
+        "setting encoder.model: no encoder at",
+    )
 
 
 @pytest.mark.parametrize(

@@ -231,7 +231,7 @@ def test_score_names_the_line_of_a_byte_that_is_not_utf8(tmp_path):
 @pytest.mark.parametrize(
     "change, message",
     [
-        ({"sigma_tool": -1}, "<stdin>:1: field 'sigma_tool': must be >= 0, got -1"),
+        ({"sigma_tool": -1}, "<stdin>:1: field 'sigma_tool': must be a number >= 0, got -1"),
         ({"lengths": [10, -5]}, "<stdin>:1: field 'lengths': must be integers >= 0"),
         ({"responses": [], "lengths": []}, "<stdin>:1: field 'responses': empty"),
     ],

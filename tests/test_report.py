@@ -312,6 +312,13 @@ def test_a_report_reads_only_the_run_and_lists_malformed_files(tmp_path, browser
     browser.evaluate("[...document.querySelectorAll('#list li')].find(li => li.textContent.includes('rl/stage1')).click()")
     cells = browser.evaluate("[...document.querySelectorAll('#detail td')].map(td => td.textContent)")
     assert "inf" in cells and "-inf" in cells, cells
-    for bad_out, why in ((run, "is a folder"), (tmp_path / "no" / "such" / "report.html", "does not exist")):
+    summary = (evaluation / "summary.json").read_bytes()
+    for bad_out, why in (
+        (run, "is a folder"),
+        (tmp_path / "no" / "such" / "report.html", "does not exist"),
+        (evaluation / "summary.json", "is a file the report did not write"),
+    ):
         refused = report(run, "--out", str(bad_out))
         assert refused.returncode == 2 and why in refused.stderr and "Traceback" not in refused.stderr, refused.stderr
+    assert (evaluation / "summary.json").read_bytes() == summary
+    assert report(run, "--out", str(run / "report.html")).returncode == 0  # its own page, written again

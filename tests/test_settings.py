@@ -137,3 +137,16 @@ def test_the_values_refused_follow_the_bounds():
     assert values[:2] == [0, 1.5] and math.isnan(values[2]) and values[3:] == [math.inf, -math.inf]
     assert out_of_range_values(Setting("n", int, (Ge(1),), False))[0] == 0
     assert out_of_range_values(Setting("k", str, (OneOf("a", "b"),), False)) == ["not-a-b"]
+
+
+@pytest.mark.parametrize("sigma", ["NaN", "Infinity", "-1"])
+def test_the_reward_command_checks_its_sigmas_by_their_declaration(sigma):
+    """``etagent reward`` reads RL's reward settings from each JSON line (JSON as Python reads it
+    admits NaN and Infinity): the same declaration refuses them, naming the line and field."""
+    line = (
+        '{"data_source": "math_effi_rl", "ground_truth": ["4"], "responses": ["<answer>\\\\boxed{4}</answer>"], '
+        f'"lengths": [5], "sigma_tool": {sigma}, "sigma_length": 0.5}}\n'
+    )
+    result = subprocess.run([sys.executable, "-m", "launcher", "reward"], input=line, capture_output=True, text=True, timeout=120)
+    assert result.returncode == 2, result.stderr
+    assert result.stderr.startswith("error: <stdin>:1: field 'sigma_tool': must be a") and "Traceback" not in result.stderr
