@@ -12,7 +12,7 @@ from omegaconf import MISSING
 
 from etagent.agent import AgentConfig
 from etagent.llm import EngineConfig, Sampling
-from etagent.settings import FREE, InputData, InputFile, InputFolder, OneOf, OutputFolder, PositiveInt, group
+from etagent.settings import FREE, InputData, InputFile, OneOf, OutputFolder, PositiveInt, group
 from etagent.tools.executor import ToolsConfig
 from flywheel.evolve import FlywheelSettings
 
@@ -58,7 +58,7 @@ class ExportSettings:
     require_tool_success: bool = MISSING
     llamafactory: list[Annotated[str, OneOf("alpaca", "sharegpt", "sharegpt_observation")]] = MISSING
     seed_data: InputFile | None = MISSING
-    runs: list[InputFolder] | None = MISSING
+    trajectories: list[InputFile] | None = MISSING
 
 
 @group

@@ -2,9 +2,9 @@
 
     python -m flywheel.export [--preset tiny|paper] [overrides]     # or: etagent flywheel export ...
 
-Reads ``out_dir/trajectories.jsonl`` (``flywheel/run.py``), or that of each folder in
-``export.runs`` (several runs exported together: one per world version on the toy world), and
-writes into ``export.out_dir``, which never holds what it reads:
+Reads ``out_dir/trajectories.jsonl`` (``flywheel/run.py``), or each file of
+``export.trajectories`` (several runs exported together: one per world version on the toy
+world), and writes into ``export.out_dir``, which never holds what it reads:
 
 - ``sft.jsonl``: one chat example per kept trajectory (the protocol prompt in the system turn,
   the question, the trajectory as the assistant turn with its tool results as masked segments,
@@ -40,7 +40,7 @@ from pathlib import Path
 from omegaconf import DictConfig, OmegaConf
 
 from etagent import protocol
-from etagent.errors import MissingInput, UserError, exit_on_user_error
+from etagent.errors import UserError, exit_on_user_error
 from etagent.records import SFTExample, Trajectory, TrajectoryGroup, export_llamafactory, read_jsonl, read_records, write_jsonl
 from etagent.settings import check_paths
 from flywheel.config import ExportSettings
@@ -97,24 +97,21 @@ def spread(calls_per_question: dict[str, list[int]]) -> dict:
 def export(cfg: DictConfig) -> dict:
     """Write the SFT data and the report; return the report."""
     e = cfg.export
-    runs = [str(run) for run in e.runs] if e.runs else [str(cfg.out_dir)]
-    # the export's own reading of the settings: the runs are read, export.out_dir written
-    check_paths(ExportSettings, {**OmegaConf.to_container(e, resolve=True), "runs": runs})
+    files = [str(path) for path in e.trajectories] if e.trajectories else [str(Path(cfg.out_dir) / "trajectories.jsonl")]
+    # the export's own reading of the settings: the trajectories are read, export.out_dir written
+    check_paths(ExportSettings, {**OmegaConf.to_container(e, resolve=True), "trajectories": files})
     out = Path(e.out_dir)
     out.mkdir(parents=True, exist_ok=True)
     # questions are written as they finish, an order that depends on timing: the data's order must not
     groups, seen = [], {}
-    for run in runs:
-        source = Path(run) / "trajectories.jsonl"
-        if not source.is_file():
-            raise MissingInput(f"{source}: no trajectories (run the flywheel into {run} first)")
+    for source in files:
         for group in read_jsonl(source, TrajectoryGroup):
             if group.id in seen:
                 raise UserError(f"{source}: question {group.id!r} is also in {seen[group.id]}: export each question from one run")
             seen[group.id] = source
             groups.append(group)
     groups.sort(key=lambda g: g.id)
-    source = ", ".join(str(Path(run) / "trajectories.jsonl") for run in runs)
+    source = ", ".join(files)
     examples, dropped, kept_ops = [], Counter(), Counter()
     kept_calls: dict[str, list[int]] = {}
     for group in groups:

@@ -67,9 +67,9 @@ PY
     source scripts/serve_retriever.sh "$RUN/flywheel_index/v$version" "$RUN/flywheel_index/v$version.log"
     run_flywheel "$questions" "$RETRIEVER_URL" "$OUT/v$version"
     stop_retriever
-    runs+=("$OUT/v$version")
+    runs+=("$OUT/v$version/trajectories.jsonl")
   done
-  EXPORT=("export.seed_data=$RUN/toy/sft.jsonl" "export.runs=[$(IFS=,; echo "${runs[*]}")]" "export.out_dir=$OUT/sft")
+  EXPORT=("export.seed_data=$RUN/toy/sft.jsonl" "export.trajectories=[$(IFS=,; echo "${runs[*]}")]" "export.out_dir=$OUT/sft")
 fi
 
 echo "-- export to SFT data -> $OUT/sft"

@@ -291,3 +291,25 @@ def test_a_kill_during_an_sft_save_is_resumed_from_the_last_whole_checkpoint(toy
     assert f"resuming from {out / 'checkpoints' / 'checkpoint-4'}" in again.stderr
     state = json.loads((out / "checkpoints" / "checkpoint-6" / "trainer_state.json").read_text())
     assert state["global_step"] == 6
+
+
+def test_a_selection_or_an_export_of_nothing_is_refused(tmp_path):
+    """Asked for questions, Pareto finds none eligible (every chain of every question wrong, or
+    all right): exit 2 naming why, and no rl.parquet that an RL stage would train on for
+    nothing. A flywheel export that keeps no trajectory is refused the same way."""
+    from tests.test_pareto import rollout_line
+
+    rollouts = tmp_path / "rollouts" / "trajectories.jsonl"
+    rollouts.parent.mkdir()
+    lines = [rollout_line("a", "math", [(0, 1), (0, 2)]), rollout_line("b", "math", [(1, 1), (1, 1)])]
+    rollouts.write_text("".join(json.dumps(line) + "\n" for line in lines))
+    before = digest(rollouts)
+    out = tmp_path / "selection"
+    refused(etagent("pareto", f"rollouts={rollouts}", f"out_dir={out}"), "none of the 2 questions is eligible (1 all_wrong, 1 all_correct)")
+    assert not (out / "rl.parquet").exists() and digest(rollouts) == before
+
+    flywheel = tmp_path / "flywheel"
+    flywheel.mkdir()
+    (flywheel / "trajectories.jsonl").write_text(rollouts.read_text().replace('"verdict": true', '"verdict": false'))
+    refused(etagent("flywheel", "export", f"out_dir={flywheel}", "export.seed_data=null"), "is kept as SFT data")
+    assert not (flywheel / "sft" / "sft.jsonl").exists()
