@@ -81,6 +81,8 @@ def user_error_line(error: BaseException) -> str | None:
     if isinstance(error, UnicodeDecodeError):
         return f"not UTF-8 text: byte {error.object[error.start]:#04x} at offset {error.start}"
     module = type(error).__module__
+    if module.startswith("safetensors") or type(error).__name__ == "SafetensorError":
+        return f"weights that cannot be read (a safetensors file cut short or not one): {str(error).splitlines()[0]}"
     if module.startswith("pyarrow") and type(error).__name__ in ("ArrowInvalid", "ArrowIOError"):
         return f"not a readable parquet or Arrow file: {str(error).splitlines()[0]}"
     if module.startswith("pydantic") and type(error).__name__ == "ValidationError":

@@ -369,8 +369,37 @@ def _path_problem(path: Path, kind: str) -> str | None:
                 return f"has a config.json that is not valid JSON ({exc})"
             if not any((path / name).is_file() for name in WEIGHT_FILES) and not any(path.glob("*.safetensors")):
                 return f"has no weights ({', '.join(WEIGHT_FILES)})"
+            for weights in sorted(path.glob("*.safetensors")):
+                problem = _safetensors_problem(weights)
+                if problem:
+                    return f"has weights that cannot be read: {weights.name} {problem}"
         if not any((path / name).is_file() for name in TOKENIZER_FILES):
             return f"has no tokenizer ({' or '.join(TOKENIZER_FILES)})"
+        for name in ("tokenizer.json", "tokenizer_config.json"):  # a tokenizer that will not load
+            if (path / name).is_file():
+                try:
+                    json.loads((path / name).read_bytes())
+                except (ValueError, UnicodeDecodeError) as exc:
+                    return f"has a {name} that is not valid JSON ({exc})"
+    return None
+
+
+def _safetensors_problem(path: Path) -> str | None:
+    """Why a .safetensors file is not whole (its header, read alone, says how long its tensors
+    are), or None: a file cut short is refused before a model loads, not inside transformers."""
+    size = path.stat().st_size
+    with path.open("rb") as f:
+        head = f.read(8)
+        header_bytes = int.from_bytes(head, "little") if len(head) == 8 else -1
+        if header_bytes < 2 or 8 + header_bytes > size:
+            return "is not a safetensors file (its header is cut or missing)"
+        try:
+            header = json.loads(f.read(header_bytes))
+        except (ValueError, UnicodeDecodeError):
+            return "has a header that is not valid JSON"
+    ends = [t["data_offsets"][1] for name, t in header.items() if name != "__metadata__" and isinstance(t, dict) and "data_offsets" in t]
+    if ends and 8 + header_bytes + max(ends) > size:
+        return f"is cut short ({size} bytes, its header says {8 + header_bytes + max(ends)})"
     return None
 
 

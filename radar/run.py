@@ -36,7 +36,7 @@ from etagent.errors import MissingInput, SettingError, UserError, exit_on_user_e
 from etagent.llm import check_engine_settings
 from etagent.llm.text import TextModel, load_text_model
 from etagent.progress import Progress
-from etagent.records import JsonlAppender, TrajectoryGroup, iter_jsonl, read_jsonl, write_manifest
+from etagent.records import JsonlAppender, RecordError, TrajectoryGroup, iter_jsonl, read_json_file, read_jsonl, write_manifest
 from etagent.rundir import claim_output
 from etagent.scoring import correctness
 from etagent.settings import check_paths
@@ -101,7 +101,9 @@ def dataset_metrics(judge: RadarJudge, run_dir: Path, dataset: str, out: Path, t
     metrics_path = run_dir / dataset / "metrics.json"
     if not metrics_path.is_file():
         raise MissingInput(f"{metrics_path}: no such file (was {dataset} evaluated in {run_dir}?)")
-    table = json.loads(metrics_path.read_text())
+    table = read_json_file(metrics_path)
+    if not isinstance(table, dict):
+        raise RecordError(metrics_path, None, "(file)", "expected a JSON object of metrics")
     if not table.get("samples"):
         raise UserError(
             f"{metrics_path}: no samples (the evaluation ran on no questions): nothing to measure; leave {dataset} out with datasets=[...]"
@@ -157,6 +159,14 @@ def tool_use_rates(per_dataset: dict[str, dict]) -> tuple[float, float] | None:
     return mean("redundant_rate"), mean("insufficient_rate")
 
 
+def run_name(run_dir: Path) -> str:
+    """The name an evaluation ran under (its summary's ``run``)."""
+    summary = read_json_file(run_dir / "summary.json")
+    if not isinstance(summary, dict) or not isinstance(summary.get("run"), str):
+        raise RecordError(run_dir / "summary.json", None, "run", "missing, or not a string: not an evaluation's summary")
+    return summary["run"]
+
+
 def check_settings(cfg: DictConfig) -> dict:
     """The runs and the tokenizer present, and what the declarations (radar/config.py) cannot say
     alone, before any work. Returns the config as run (with the toy oracle, no judge model)."""
@@ -190,7 +200,7 @@ def measure(cfg: DictConfig, out: Path, config: dict) -> dict:
     started = time.time()
     tokenizer = AutoTokenizer.from_pretrained(cfg.tokenizer)
     # A run is labelled with the name it was evaluated under (evaluation's run_name).
-    labels = list(cfg.labels) if cfg.labels else [json.loads((Path(r) / "summary.json").read_text())["run"] for r in cfg.runs]
+    labels = list(cfg.labels) if cfg.labels else [run_name(Path(r)) for r in cfg.runs]
     judge = build(RadarJudge, cfg.judge)
     result = {}
     for label, run_dir in zip(labels, cfg.runs):

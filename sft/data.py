@@ -114,6 +114,8 @@ def load_alpaca(path: Path) -> list[SFTExample]:
         raise RecordError(path, None, "(file)", "expected a JSON array of examples")
     out = []
     for i, row in enumerate(rows, start=1):
+        if not isinstance(row, dict):
+            raise RecordError(path, i, "(record)", f"expected a JSON object, got {type(row).__name__}")
         for field in ("instruction", "output"):
             if not isinstance(row.get(field), str):
                 raise RecordError(path, i, field, "missing or not a string")
@@ -136,9 +138,14 @@ def load_sharegpt(path: Path) -> list[SFTExample]:
         raise RecordError(path, None, "(file)", "expected a JSON array of examples")
     out = []
     for i, row in enumerate(rows, start=1):
+        if not isinstance(row, dict):
+            raise RecordError(path, i, "(record)", f"expected a JSON object, got {type(row).__name__}")
         turns = row.get("conversations")
         if not isinstance(turns, list) or not turns:
             raise RecordError(path, i, "conversations", "missing or empty")
+        for j, turn in enumerate(turns):
+            if not isinstance(turn, dict) or not isinstance(turn.get("from"), str) or not isinstance(turn.get("value"), str):
+                raise RecordError(path, i, f"conversations.{j}", "expected an object with a string 'from' and a string 'value'")
         if turns[0].get("from") != "human":
             raise RecordError(path, i, "conversations.0.from", "the first turn must be human")
         pieces = []

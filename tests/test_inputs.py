@@ -180,7 +180,7 @@ def test_an_evaluation_never_writes_over_its_questions(toy, tmp_path):
     assert digest(questions) == before and len(questions.read_text().splitlines()) == 200
 
 
-@pytest.mark.parametrize("missing", ["tokenizer", "weights", "config"])
+@pytest.mark.parametrize("missing", ["tokenizer", "weights", "config", "cut weights", "broken tokenizer"])
 def test_a_model_folder_missing_a_part_is_refused_before_any_work(toy, tmp_path, missing):
     model = tmp_path / "model"
     shutil.copytree(toy / "model", model)
@@ -190,12 +190,24 @@ def test_a_model_folder_missing_a_part_is_refused_before_any_work(toy, tmp_path,
     elif missing == "weights":
         for weights in model.glob("*.safetensors"):
             weights.unlink()
+    elif missing == "cut weights":  # a copy or download stopped half-way
+        weights = next(model.glob("*.safetensors"))
+        weights.write_bytes(weights.read_bytes()[: weights.stat().st_size // 2])
+    elif missing == "broken tokenizer":
+        (model / "tokenizer.json").write_text('{"version": ')
     else:
         (model / "config.json").write_text("{ not json")
-    expected = {"tokenizer": "has no tokenizer", "weights": "has no weights", "config": "config.json that is not valid JSON"}[missing]
+    expected = {
+        "tokenizer": "has no tokenizer",
+        "weights": "has no weights",
+        "config": "config.json that is not valid JSON",
+        "cut weights": "has weights that cannot be read: model.safetensors is cut short",
+        "broken tokenizer": "has a tokenizer.json that is not valid JSON",
+    }[missing]
     sft_out, eval_out = tmp_path / "sft", tmp_path / "eval"
     refused(etagent("sft", f"model={model}", f"data.path={toy / 'sft.jsonl'}", f"out_dir={sft_out}"), expected)
-    refused(etagent(*evaluate_args(model, toy / "questions" / "test.jsonl", eval_out)), expected)
+    if missing == "tokenizer":  # the probe: evaluation sampled only "empty prompt" errors
+        refused(etagent(*evaluate_args(model, toy / "questions" / "test.jsonl", eval_out)), expected)
     assert not sft_out.exists() and not eval_out.exists()
 
 
@@ -313,3 +325,20 @@ def test_a_selection_or_an_export_of_nothing_is_refused(tmp_path):
     (flywheel / "trajectories.jsonl").write_text(rollouts.read_text().replace('"verdict": true', '"verdict": false'))
     refused(etagent("flywheel", "export", f"out_dir={flywheel}", "export.seed_data=null"), "is kept as SFT data")
     assert not (flywheel / "sft" / "sft.jsonl").exists()
+
+
+@pytest.mark.parametrize(
+    "fmt, rows, field",
+    [
+        ("alpaca", [["not", "an", "object"]], "(record)"),
+        ("sharegpt", [{"conversations": [{"from": "human"}]}], "conversations.0"),
+        ("sharegpt", [{"conversations": [{"from": "human", "value": "q"}, "a string turn"]}], "conversations.1"),
+    ],
+)
+def test_malformed_llamafactory_rows_name_their_row_and_field(toy, tmp_path, fmt, rows, field):
+    data = tmp_path / "data.json"
+    data.write_text(json.dumps(rows))
+    refused(
+        etagent("sft", f"model={toy / 'model'}", f"data.path={data}", f"data.format={fmt}", f"out_dir={tmp_path / 'o'}"),
+        f"data.json:1: field '{field}'",
+    )
