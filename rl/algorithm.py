@@ -95,7 +95,10 @@ def policy_loss(
     ``entropy_balanced_clipping`` (AEPO): the upper bound becomes (1 + clip_high) r / sg(r), the
     same value with the gradient (1 + clip_high) grad log pi, so a token clipped above still
     moves the policy, scaled by (1 + clip_high) / r; the lower bound is unchanged. Applied to
-    every token, as the reference does.
+    every token, as the reference does. It is computed as (1 + clip_high) exp(logp - sg(logp)):
+    the same value and gradient, where r / sg(r) is 0 / 0 = NaN once r underflows (a token
+    whose old log-probability is 0, a tool result's, at a new one below about -104), and a NaN at
+    a masked position still poisons the sum and its gradient.
 
     ``rollout_weights`` (B, T), from :func:`truncated_importance_weights`, multiply each token's
     clipped loss: the correction for rollouts sampled by another engine than the trainer."""
@@ -105,7 +108,7 @@ def policy_loss(
     ratio = torch.exp(logprobs - old_logprobs)
     unclipped = -advantages * ratio
     if entropy_balanced_clipping:
-        upper = (1.0 + clip_high) * ratio / ratio.detach()
+        upper = (1.0 + clip_high) * torch.exp(logprobs - logprobs.detach())
         bounded = torch.minimum(torch.clamp(ratio, min=1.0 - clip_low), upper)
     else:
         bounded = torch.clamp(ratio, 1.0 - clip_low, 1.0 + clip_high)

@@ -348,6 +348,26 @@ def test_entropy_balanced_clipping_passes_a_gradient_on_a_clipped_token():
     assert results[False][2] == results[True][2] == 1
 
 
+def test_entropy_balanced_clipping_is_finite_on_a_masked_token_of_very_low_probability():
+    """A tool result's token has old log-probability 0 (nothing sampled it) and is masked; at a
+    new log-probability of -120 its ratio underflows to 0 in float32, and r / sg(r) was 0 / 0 =
+    NaN, which the mask does not remove (0 x NaN). The loss and its gradient are finite, and equal
+    to those with the masked token left out."""
+    old = torch.tensor([[-1.0, 0.0, -2.0]])
+    mask = torch.tensor([[1.0, 0.0, 1.0]])
+    advantages = torch.tensor([0.7])
+    logprobs = torch.tensor([[-0.6, -120.0, -2.1]], requires_grad=True)
+    terms = policy_loss(logprobs, old, advantages, mask, 2, 0.2, 0.2, 3.0, entropy_balanced_clipping=True)
+    terms.loss.backward()
+    assert torch.isfinite(terms.loss) and torch.isfinite(logprobs.grad).all()
+    assert logprobs.grad[0, 1].item() == 0.0
+    kept = torch.tensor([[-0.6, -2.1]], requires_grad=True)
+    alone = policy_loss(kept, old[:, [0, 2]], advantages, torch.ones(1, 2), 2, 0.2, 0.2, 3.0, entropy_balanced_clipping=True)
+    alone.loss.backward()
+    assert terms.loss.item() == pytest.approx(alone.loss.item())
+    assert logprobs.grad[0, [0, 2]].tolist() == pytest.approx(kept.grad[0].tolist())
+
+
 def test_entropy_aware_advantage_by_hand():
     """z over the masked tokens (mean 2, unbiased std 1 for entropies 1, 2, 3; the padded 9 left
     out): A (1 + 0.2 z) = 0.8 A, A, 1.2 A; no gradient flows through the entropy."""
