@@ -152,7 +152,23 @@ def check_settings(cfg: DictConfig) -> None:
         )
     if cfg.rollout.kind == "tree" and cfg.rollout.top_logprobs == 0:  # the engines measure entropy only where asked for them
         raise SettingError("rollout.top_logprobs", "is 0, and the tree branches on entropies measured with them: set it >= 1 (ARPO: 10)")
-    # the policy gradient is of the distribution the rollouts were drawn from: softmax(logits / T)
+    # the policy gradient is of the distribution the rollouts were drawn from: softmax(logits / T).
+    # The trainer's log-probabilities are over the whole vocabulary, so a truncated or reshaped
+    # sampling distribution (top-p, top-k, min-p, a repetition penalty) would bias the ratio and
+    # TIS (TRL measured a mean ratio of 0.965 at top-k 20): refused rather than replayed.
+    s = cfg.agent.sampling
+    for key, value, neutral in (
+        ("top_p", s.top_p, 1.0),
+        ("top_k", s.top_k, 0),
+        ("min_p", s.min_p, 0.0),
+        ("repetition_penalty", s.repetition_penalty, 1.0),
+    ):
+        if value != neutral:
+            raise SettingError(
+                f"agent.sampling.{key}",
+                f"is {value}: RL samples from the policy's whole distribution (its log-probabilities are the trainer's, "
+                f"over the whole vocabulary); set agent.sampling.{key}={neutral}",
+            )
     if cfg.agent.sampling.temperature <= 0:
         raise SettingError(
             "agent.sampling.temperature",

@@ -159,6 +159,10 @@ def rl_parquet(toy, tmp_path) -> Path:
         ("optim.lr=fast", "Value 'fast' of type 'str' could not be converted to Float (key optim.lr)"),
         ("reward.sigma_tool=-1", "setting reward.sigma_tool: must be a number >= 0, got -1"),
         ("agent.sampling.temperature=0", "setting agent.sampling.temperature: must be a number > 0, got 0"),
+        # the trainer's log-probabilities are over the whole vocabulary: truncated sampling would bias the ratio
+        ("agent.sampling.top_p=0.9", "setting agent.sampling.top_p: is 0.9: RL samples from the policy's whole distribution"),
+        ("agent.sampling.top_k=20", "setting agent.sampling.top_k: is 20: RL samples from the policy's whole distribution"),
+        ("agent.sampling.repetition_penalty=1.1", "setting agent.sampling.repetition_penalty: is 1.1"),
         ("model=runs/no/such/model", "setting model: no model at 'runs/no/such/model'"),
         # ARPO's tree branches on entropies measured from the top log-probabilities
         ("rollout.top_logprobs=0", "setting rollout.top_logprobs: is 0, and the tree branches on entropies measured with them"),
