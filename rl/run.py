@@ -135,6 +135,15 @@ def check_settings(cfg: DictConfig) -> None:
     check_paths(RLConfig, OmegaConf.to_container(cfg, resolve=True))
     if cfg.engine.kind == "openai":
         raise SettingError("engine.kind", "must be hf or vllm: RL's engine runs in the trainer's process")
+    if cfg.engine.kind == "vllm":
+        from etagent.llm.vllm_engine import MAX_LOGPROBS  # the module imports vLLM only when an engine is built
+
+        if cfg.rollout.top_logprobs > MAX_LOGPROBS:
+            raise SettingError(
+                "rollout.top_logprobs",
+                f"is {cfg.rollout.top_logprobs}, over the vllm engine's limit of {MAX_LOGPROBS} (its max_logprobs): vLLM would refuse "
+                f"every request; set it <= {MAX_LOGPROBS} (ARPO: 10)",
+            )
     if cfg.engine.kind == "vllm" and "RANK" not in os.environ:
         raise SettingError("engine.kind", "vllm runs one engine per rank under torchrun: launch with scripts/rl.sh or torchrun -m rl.run")
     if cfg.train.attn_implementation == "flash_attention_2" and importlib.util.find_spec("flash_attn") is None:

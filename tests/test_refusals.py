@@ -163,6 +163,8 @@ def rl_parquet(toy, tmp_path) -> Path:
         ("agent.sampling.top_p=0.9", "setting agent.sampling.top_p: is 0.9: RL samples from the policy's whole distribution"),
         ("agent.sampling.top_k=20", "setting agent.sampling.top_k: is 20: RL samples from the policy's whole distribution"),
         ("agent.sampling.repetition_penalty=1.1", "setting agent.sampling.repetition_penalty: is 1.1"),
+        # vLLM refuses every request asking for more top log-probabilities than its engine allows
+        ("engine.kind=vllm rollout.top_logprobs=21", "setting rollout.top_logprobs: is 21, over the vllm engine's limit of 20"),
         ("model=runs/no/such/model", "setting model: no model at 'runs/no/such/model'"),
         # ARPO's tree branches on entropies measured from the top log-probabilities
         ("rollout.top_logprobs=0", "setting rollout.top_logprobs: is 0, and the tree branches on entropies measured with them"),
@@ -174,7 +176,7 @@ def rl_parquet(toy, tmp_path) -> Path:
 )
 def test_rl_refuses_settings_out_of_range(toy, rl_parquet, tmp_path, override, message):
     out = tmp_path / "rl"
-    refused(etagent("rl", f"model={toy / 'model'}", f"data.train={rl_parquet}", f"out_dir={out}", override), message)
+    refused(etagent("rl", f"model={toy / 'model'}", f"data.train={rl_parquet}", f"out_dir={out}", *override.split(" ")), message)
     assert not out.exists()  # no manifest saying "complete" with no model
 
 

@@ -46,6 +46,11 @@ from collections.abc import Mapping
 
 from etagent.llm import GenerationRequest, PendingCalls, Sample, WeightStream, check_weights, sample_seed
 
+# Top log-probabilities per position a request may ask for: vLLM refuses every request above its
+# engine's max_logprobs, which the engines here are built with (RL checks rollout.top_logprobs
+# against it at start).
+MAX_LOGPROBS = 20
+
 
 def _import_vllm():
     try:
@@ -91,7 +96,7 @@ class VLLMEngine:
         enable_prefix_caching: bool = True,
         enforce_eager: bool = False,
         cpu_kv_cache_gb: float = 1.0,
-        max_logprobs: int = 20,
+        max_logprobs: int = MAX_LOGPROBS,
         seed: int = 0,
         colocated: bool = False,
     ) -> VLLMEngine:
@@ -271,7 +276,7 @@ class AsyncVLLMEngine:
         enable_prefix_caching: bool = True,
         enforce_eager: bool = False,
         cpu_kv_cache_gb: float = 1.0,
-        max_logprobs: int = 20,
+        max_logprobs: int = MAX_LOGPROBS,
         seed: int = 0,
     ) -> AsyncVLLMEngine:
         """The engine core starts in a new process (spawned on CPU: the program's main module
