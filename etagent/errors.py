@@ -18,6 +18,7 @@ a manifest that says so. Anything else is a bug and keeps its traceback (so does
 | 1 | a bug or a crash: the traceback says where |
 | 2 | a user error: one line, naming the setting, file, line or field |
 | 3 | degraded: outputs written, but the tools failed on more calls than allowed |
+| 4 | diverged: an optimizer step left weights that are not finite; nothing of it was saved |
 """
 
 from __future__ import annotations
@@ -34,6 +35,7 @@ F = TypeVar("F", bound=Callable)
 # The exit statuses a user or a pipeline script can rely on.
 EXIT_USER_ERROR = 2
 EXIT_DEGRADED = 3
+EXIT_DIVERGED = 4
 
 
 class UserError(Exception):
@@ -58,6 +60,11 @@ class OutputBusy(UserError):
 
 class DegradedRun(Exception):
     """The run finished, but more of its tool calls failed than the configured share allows."""
+
+
+class TrainingDiverged(Exception):
+    """An optimizer step left weights that are not finite. Raised before anything is saved, so
+    the last checkpoint on disk is the last good one; the message names the step."""
 
 
 def user_error_line(error: BaseException) -> str | None:
@@ -93,8 +100,8 @@ def user_error_line(error: BaseException) -> str | None:
 
 def exit_on_user_error(main: F) -> F:
     """Run a command's ``main``; an error the user fixes (:func:`user_error_line`) becomes one line
-    on stderr and status 2, a :class:`DegradedRun` one line and status 3. A bug keeps its
-    traceback."""
+    on stderr and status 2, a :class:`DegradedRun` one line and status 3, a
+    :class:`TrainingDiverged` one line and status 4. A bug keeps its traceback."""
 
     @functools.wraps(main)
     def guarded(*args, **kwargs):
@@ -103,6 +110,9 @@ def exit_on_user_error(main: F) -> F:
         except DegradedRun as error:
             print(f"degraded: {error}", file=sys.stderr, flush=True)
             sys.exit(EXIT_DEGRADED)
+        except TrainingDiverged as error:
+            print(f"diverged: {error}", file=sys.stderr, flush=True)
+            sys.exit(EXIT_DIVERGED)
         except Exception as error:
             line = user_error_line(error)
             if line is None or os.environ.get("ETAGENT_TRACEBACK"):

@@ -17,6 +17,7 @@ import torch
 import torch.distributed as dist
 from omegaconf import DictConfig
 
+from etagent.divergence import non_finite_values
 from rl.algorithm import entropy_aware_advantages, kl_estimate, masked_sum, policy_loss, truncated_importance_weights
 from rl.batch import Batch, BatchPlan, micro_batches, token_logprobs
 from rl.distributed import max_all, sum_all
@@ -24,9 +25,10 @@ from rl.policy import Policy
 
 
 class NonFiniteUpdate(RuntimeError):
-    """A mini-batch's gradient norm was not finite. Raised before its optimizer step, so the
-    policy's weights (and every checkpoint) are those of before the step; the message says which
-    of the loss's inputs were not finite where."""
+    """A mini-batch's gradient norm was not finite (raised before its optimizer step; the
+    message says which of the loss's inputs were not finite where), or its step left weights
+    that are not finite. Either way nothing of the step is saved: the trainer stops
+    (etagent.errors.TrainingDiverged) before its save phase."""
 
 
 def non_finite(values: dict[str, torch.Tensor], mask: torch.Tensor) -> list[str]:
@@ -168,6 +170,13 @@ def update(
             )
         optimizer.step()
         optimizer.zero_grad(set_to_none=True)
+        # a finite gradient can still take a step that overflows (a learning rate far too high)
+        broken = max_all([float(non_finite_values(policy))], device)[0]
+        if broken:
+            raise NonFiniteUpdate(
+                f"mini-batch {number + 1} of {len(minis)}: its optimizer step (gradient norm {float(grad_norm):.4g}) left "
+                f"{int(broken)} parameter values that are not finite on a rank"
+            )
         sums["policy_tokens"] += tokens
         sums["grad_norm"] += float(grad_norm) / len(minis)
     first_tokens = float(batch.loss_mask[minis[0]].sum())

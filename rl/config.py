@@ -18,6 +18,7 @@ from etagent.settings import (
     FREE,
     Fraction,
     Ge,
+    Gt,
     InputData,
     Le,
     Lt,
@@ -85,7 +86,8 @@ class AlgorithmSettings:
 
 @group
 class OptimSettings:
-    lr: PositiveFloat = MISSING
+    # AdamW's first step is lr / (1 - beta1) in float32: above 1e37 it cannot be taken at all
+    lr: Annotated[float, Gt(0), Le(1e37)] = MISSING
     betas: list[Annotated[float, Ge(0), Lt(1)]] = MISSING
     eps: PositiveFloat = MISSING
     weight_decay: NonNegativeFloat = MISSING

@@ -76,14 +76,14 @@ from omegaconf import DictConfig, OmegaConf
 
 from etagent.agent import AgentConfig, AgentLoop, SegmentEntropy, TrajectoryState
 from etagent.config import build
-from etagent.errors import DegradedRun, SettingError, exit_on_user_error
+from etagent.errors import DegradedRun, SettingError, TrainingDiverged, exit_on_user_error
 from etagent.progress import Progress
 from etagent.records import origin_segments, write_manifest
 from etagent.rundir import claim_output
 from etagent.settings import check_paths
 from etagent.timing import phase
 from etagent.tools.executor import degraded, describe_failures, failure_counts, merge_failure_counts
-from rl.actor import response_logprobs, update
+from rl.actor import NonFiniteUpdate, response_logprobs, update
 from rl.algorithm import grpo_advantages, logprob_mismatch
 from rl.batch import Batch, BatchPlan, balanced_partition, batch_plan, pack, tempered_rollouts
 from rl.checkpoint import export_model, latest_checkpoint, load_checkpoint, save_checkpoint
@@ -343,9 +343,19 @@ def train_step(trainer: Trainer, step: int, loop: AgentLoop, greedy: AgentLoop, 
         # the hf engine's log-probabilities are the old ones: their gap to the trainer's forward
         # (batch shapes, dtype) is measured in the update's first mini-batch
         hf_mismatch = cfg.engine.kind == "hf" and comparable
-        metrics.update(
-            update(trainer.policy, trainer.optimizer, trainer.plan, batch, advantages, old, ref, cfg, trainer.device, hf_mismatch, tis_cap)
-        )
+        try:
+            metrics.update(
+                update(
+                    trainer.policy, trainer.optimizer, trainer.plan, batch, advantages, old, ref, cfg, trainer.device, hf_mismatch, tis_cap
+                )
+            )
+        except NonFiniteUpdate as error:  # before the save phase: the last checkpoint is the last good one
+            last = latest_checkpoint(trainer.out)
+            raise TrainingDiverged(
+                f"RL step {step}: {error}. Nothing of this step was saved; the last checkpoint is "
+                f"{last or 'none (the run starts from model)'}. Lower optim.lr (or look at the loss's inputs above) and rerun "
+                "with --restart or into a new out_dir"
+            ) from None
     if cfg.engine.kind == "vllm":
         with phase("sync", metrics):
             sync_engine(trainer.engine, trainer.policy.lm, trainer.device, trainer.weight_dtype, trainer.bucket_bytes)

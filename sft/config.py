@@ -16,8 +16,10 @@ from etagent.settings import (
     FREE,
     Fraction,
     Ge,
+    Gt,
     InputData,
     InputFile,
+    Le,
     Lt,
     ModelPath,
     NonNegativeFloat,
@@ -41,7 +43,8 @@ class SFTData:
 class SFTTrainSettings:
     batch_size: PositiveInt = MISSING
     gradient_accumulation_steps: PositiveInt = MISSING
-    learning_rate: PositiveFloat = MISSING
+    # AdamW's first step is lr / (1 - beta1) in float32: above 1e37 it cannot be taken at all
+    learning_rate: Annotated[float, Gt(0), Le(1e37)] = MISSING
     epochs: PositiveFloat = MISSING
     # -1: train for ``epochs`` (0 is refused by check_settings)
     max_steps: Annotated[int, Ge(-1)] = MISSING

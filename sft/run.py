@@ -33,7 +33,8 @@ import torch
 from omegaconf import DictConfig, OmegaConf
 
 from etagent.config import WandbConfig, build
-from etagent.errors import SettingError, UserError, exit_on_user_error
+from etagent.divergence import non_finite_values
+from etagent.errors import SettingError, TrainingDiverged, UserError, exit_on_user_error
 from etagent.progress import Progress
 from etagent.records import write_manifest
 from etagent.rundir import claim_output
@@ -132,6 +133,27 @@ def step_progress(bar: bool):
                 self.progress.close()
 
     return StepProgress()
+
+
+def finite_weights_check(out: Path):
+    """A Trainer callback that counts the weights that are not finite after every optimizer step
+    (etagent/divergence.py) and stops the run before the step's checkpoint or the final model is
+    saved (the Trainer saves after ``on_step_end``): the last checkpoint on disk is the last good
+    one, and no model of NaN weights is written."""
+    from transformers import TrainerCallback
+
+    class FiniteWeights(TrainerCallback):
+        def on_step_end(self, args, state, control, model=None, **kwargs):
+            broken = non_finite_values(model)
+            if broken:
+                last = last_complete_checkpoint(out / "checkpoints")
+                raise TrainingDiverged(
+                    f"SFT step {state.global_step}: the optimizer step left {broken} weight values that are not finite. Nothing of "
+                    f"this step was saved; the last checkpoint is {last or 'none (the run starts from model)'}. Lower "
+                    "train.learning_rate (or train.max_grad_norm) and rerun with --restart or into a new out_dir"
+                )
+
+    return FiniteWeights()
 
 
 def tensorboard_callback(log_dir: Path, resumed_from: str | None):
@@ -241,7 +263,8 @@ def train(cfg: DictConfig, out: Path, config: dict) -> dict:
         train_dataset=dataset,
         data_collator=Collator(tokenizer.pad_token_id, cfg.train.packing),
         processing_class=tokenizer,
-        callbacks=[step_progress(cfg.train.progress_bar)] + ([tensorboard_callback(out / "tensorboard", last)] if logs_here else []),
+        callbacks=[step_progress(cfg.train.progress_bar), finite_weights_check(out)]
+        + ([tensorboard_callback(out / "tensorboard", last)] if logs_here else []),
     )
     trainer.remove_callback(PrinterCallback)  # its dict per logging step: StepProgress's lines say it
     if last:

@@ -369,6 +369,23 @@ def test_an_update_whose_gradient_is_not_finite_stops_before_its_optimizer_step(
         with pytest.raises(NonFiniteUpdate, match=r"mini-batch 1 of 2: gradient norm nan.*old log-probabilities: 1 of 6 policy tokens"):
             update(policy, optimizer, plan, batch, torch.tensor([1.0, -1.0, 1.0, -1.0]), old, None, cfg, torch.device("cpu"))
         assert all(torch.equal(v.full_tensor(), before[k]) for k, v in policy.state_dict().items())
+        # a finite gradient whose step overflows the weights: caught right after the step,
+        # before the next mini-batch (and before the trainer's save). The overflow is scripted (a
+        # control-flow test): AdamW's step, then one weight past float32's range, as a step of a
+        # far too high learning rate leaves it.
+        from torch.distributed.tensor import DTensor
+
+        class OverflowingAdamW(torch.optim.AdamW):
+            def step(self, closure=None):
+                super().step(closure)
+                with torch.no_grad():
+                    weight = next(iter(policy.parameters()))
+                    (weight.to_local() if isinstance(weight, DTensor) else weight).view(-1)[0] = float("inf")
+
+        overflowing = OverflowingAdamW(policy.parameters(), lr=1e-3)
+        advantages = torch.tensor([1.0, -1.0, 1.0, -1.0])
+        with pytest.raises(NonFiniteUpdate, match=r"mini-batch 1 of 2: its optimizer step \(gradient norm [0-9.e+-]+\) left 1 parameter"):
+            update(policy, overflowing, plan, batch, advantages, batch.rollout_logprobs, None, cfg, torch.device("cpu"))
     finally:
         if created:
             dist.destroy_process_group()

@@ -315,3 +315,29 @@ def test_llamafactory_exports_round_trip_with_tool_results_masked(tmp_path, toke
     cut = SFTExample.from_trajectory("cut", "q?", "<search>x</search>" + protocol.format_result("doc"))
     path = export_llamafactory([cut, example], tmp_path / "cut", name="ours", fmt="sharegpt_observation")
     assert len(json.loads(path.read_text())) == 1
+
+
+def test_a_step_that_leaves_the_weights_non_finite_keeps_the_last_good_checkpoint(toy, tmp_path):
+    """A learning rate of 1e37 (the largest declared) with a linear warm-up over two steps: step
+    1 runs at 0 (a good checkpoint is saved), then the weights grow past what float32 holds and
+    a step leaves them non-finite. The run stops at that step with exit status 4 and one line
+    naming it; checkpoint-1 is intact, every checkpoint written is finite, and no model is
+    written."""
+    from safetensors.torch import load_file
+
+    out = tmp_path / "sft"
+    overrides = ("threads=1", "train.max_steps=6", "train.save_steps=1", "train.logging_steps=1", "train.learning_rate=1e37")
+    command = [*sft_command(toy, out, *overrides), "train.lr_scheduler=linear", "train.warmup_ratio=0.5"]
+    result = subprocess.run(command, capture_output=True, text=True, timeout=600)
+    assert result.returncode == 4, result.stderr[-3000:]
+    last = result.stderr.strip().splitlines()[-1]
+    assert last.startswith("diverged: SFT step ") and "the optimizer step left" in last and "checkpoint-" in last, last
+    assert "Traceback" not in result.stderr
+    step = int(last.removeprefix("diverged: SFT step ").split(":")[0])
+    checkpoints = sorted((p for p in (out / "checkpoints").iterdir()), key=lambda p: int(p.name.split("-")[1]))
+    assert [p.name for p in checkpoints] == [f"checkpoint-{k}" for k in range(1, step)]  # every step before the broken one
+    assert f"the last checkpoint is {checkpoints[-1]}" in last
+    for checkpoint in checkpoints:
+        weights = load_file(str(checkpoint / "model.safetensors"))
+        assert all(torch.isfinite(t).all() for t in weights.values()), checkpoint
+    assert not (out / "model").exists()
