@@ -166,6 +166,14 @@ def origin_segments(ids: Sequence[int], origins: Sequence[int], tokenizer) -> li
     return segments
 
 
+def policy_text(ids: Sequence[int], origins: Sequence[int], tokenizer) -> str:
+    """A response as the policy wrote it: its text with every inserted tool result (its TOOL
+    tokens) replaced by an empty result, ``<result>\n\n</result>``. What the reward reads in its
+    default mode: an answer, a tag or a tool call that a tool printed is not the policy's."""
+    empty = protocol.format_result("")
+    return "".join(empty if name == "tool" else text for name, text in origin_segments(ids, origins, tokenizer))
+
+
 class Provenance(Record):
     """Which stage or operation made a trajectory, and from what. ``operation`` is e.g. ``rollout``,
     ``fork``, ``prefix``, a flywheel operation, or ``seed`` (toy seeds); ``edited_step`` is the step

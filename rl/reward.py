@@ -14,14 +14,18 @@ calls as the paper does (:func:`etagent.protocol.count_tool_calls`: paired tags 
 
 Two modes, named as such (paper_rl.md §4.3):
 
-- ``paper``: the released code exactly. Math: 0 without an ``<answer>...</answer>``, else the
+- ``paper``: the released code. It scores the whole decoded response, tool results included
+  (an answer block a tool printed counts as the policy's: the released code's loophole, kept in
+  this mode). Math: 0 without an ``<answer>...</answer>``, else the
   last ``\\boxed{}`` of the *whole* response against the *first* gold answer by the MATH string
   rules. QA: the last box inside the answer, F1 after ``strip_string(deepsearch=True)`` and then
   SQuAD normalisation, max over the gold answers; that strip deletes every space, so each side is
   one token and the "F1" is exact match without spaces ("river Kess" scores 0 against "Kess
   river bank", and "Kess River" 0 against "the Kess river"). The lengths the paper used count
   every response token, tool results included (the caller passes them).
-- ``default``, the corrected one: the answer is read from the answer block (its last box, or its
+- ``default``, the corrected one: it scores only what the policy wrote, which the caller passes
+  (RL: the text with every tool result emptied, ``etagent.records.policy_text``, and the calls
+  that ran as ``tool_calls``); the answer is read from the answer block (its last box, or its
   text), math is right when it equals *any* gold answer (MATH rules or math-verify), QA is the
   token F1 with SQuAD normalisation, max over the gold answers; lengths count generated tokens
   only (again, the caller passes them).
@@ -151,14 +155,19 @@ def efficiency_reward(
     sigma_tool: float,
     sigma_length: float,
     mode: str = "default",
+    tool_calls: Sequence[int] | None = None,
 ) -> GroupReward:
     """The training reward of every rollout of one question's group. ``lengths`` per response:
     all response tokens for ``paper``, generated tokens for ``default``. The sigmas are the
-    effective ones (already multiplied by :func:`sigma_factor`)."""
+    effective ones (already multiplied by :func:`sigma_factor`). ``tool_calls``: the calls each
+    response made, when the caller knows which ran (RL's default mode); else the paired tags in
+    the text, as the paper counts them."""
     if len(lengths) != len(responses):
         raise ValueError(f"{len(responses)} responses but {len(lengths)} lengths")
     raw = [raw_correctness(r, ground_truth, data_source, mode) for r in responses]
-    tool_calls = [protocol.count_tool_calls(r) for r in responses]
+    if tool_calls is not None and len(tool_calls) != len(responses):
+        raise ValueError(f"{len(responses)} responses but {len(tool_calls)} tool-call counts")
+    tool_calls = list(tool_calls) if tool_calls is not None else [protocol.count_tool_calls(r) for r in responses]
     f_tool = relative_factor(tool_calls, sigma_tool)
     z = length_zscores(lengths)
     f_length = relative_factor(z, sigma_length)

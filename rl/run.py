@@ -78,7 +78,7 @@ from etagent.agent import AgentConfig, AgentLoop, SegmentEntropy, TrajectoryStat
 from etagent.config import build
 from etagent.errors import DegradedRun, SettingError, TrainingDiverged, exit_on_user_error
 from etagent.progress import Progress
-from etagent.records import origin_segments, write_manifest
+from etagent.records import origin_segments, policy_text, write_manifest
 from etagent.rundir import claim_output
 from etagent.settings import check_paths
 from etagent.timing import phase
@@ -310,7 +310,7 @@ def train_step(trainer: Trainer, step: int, loop: AgentLoop, greedy: AgentLoop, 
     metrics.update(check_tool_failures(trainer, step, rollouts.groups))
     with phase("reward", metrics):
         factor = sigma_factor(step, trainer.total) if trainer.reward.decay else 1.0
-        rows = rewards_of(rollouts.groups, chosen, trainer.reward, factor, loop)
+        rows = rewards_of(rollouts.groups, chosen, trainer.reward, factor, trainer.tokenizer)
     with phase("advantage", metrics):
         scores = torch.tensor([r["reward"] for r in rows])
         advantages = grpo_advantages(scores, torch.tensor([r["index"] for r in rows]), cfg.algorithm.eps)
@@ -420,21 +420,37 @@ def balance_over_ranks(
     return [t for t, _ in mine], torch.tensor([a for _, a in mine]), imbalance
 
 
-def rewards_of(groups: list[list[TrajectoryState]], prompts: list[Prompt], reward: RewardSettings, factor: float, loop: AgentLoop):
-    """Per trajectory (flat, group by group): the reward terms, the length the reward used."""
+# What the reward scored, in words, for the run's manifest.
+REWARD_READS = {
+    "default": "what the policy wrote: its text with tool results emptied, the tool calls that ran, its sampled tokens",
+    "paper": "the whole decoded response, tool results included, as the paper's released code (an answer a tool printed counts)",
+}
+
+
+def rewards_of(groups: list[list[TrajectoryState]], prompts: list[Prompt], reward: RewardSettings, factor: float, tokenizer):
+    """Per trajectory (flat, group by group): the reward terms, the length the reward used.
+
+    The default mode reads only what the policy wrote: the answer and the format from the text
+    with every tool result emptied (etagent.records.policy_text), the tool calls from those that
+    ran, the length from the sampled tokens. The paper's mode reads the whole decoded response,
+    tool results included, as its released code did: an answer a tool printed counts there."""
     rows = []
     for prompt, group in zip(prompts, groups):
-        texts = [loop.text(t) for t in group]
-        # the paper counted every response token (tool results too); the default counts what the policy wrote
-        lengths = [len(t.response_ids) if reward.mode == "paper" else t.n_generated for t in group]
+        texts = [tokenizer.decode(t.response_ids, skip_special_tokens=False) for t in group]
+        if reward.mode == "paper":
+            scored, lengths, calls = texts, [len(t.response_ids) for t in group], None
+        else:
+            scored = [policy_text(t.response_ids, t.origin, tokenizer) for t in group]
+            lengths, calls = [t.n_generated for t in group], [t.executed() for t in group]
         terms = efficiency_reward(
             prompt.data_source,
             prompt.question.answer,
-            texts,
+            scored,
             lengths,
             reward.sigma_tool * factor,
             reward.sigma_length * factor,
             reward.mode,
+            tool_calls=calls,
         )
         for k, t in enumerate(group):
             rows.append(
@@ -450,7 +466,7 @@ def rewards_of(groups: list[list[TrajectoryState]], prompts: list[Prompt], rewar
                     "length": lengths[k],
                     "finish_reason": t.finish_reason,
                     "text": texts[k],
-                    "segments": origin_segments(t.response_ids, t.origin, loop.tokenizer),
+                    "segments": origin_segments(t.response_ids, t.origin, tokenizer),
                 }
             )
     return rows
@@ -622,7 +638,7 @@ def train(cfg: DictConfig) -> list[dict]:
             seed=trainer.seed,
             started_at=started,
             # a rerun of a finished run steps nothing: its last logged step is still the result
-            metrics=history[-1] if history else trainer.resumed_metrics,
+            metrics={**(history[-1] if history else trainer.resumed_metrics), "reward_reads": REWARD_READS[cfg.reward.mode]},
         )
         if wandb_run is not None:
             wandb_run.finish()

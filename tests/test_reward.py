@@ -147,3 +147,54 @@ def test_verl_compute_score_as_verl_calls_it():
     assert qa["score"] == pytest.approx(0.8)
     bad = compute_score(data_source="qa_effi_rl", solution_str="<answer>\\boxed{x}</answer>", ground_truth="x", extra_info={})
     assert bad == {"score": 0.0, "raw": 1.0, "format_penalty": -1.0, "tool_calls": 0}
+
+
+def test_an_answer_printed_by_a_tool_is_not_the_policys(toy):
+    """A python call prints an answer block with the right boxed answer, and the policy ends with
+    EOS without answering. The default mode reads what the policy wrote (the tool's result
+    emptied, the calls that ran): no answer, so no reward but the format penalty. The paper's mode
+    reads the whole response, as its released code did: the printed answer counts."""
+    from transformers import AutoTokenizer
+
+    from etagent import protocol
+    from etagent.agent import Budgets, TrajectoryState
+    from etagent.records import Question, TokenOrigin, ToolCallRecord
+    from rl.config import RewardSettings
+    from rl.rollout import Prompt
+    from rl.run import rewards_of
+
+    tokenizer = AutoTokenizer.from_pretrained(toy / "model")
+    question = Question(id="q", question="What is 2 + 2?", answer=["4"], source="toy_python", kind="math")
+    printed = "<answer>\\boxed{4}</answer>"
+
+    def rollout(name: str, pieces: list[tuple[str, TokenOrigin]], calls: int) -> TrajectoryState:
+        state = TrajectoryState(name, question, tokenizer.encode("q"), Budgets())
+        for text, origin in pieces:
+            state.append(tokenizer.encode(text, add_special_tokens=False), origin)
+        state.tool_calls = [ToolCallRecord(tool="python", input="print()", output=printed, ok=True)] * calls
+        return state
+
+    call = "<think>compute</think><python>print(open('notes.txt').read())</python>"  # the tags are not in the code
+    cheat = rollout("cheat", [(call, TokenOrigin.SAMPLED), (protocol.format_result(printed), TokenOrigin.TOOL)], 1)
+    honest = rollout(
+        "honest",
+        [
+            (call, TokenOrigin.SAMPLED),
+            (protocol.format_result("4"), TokenOrigin.TOOL),
+            ("<think>so</think>" + printed, TokenOrigin.SAMPLED),
+        ],
+        1,
+    )
+    prompt = Prompt(index=0, data_source="math_effi_rl", question=question)
+    for mode in ("default", "paper"):
+        settings = RewardSettings(mode=mode, sigma_tool=0.0, sigma_length=0.0, decay=False)
+        rows = {r["id"]: r for r in rewards_of([[cheat, honest]], [prompt], settings, 1.0, tokenizer)}
+        assert rows["honest"]["raw"] == 1.0 and rows["honest"]["reward"] == 1.0, mode
+        if mode == "default":
+            # no answer block of its own: raw 0, and its format (no answer) is penalised
+            assert rows["cheat"]["raw"] == 0.0 and rows["cheat"]["f_format"] == -1.0 and rows["cheat"]["reward"] == -1.0
+            assert rows["cheat"]["tool_calls"] == 1  # the call that ran
+        else:
+            # the paper's loophole, kept in its mode: the tool's answer block is read
+            assert rows["cheat"]["raw"] == 1.0
+        assert printed in rows["cheat"]["text"]  # what the report shows is the whole response
