@@ -26,20 +26,25 @@ import torch
 KL_ESTIMATORS = ("k1", "k2", "k3")
 
 
-def grpo_advantages(scores: torch.Tensor, group: torch.Tensor, eps: float = 1e-6) -> torch.Tensor:
+def grpo_advantages(scores: torch.Tensor, group: torch.Tensor, eps: float = 1e-6, valid: torch.Tensor | None = None) -> torch.Tensor:
     """A_i = (s_i - mean of its group) / (unbiased std of its group + eps); a group of one gets
-    mean 0 and std 1, as in verl."""
+    mean 0 and std 1, as in verl. Members not ``valid`` (trajectories the engine failed on) are
+    left out of their group's mean and std, and get advantage 0: a failure is not a score."""
     scores = scores.to(torch.float64)
-    _, index, sizes = torch.unique(group, return_inverse=True, return_counts=True)
-    n_groups = len(sizes)
-    total = torch.zeros(n_groups, dtype=scores.dtype).index_add_(0, index, scores)
-    mean = total / sizes
-    squares = torch.zeros(n_groups, dtype=scores.dtype).index_add_(0, index, (scores - mean[index]) ** 2)
+    valid = torch.ones_like(scores, dtype=torch.bool) if valid is None else valid.to(torch.bool)
+    counted = valid.to(scores.dtype)
+    _, index, _ = torch.unique(group, return_inverse=True, return_counts=True)
+    n_groups = int(index.max()) + 1 if len(index) else 0
+    sizes = torch.zeros(n_groups, dtype=scores.dtype).index_add_(0, index, counted)
+    total = torch.zeros(n_groups, dtype=scores.dtype).index_add_(0, index, scores * counted)
+    mean = total / sizes.clamp(min=1)
+    squares = torch.zeros(n_groups, dtype=scores.dtype).index_add_(0, index, (scores - mean[index]) ** 2 * counted)
     std = torch.sqrt(squares / (sizes - 1).clamp(min=1))
-    single = sizes == 1
+    single = sizes <= 1
     mean = torch.where(single, torch.zeros_like(mean), mean)
     std = torch.where(single, torch.ones_like(std), std)
-    return ((scores - mean[index]) / (std[index] + eps)).to(torch.float32)
+    advantages = (scores - mean[index]) / (std[index] + eps)
+    return torch.where(valid, advantages, torch.zeros_like(advantages)).to(torch.float32)
 
 
 def masked_sum(values: torch.Tensor, mask: torch.Tensor) -> torch.Tensor:

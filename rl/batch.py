@@ -96,7 +96,9 @@ class Batch:
 def pack(trajectories: list[TrajectoryState], pad_id: int) -> Batch:
     """The trajectories as one batch. ``rollout_logprobs`` are the engine's log-probabilities under
     the sampling temperature (the hf engine's always; vLLM's at T = 1), else its raw ones
-    (:func:`tempered_rollouts` says which)."""
+    (:func:`tempered_rollouts` says which). The loss mask is 1 at the tokens the policy sampled,
+    except in a trajectory the engine failed on (``finish_reason == "error"``): none of its tokens
+    is trained on, whatever it sampled before the failure."""
     prompt_width = max(len(t.prompt_ids) for t in trajectories)
     response_width = max(1, max(len(t.response_ids) for t in trajectories))
     rows = len(trajectories)
@@ -110,7 +112,8 @@ def pack(trajectories: list[TrajectoryState], pad_id: int) -> Batch:
         attention[i, prompt_width - p : prompt_width + r] = 1
         if r:
             input_ids[i, prompt_width : prompt_width + r] = torch.tensor(t.response_ids)
-            loss_mask[i, :r] = torch.tensor([float(o == TokenOrigin.SAMPLED) for o in t.origin])
+            if t.finish_reason != "error":
+                loss_mask[i, :r] = torch.tensor([float(o == TokenOrigin.SAMPLED) for o in t.origin])
             # of the distribution the tokens were drawn from (logits / T), where the engine gave them
             logprobs[i, :r] = torch.tensor(t.tempered_logprobs if t.tempered_logprobs is not None else t.logprobs)
     position_ids = (attention.cumsum(dim=1) - 1).clamp(min=0)

@@ -65,6 +65,7 @@ import logging
 import os
 import random
 import time
+from collections import Counter
 from contextlib import nullcontext
 from dataclasses import dataclass, replace
 from pathlib import Path
@@ -308,12 +309,14 @@ def train_step(trainer: Trainer, step: int, loop: AgentLoop, greedy: AgentLoop, 
         # brings new ones), a no-op elsewhere
         trainer.engine.sleep(level=2)
     metrics.update(check_tool_failures(trainer, step, rollouts.groups))
+    metrics.update(check_engine_failures(trainer, step, rollouts.groups))
     with phase("reward", metrics):
         factor = sigma_factor(step, trainer.total) if trainer.reward.decay else 1.0
         rows = rewards_of(rollouts.groups, chosen, trainer.reward, factor, trainer.tokenizer)
     with phase("advantage", metrics):
         scores = torch.tensor([r["reward"] for r in rows])
-        advantages = grpo_advantages(scores, torch.tensor([r["index"] for r in rows]), cfg.algorithm.eps)
+        served = torch.tensor([r["finish_reason"] != "error" for r in rows])  # failures are left out of the baseline
+        advantages = grpo_advantages(scores, torch.tensor([r["index"] for r in rows]), cfg.algorithm.eps, served)
     trajectories = [t for group in rollouts.groups for t in group]
     if trainer.world > 1:
         with phase("balance", metrics):
@@ -382,6 +385,28 @@ def check_tool_failures(trainer: Trainer, step: int, groups: list[list[Trajector
             f"stopped before updating on these rollouts; fix the tools and rerun to resume from the last checkpoint in {trainer.out}"
         )
     return {"tools/calls": counts["calls"], "tools/failed": counts["failed"], "tools/failure_share": counts["share"]}
+
+
+def check_engine_failures(trainer: Trainer, step: int, groups: list[list[TrajectoryState]]) -> dict:
+    """The step's trajectories the engine failed on (``finish_reason == "error"``: a request it
+    refused, a prompt past its context), counted by cause over every rank. They are never trained
+    on (rl/batch.py masks them, and they are left out of their group's baseline); over
+    ``tools.max_failure_share`` of the step's trajectories the run stops before updating, as it
+    does for the tools: a step of mostly failures would train on nothing, for its whole budget."""
+    causes = Counter((t.error or "no reason given").split(":")[0][:80] for group in groups for t in group if t.finish_reason == "error")
+    parts = gather_objects((sum(len(group) for group in groups), causes))
+    total = sum(n for n, _ in parts)
+    failed: Counter = sum((c for _, c in parts), Counter())
+    count = sum(failed.values())
+    share = count / max(total, 1)
+    if count and share > trainer.cfg.tools.max_failure_share:
+        listed = ", ".join(f"{cause} ({n})" for cause, n in failed.most_common(5))
+        raise DegradedRun(
+            f"step {step}: the engine failed on {count} of {total} trajectories ({share:.1%}: {listed}), over "
+            f"tools.max_failure_share={trainer.cfg.tools.max_failure_share}: stopped before updating on them; fix the engine's "
+            f"settings and rerun to resume from the last checkpoint in {trainer.out}"
+        )
+    return {"engine/failed": count, "engine/failure_share": share}
 
 
 def step_prompts(prompts: list[Prompt], step: int, per_step: int, seed: int) -> list[Prompt]:
@@ -465,6 +490,7 @@ def rewards_of(groups: list[list[TrajectoryState]], prompts: list[Prompt], rewar
                     "f_format": terms.f_format[k],
                     "length": lengths[k],
                     "finish_reason": t.finish_reason,
+                    "error": t.error,
                     "text": texts[k],
                     "segments": origin_segments(t.response_ids, t.origin, tokenizer),
                 }

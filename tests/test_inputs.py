@@ -14,6 +14,7 @@ import shutil
 from pathlib import Path
 
 import pytest
+import torch
 from omegaconf import OmegaConf
 
 from etagent.config import SCHEMAS, load_config
@@ -25,11 +26,14 @@ STAGES = sorted(name for name, (_, package) in SCHEMAS.items() if package == "_g
 
 
 def fake_model(folder: Path, *, tokenizer: bool = True, weights: bool = True, config: str = '{"model_type": "qwen2"}') -> Path:
-    """A folder shaped as a model (its files' contents are never loaded by the path checks)."""
+    """A folder shaped as a model: the files the path checks read (a config, a safetensors file
+    whose header is whole, a tokenizer), with one tiny tensor for weights."""
+    from safetensors.torch import save_file
+
     folder.mkdir(parents=True, exist_ok=True)
     (folder / "config.json").write_text(config)
     if weights:
-        (folder / "model.safetensors").write_bytes(b"\0" * 8)
+        save_file({"weight": torch.zeros(2)}, str(folder / "model.safetensors"))
     if tokenizer:
         (folder / "tokenizer.json").write_text("{}")
     return folder

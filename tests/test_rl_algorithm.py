@@ -119,3 +119,16 @@ def test_truncated_importance_sampling_on_a_mismatched_rollout_by_hand():
     # without the weights the first token counts once, as an on-policy rollout would
     plain = policy_loss(new.detach(), old, advantages, mask, tokens=3)
     assert plain.loss.item() == pytest.approx((-1.1 - 1.2 + 0.8) / 3, rel=1e-6)
+
+
+def test_a_trajectory_the_engine_failed_on_is_left_out_of_its_groups_baseline():
+    """Group 0: scores 1, 0, and -1 for a trajectory the engine failed on (the format penalty of
+    an empty response): its advantage is 0 and the others' are as if it were not there; group 1
+    keeps its own. A group whose every member failed has advantages 0."""
+    scores = torch.tensor([1.0, 0.0, -1.0, 0.5, 0.3, -1.0, -1.0])
+    group = torch.tensor([0, 0, 0, 1, 1, 2, 2])
+    valid = torch.tensor([True, True, False, True, True, False, False])
+    a = grpo_advantages(scores, group, valid=valid)
+    without = grpo_advantages(torch.tensor([1.0, 0.0, 0.5, 0.3]), torch.tensor([0, 0, 1, 1]))
+    assert a[[0, 1, 3, 4]].tolist() == pytest.approx(without.tolist())
+    assert a[[2, 5, 6]].tolist() == [0.0, 0.0, 0.0]
