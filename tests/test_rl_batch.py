@@ -389,3 +389,37 @@ def test_an_update_whose_gradient_is_not_finite_stops_before_its_optimizer_step(
     finally:
         if created:
             dist.destroy_process_group()
+
+
+def test_trajectories_the_engine_failed_on_are_counted_masked_and_stop_the_step_over_the_share(tmp_path):
+    """A trajectory the engine failed on after sampling some tokens (a request it refused
+    mid-rollout): none of its tokens is in the loss mask; the step's failures are counted by
+    cause; over tools.max_failure_share the step stops before updating (DegradedRun, exit 3).
+    The trainer is a namespace holding the two things the check reads (a control-flow test)."""
+    from types import SimpleNamespace
+
+    import torch.distributed as dist
+    from omegaconf import OmegaConf
+
+    from etagent.errors import DegradedRun
+    from rl.distributed import init_distributed
+    from rl.run import check_engine_failures
+
+    served = trajectory([1, 2], [([4, 5], TokenOrigin.SAMPLED), ([6], TokenOrigin.TOOL), ([7], TokenOrigin.SAMPLED)])
+    failed = trajectory([1, 2], [([4, 8], TokenOrigin.SAMPLED), ([6], TokenOrigin.TOOL)])
+    failed.finish_reason, failed.error = "error", "RequestRejected: top_logprobs 21 over max_logprobs 20"
+    batch = pack([served, failed], pad_id=0)
+    assert batch.loss_mask.tolist() == [[1, 1, 0, 1], [0, 0, 0, 0]]
+
+    created = not dist.is_initialized()
+    init_distributed(torch.device("cpu"))
+    try:
+        groups = [[served, failed], [served, served]]
+        trainer = SimpleNamespace(cfg=OmegaConf.create({"tools": {"max_failure_share": 0.3}}), out=tmp_path)
+        assert check_engine_failures(trainer, 1, groups) == {"engine/failed": 1, "engine/failure_share": 0.25}
+        trainer.cfg.tools.max_failure_share = 0.2
+        with pytest.raises(DegradedRun, match=r"step 1: the engine failed on 1 of 4 trajectories \(25.0%: RequestRejected \(1\)\)"):
+            check_engine_failures(trainer, 1, groups)
+    finally:
+        if created:
+            dist.destroy_process_group()
