@@ -148,6 +148,11 @@ class TrajectoryState:
     forked_calls: int = 0
     # a call at the end of a prefix that has not run yet: it runs before the next generation
     trailing_call: protocol.ToolCall | None = None
+    # Why it ended; every segment but the last ended at a tool call, so this is why the last one
+    # did: answer (its answer closed), eos, length (agent.max_response_tokens, or a segment's cap
+    # agent.max_segment_tokens), context (the engine's context), budget (tool-budget messages
+    # used up), timeout, format or fake_result (a stop it cannot go on from), error (the engine
+    # failed it: ``error`` says why). length and context are truncations (rl's algorithm.truncated).
     finish_reason: str | None = None
     error: str | None = None
     policy_version: str | None = None
@@ -402,6 +407,13 @@ class AgentLoop:
         context = self.engine.max_model_len - len(state.prompt_ids) - len(state.response_ids)
         return min(state.budgets.response_tokens - len(state.response_ids), context)
 
+    def cut_reason(self, state: TrajectoryState) -> str:
+        """Why a trajectory with no room left was cut: ``context`` when the engine's context is
+        what ran out (the model cannot hold more), ``length`` when its response budget did
+        (``agent.max_response_tokens``)."""
+        context = self.engine.max_model_len - len(state.prompt_ids) - len(state.response_ids)
+        return "context" if context <= state.budgets.response_tokens - len(state.response_ids) else "length"
+
     def _over_budget(self, state: TrajectoryState, tool: str) -> tuple[int, int, str] | None:
         b = state.budgets
         limit = b.python if tool == protocol.PYTHON else b.search
@@ -432,7 +444,7 @@ class AgentLoop:
             closing = self.tokenize("\n</result>")
             opening = self.tokenize("<result>\n")
             if room < len(opening) + len(closing) + 1:
-                state.finish_reason = "length"  # no room for even an empty result
+                state.finish_reason = self.cut_reason(state)  # no room for even an empty result
                 return
             ids = ids[: room - len(closing)] + closing
         state.append(ids, TokenOrigin.TOOL)
@@ -452,7 +464,7 @@ class AgentLoop:
         if not s.done and timeout is not None and time.monotonic() - s.started_at > timeout:
             s.finish_reason = "timeout"
         if not s.done and self.room(s) <= 0:
-            s.finish_reason = "length"
+            s.finish_reason = self.cut_reason(s)
         return not s.done
 
     def request(self, s: TrajectoryState) -> GenerationRequest:
@@ -485,8 +497,10 @@ class AgentLoop:
             exact = exact_segment_entropy(sample.entropy, self.vocab_size, self.entropy.window)
             if exact is not None:
                 s.entropies_exact.append(exact)
-        if sample.finish_reason in ("eos", "length"):
-            s.finish_reason = sample.finish_reason
+        if sample.finish_reason == "eos":
+            s.finish_reason = "eos"
+        elif sample.finish_reason == "length":  # the segment's cap (agent.max_segment_tokens), or no room left
+            s.finish_reason = self.cut_reason(s) if self.room(s) <= 0 else "length"
         elif sample.stop == protocol.ANSWER_STOP:
             s.finish_reason = "answer"
         elif sample.stop == "<result>":

@@ -105,7 +105,8 @@ def update(
     for number, mini in enumerate(minis):
         problems: list[str] = []  # micro-batches whose loss was not finite, and which of its inputs
         largest_gap = 0.0  # the largest |log-prob - old log-prob| at a policy token
-        tokens = max(sum_all([float(batch.loss_mask[mini].sum())], device)[0], 1.0)
+        trained_tokens = sum_all([float(batch.loss_mask[mini].sum())], device)[0]
+        tokens = max(trained_tokens, 1.0)  # the loss's divisor: a mini-batch of none (all masked) has a loss of 0
         packed = policy.packs_sequences
         parts = [[mini[i] for i in part] for part in micro_batches([row_tokens[i] for i in mini], cfg.train.micro_batch_tokens, packed)]
         n_parts = int(max_all([len(parts)], device)[0])
@@ -177,7 +178,7 @@ def update(
                 f"mini-batch {number + 1} of {len(minis)}: its optimizer step (gradient norm {float(grad_norm):.4g}) left "
                 f"{int(broken)} parameter values that are not finite on a rank"
             )
-        sums["policy_tokens"] += tokens
+        sums["policy_tokens"] += trained_tokens
         sums["grad_norm"] += float(grad_norm) / len(minis)
     first_tokens = float(batch.loss_mask[minis[0]].sum())
     loss_sum, clipped, dual, entropy, kl, mismatch, first_tokens = sum_all(

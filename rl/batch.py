@@ -93,12 +93,17 @@ class Batch:
         return self.attention_mask.sum(dim=1).tolist()
 
 
-def pack(trajectories: list[TrajectoryState], pad_id: int) -> Batch:
+# Truncated trajectories: cut by their response budget or a segment's cap, or by the context.
+TRUNCATED = frozenset({"length", "context"})
+
+
+def pack(trajectories: list[TrajectoryState], pad_id: int, untrained: frozenset[str] = frozenset()) -> Batch:
     """The trajectories as one batch. ``rollout_logprobs`` are the engine's log-probabilities under
     the sampling temperature (the hf engine's always; vLLM's at T = 1), else its raw ones
     (:func:`tempered_rollouts` says which). The loss mask is 1 at the tokens the policy sampled,
-    except in a trajectory the engine failed on (``finish_reason == "error"``): none of its tokens
-    is trained on, whatever it sampled before the failure."""
+    except in a trajectory the engine failed on (``finish_reason == "error"``) or one whose
+    finish reason is in ``untrained`` (truncated ones, with ``algorithm.truncated=mask``): none
+    of its tokens is trained on, whatever it sampled."""
     prompt_width = max(len(t.prompt_ids) for t in trajectories)
     response_width = max(1, max(len(t.response_ids) for t in trajectories))
     rows = len(trajectories)
@@ -112,7 +117,7 @@ def pack(trajectories: list[TrajectoryState], pad_id: int) -> Batch:
         attention[i, prompt_width - p : prompt_width + r] = 1
         if r:
             input_ids[i, prompt_width : prompt_width + r] = torch.tensor(t.response_ids)
-            if t.finish_reason != "error":
+            if t.finish_reason != "error" and t.finish_reason not in untrained:
                 loss_mask[i, :r] = torch.tensor([float(o == TokenOrigin.SAMPLED) for o in t.origin])
             # of the distribution the tokens were drawn from (logits / T), where the engine gave them
             logprobs[i, :r] = torch.tensor(t.tempered_logprobs if t.tempered_logprobs is not None else t.logprobs)

@@ -86,7 +86,7 @@ from etagent.timing import phase
 from etagent.tools.executor import degraded, describe_failures, failure_counts, merge_failure_counts
 from rl.actor import NonFiniteUpdate, response_logprobs, update
 from rl.algorithm import grpo_advantages, logprob_mismatch
-from rl.batch import Batch, BatchPlan, balanced_partition, batch_plan, pack, tempered_rollouts
+from rl.batch import TRUNCATED, Batch, BatchPlan, balanced_partition, batch_plan, pack, tempered_rollouts
 from rl.checkpoint import export_model, latest_checkpoint, load_checkpoint, save_checkpoint
 from rl.config import RewardSettings, RLConfig, RolloutSettings
 from rl.distributed import gather_objects, init_distributed, sum_all, training_device
@@ -310,9 +310,14 @@ def train_step(trainer: Trainer, step: int, loop: AgentLoop, greedy: AgentLoop, 
         trainer.engine.sleep(level=2)
     metrics.update(check_tool_failures(trainer, step, rollouts.groups))
     metrics.update(check_engine_failures(trainer, step, rollouts.groups))
+    metrics.update(finish_shares(rollouts.groups))
     with phase("reward", metrics):
         factor = sigma_factor(step, trainer.total) if trainer.reward.decay else 1.0
         rows = rewards_of(rollouts.groups, chosen, trainer.reward, factor, trainer.tokenizer)
+        if cfg.algorithm.truncated == "wrong":  # scored as a wrong answer: raw 0, the format penalty stays
+            for row in rows:
+                if row["finish_reason"] in TRUNCATED:
+                    row["raw"], row["reward"] = 0.0, row["f_format"]
     with phase("advantage", metrics):
         scores = torch.tensor([r["reward"] for r in rows])
         served = torch.tensor([r["finish_reason"] != "error" for r in rows])  # failures are left out of the baseline
@@ -324,7 +329,8 @@ def train_step(trainer: Trainer, step: int, loop: AgentLoop, greedy: AgentLoop, 
             metrics.update(imbalance)
     advantages = advantages.to(trainer.device)
     pad_id = trainer.tokenizer.pad_token_id if trainer.tokenizer.pad_token_id is not None else trainer.tokenizer.eos_token_id
-    batch = pack(trajectories, pad_id).to(trainer.device)
+    untrained = TRUNCATED if cfg.algorithm.truncated == "mask" else frozenset()
+    batch = pack(trajectories, pad_id, untrained).to(trainer.device)
     comparable = tempered_rollouts(trajectories)  # the engine's log-probabilities are at the sampling temperature
     if cfg.engine.kind == "hf":
         # sampled by this module with these weights (under the temperature): recomputing would
@@ -387,6 +393,16 @@ def check_tool_failures(trainer: Trainer, step: int, groups: list[list[Trajector
     return {"tools/calls": counts["calls"], "tools/failed": counts["failed"], "tools/failure_share": counts["share"]}
 
 
+def finish_shares(groups: list[list[TrajectoryState]]) -> dict:
+    """The share of the step's trajectories (over every rank) by why they ended: how many were
+    truncated (length, context) is the number to watch with algorithm.truncated."""
+    local = Counter(t.finish_reason for group in groups for t in group)
+    counts: Counter = sum(gather_objects(local), Counter())
+    total = max(sum(counts.values()), 1)
+    shares = {f"finish/{reason}": counts.get(reason, 0) / total for reason in FINISH_REASONS}
+    return shares | {"finish/truncated": sum(counts.get(r, 0) for r in TRUNCATED) / total}
+
+
 def check_engine_failures(trainer: Trainer, step: int, groups: list[list[TrajectoryState]]) -> dict:
     """The step's trajectories the engine failed on (``finish_reason == "error"``: a request it
     refused, a prompt past its context), counted by cause over every rank. They are never trained
@@ -444,6 +460,9 @@ def balance_over_ranks(
     imbalance = {"balance/tokens_max_over_mean_before": largest_before / mean, "balance/tokens_max_over_mean_after": largest_after / mean}
     return [t for t, _ in mine], torch.tensor([a for _, a in mine]), imbalance
 
+
+# Why a trajectory ends (etagent.agent.TrajectoryState.finish_reason), each a metric per step.
+FINISH_REASONS = ("answer", "eos", "length", "context", "budget", "timeout", "format", "fake_result", "error")
 
 # What the reward scored, in words, for the run's manifest.
 REWARD_READS = {

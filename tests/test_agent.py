@@ -269,12 +269,14 @@ def test_tool_results_are_cut_to_the_response_budget(tokenizer):
 
 
 def test_the_engines_context_length_bounds_the_response(tokenizer):
+    """Cut by the engine's context, the trajectory says so (finish reason context); cut by its own
+    response budget (above), it says length."""
     engine = ScriptedEngine(tokenizer, SCRIPTS)
     loop = AgentLoop(engine, ToolExecutor([]), AgentConfig(max_response_tokens=4096))
     state = loop.new(question("q-long"), "c/0")
     engine.max_model_len = len(state.prompt_ids) + 50
     asyncio.run(loop.run([state]))
-    assert state.finish_reason == "length" and len(state.prompt_ids) + len(state.response_ids) == engine.max_model_len
+    assert state.finish_reason == "context" and len(state.prompt_ids) + len(state.response_ids) == engine.max_model_len
     assert all(len(r.prompt_ids) + r.max_new_tokens <= engine.max_model_len for r in engine.requests)
 
 

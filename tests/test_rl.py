@@ -403,3 +403,26 @@ def test_a_checkpoint_of_the_earlier_layout_is_refused_with_the_way_out(tmp_path
     (tmp_path / "checkpoints" / "step_11.tmp").mkdir()  # what a killed save leaves: never a candidate
     old.rename(tmp_path / "elsewhere")
     assert latest_checkpoint(tmp_path) is None
+
+
+@pytest.mark.parametrize("truncated", ["mask", "wrong"])
+def test_truncated_rollouts_are_counted_and_treated_as_set(sft_model, parquet, server, tmp_path, monkeypatch, truncated):
+    """A response budget of 40 tokens cuts many rollouts (finish reason length). Each step's
+    metrics give the share of each finish reason. With algorithm.truncated=mask none of a cut
+    rollout's tokens is trained on; with wrong, a cut rollout is scored as a wrong answer."""
+    monkeypatch.setenv("RETRIEVER_TOKEN", TOKEN)
+    out = tmp_path / truncated
+    run_in_subprocess(
+        rl_overrides(
+            sft_model, parquet, server, out, "train.max_steps=1", "agent.max_response_tokens=40", f"algorithm.truncated={truncated}"
+        )
+    )
+    [m] = metrics_of(out)
+    rows = [json.loads(line) for line in (out / "rollouts" / "step_1.jsonl").read_text().splitlines()]
+    cut = [r for r in rows if r["finish_reason"] in ("length", "context")]
+    assert cut and m["finish/truncated"] == pytest.approx(len(cut) / len(rows))
+    assert sum(v for k, v in m.items() if k.startswith("finish/") and k != "finish/truncated") == pytest.approx(1.0)
+    if truncated == "mask":
+        assert m["actor/policy_tokens"] == sum(r["length"] for r in rows if r not in cut)
+    else:
+        assert all(r["raw"] == 0.0 and r["reward"] == r["f_format"] for r in cut)
