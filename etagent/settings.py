@@ -449,14 +449,17 @@ def out_of_range_values(setting: Setting) -> list[Any]:
     numbers: what tests feed every setting to see that each is refused at load."""
     values: list[Any] = []
     if setting.type in (int, float) and setting.type is not bool:
-        step = 1 if setting.type is int else 0.5
+
+        def past(bound, direction: int):  # the nearest value on the wrong side (0.5 vanishes next to 1e37)
+            return bound + direction if setting.type is int else bound + direction * max(0.5, abs(bound) * 1e-6)
+
         for m in setting.metadata:
             if isinstance(m, Ge):
-                values.append(m.ge - step)
+                values.append(past(m.ge, -1))
             elif isinstance(m, Gt):
                 values.append(m.gt)
             elif isinstance(m, Le):
-                values.append(m.le + step)
+                values.append(past(m.le, 1))
             elif isinstance(m, Lt):
                 values.append(m.lt)
         if not any(m == NON_FINITE_OK for m in setting.metadata):
