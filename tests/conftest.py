@@ -105,7 +105,8 @@ def sft_model(toy, tmp_path_factory) -> Path:
 @pytest.fixture(scope="session")
 def sft_model_full(toy, tmp_path_factory) -> Path:
     """The toy model after the tiny SFT preset as the demo runs it (7200 steps, 6-9 minutes on
-    2 cores): for the held-out acceptance test, in the slow run."""
+    2 cores): for the slow run's tests (the held-out acceptance, the curriculum, GRPO's rise),
+    which use it alone, so the slow run trains one policy as the default run does."""
     out = tmp_path_factory.mktemp("sft-full")
     subprocess.run(sft_command(toy, out, "threads=2"), check=True, capture_output=True, timeout=1800)
     return out

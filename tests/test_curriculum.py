@@ -16,7 +16,7 @@ ROOT = Path(__file__).resolve().parents[1]
 
 
 @pytest.mark.slow
-def test_curriculum_chains_stages_and_resumes(sft_model, toy, index_dir, tmp_path):
+def test_curriculum_chains_stages_and_resumes(sft_model_full, toy, index_dir, tmp_path):
     run = tmp_path / "run"
     run.mkdir()
     (run / "toy").symlink_to(toy)
@@ -28,13 +28,13 @@ def test_curriculum_chains_stages_and_resumes(sft_model, toy, index_dir, tmp_pat
         RL_ARGS="train.max_steps=2 data.prompts_per_step=4 rollout.n=4 rollout.initial_rollouts=2",
         EVAL_ARGS="limit=8",
     )
-    command = ["bash", "scripts/rl_curriculum.sh", str(sft_model / "model"), "2", str(run)]
+    command = ["bash", "scripts/rl_curriculum.sh", str(sft_model_full / "model"), "2", str(run)]
     first = subprocess.run(command, cwd=ROOT, env=env, capture_output=True, text=True, timeout=1500)
     assert first.returncode == 0, first.stdout[-3000:] + first.stderr[-3000:]
 
     stage1, stage2 = run / "rl" / "stage1", run / "rl" / "stage2"
     # stage k's data and RL start from model k-1, with no conversion between stages
-    assert json.loads((stage1 / "manifest.json").read_text())["config"]["model"] == str(sft_model / "model")
+    assert json.loads((stage1 / "manifest.json").read_text())["config"]["model"] == str(sft_model_full / "model")
     assert json.loads((stage2 / "manifest.json").read_text())["config"]["model"] == str(stage1 / "model")
     assert json.loads((run / "rollouts" / "stage2" / "manifest.json").read_text())["config"]["engine"]["model"] == str(stage1 / "model")
     # each stage is a fresh run: its own step counter and a sigma schedule that starts at full strength

