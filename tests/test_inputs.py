@@ -262,8 +262,9 @@ def test_sft_data_whose_every_segment_is_masked_is_refused(toy, tmp_path):
     example["segments"] = [{**s, "train": False} for s in example["segments"]]
     data.write_text(json.dumps(example) + "\n")
     out = tmp_path / "out"
-    refused(etagent("sft", f"model={toy / 'model'}", f"data.path={data}", f"out_dir={out}"), "no example left to train on")
-    assert "'dropped_all_masked': 1" in etagent("sft", f"model={toy / 'model'}", f"data.path={data}", f"out_dir={out}").stderr
+    result = etagent("sft", f"model={toy / 'model'}", f"data.path={data}", f"out_dir={out}")
+    refused(result, "no example left to train on")
+    assert "'dropped_all_masked': 1" in result.stderr
 
 
 def test_a_resume_whose_inputs_changed_is_refused_unless_restarted(sft_model, toy, server, tmp_path):
