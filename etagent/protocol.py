@@ -184,12 +184,16 @@ def count_tool_calls(text: str) -> int:
 def format_problems(text: str) -> list[str]:
     """Why a trajectory breaks the reference's format rules (empty list: it follows them).
 
-    Rules (the reference's ``validate_format``):
+    The reference's ``validate_format``, behaviour for behaviour (the RL reward's paper mode must
+    equal it on every text):
     - as many ``<think>`` as ``</think>``, at least one;
     - exactly one ``<answer>`` and one ``</answer>``, the opening tag first, and the answer
-      contains ``\\boxed{`` and ``}``;
-    - every ``<search>`` (and every ``<python>``) is followed, in order, by its closing tag, a
-      ``<result>`` and a ``</result>``.
+      (from its opening tag on) contains ``\\boxed{`` and ``}``;
+    - for every ``<search>`` (and every ``<python>``) not inside an earlier call's span: the next
+      ``</search>``, the next ``<result>`` and the ``</result>`` after that, each looked up from
+      the opening tag, come in that order. A call missing its closing tag therefore borrows the
+      next call's, which comes after a ``<result>``, and fails. The scan goes on from that
+      ``</result>``, so a tag inside an earlier result is not checked.
     Text outside tags is allowed, the text need not start with ``<think>``, and the number of
     boxes is not limited; see :func:`template_problems` for the stricter SFT rule.
     """
@@ -212,12 +216,15 @@ def format_problems(text: str) -> list[str]:
         pos = 0
         while (start := text.find(f"<{tool}>", pos)) >= 0:
             close = text.find(f"</{tool}>", start)
-            result = text.find("<result>", close) if close >= 0 else -1
+            result = text.find("<result>", start)
             result_end = text.find("</result>", result) if result >= 0 else -1
-            if result_end < 0:
+            if min(close, result, result_end) < 0:
                 problems.append(f"<{tool}> at offset {start} is not followed by </{tool}> <result> </result>")
                 break
-            pos = result_end + len("</result>")
+            if result < close:
+                problems.append(f"<{tool}> at offset {start}: a <result> comes before the next </{tool}>")
+                break
+            pos = result_end
     return problems
 
 

@@ -14,23 +14,25 @@ calls as the paper does (:func:`etagent.protocol.count_tool_calls`: paired tags 
 
 Two modes, named as such (paper_rl.md §4.3):
 
-- ``paper``: the released code. It scores the whole decoded response, tool results included
-  (an answer block a tool printed counts as the policy's: the released code's loophole, kept in
-  this mode). Math: 0 without an ``<answer>...</answer>``, else the
-  last ``\\boxed{}`` of the *whole* response against the *first* gold answer by the MATH string
-  rules. QA: the last box inside the answer, F1 after ``strip_string(deepsearch=True)`` and then
-  SQuAD normalisation, max over the gold answers; that strip deletes every space, so each side is
-  one token and the "F1" is exact match without spaces ("river Kess" scores 0 against "Kess
-  river bank", and "Kess River" 0 against "the Kess river"). The lengths the paper used count
-  every response token, tool results included (the caller passes them).
+- ``paper``: the released code, behaviour for behaviour (:mod:`rl.paper_reward` reads the answer
+  as it did). It scores the whole decoded response, tool results included (an answer block a
+  tool printed counts as the policy's: the released code's loophole, kept in this mode). Math:
+  0 without an ``<answer>...</answer>``, else the last box of the *whole* response against the
+  *first* gold answer by the MATH string rules. QA: the last box of the *first* answer block,
+  F1 after SQuAD normalisation and then ``strip_string(deepsearch=True)``, max over the gold
+  answers; that strip deletes every space, so each side is one token and the "F1" is exact
+  match without spaces ("river Kess" scores 0 against "Kess river bank", and "Kess River" 1
+  against "the Kess river"). ``\\fbox{x}`` and ``\\boxed x`` score 0 there. The lengths the
+  paper used count every response token, tool results included (the caller passes them).
 - ``default``, the corrected one: it scores only what the policy wrote, which the caller passes
   (RL: the text with every tool result emptied, ``etagent.records.policy_text``, and the calls
-  that ran as ``tool_calls``); the answer is read from the answer block (its last box, or its
-  text), math is right when it equals *any* gold answer (MATH rules or math-verify), QA is the
-  token F1 with SQuAD normalisation, max over the gold answers; lengths count generated tokens
-  only (again, the caller passes them).
+  that ran as ``tool_calls``); the answer is read from the last answer block (its last box, or
+  its text), math is right when it equals *any* gold answer (MATH rules or math-verify), QA is
+  the token F1 with SQuAD normalisation, max over the gold answers; lengths count generated
+  tokens only (again, the caller passes them).
 
-:func:`validation_score` is the paper's validation score, which differs from the training reward.
+:func:`rl.paper_reward.validation_score` is the paper's validation score, which differs from the
+training reward.
 
 What this module does not do: group rollouts (the caller passes one group), put the reward on a
 token, or compute advantages.
@@ -50,6 +52,7 @@ import numpy as np
 
 from etagent import protocol, scoring
 from etagent.errors import MissingInput, exit_on_user_error
+from rl import paper_reward
 
 MODES = ("paper", "default")
 DATA_SOURCES = {"math_effi_rl": "math", "qa_effi_rl": "qa"}
@@ -69,34 +72,16 @@ def answer_block(response: str) -> str | None:
     return None if start < 0 else response[start + len("<answer>") : end]
 
 
-def paper_qa_f1(prediction: str, gold: str) -> float:
-    """The paper's training QA score (its ``get_f1_score``): SQuAD normalisation first (lower
-    case, no punctuation, no articles), then the deepsearch strip, which deletes every space, so
-    each side is one token and the "F1" is exact match without spaces: "Kess River" scores 1
-    against "the Kess river", "theKess river" 0. yes/no/noanswer must match exactly."""
-    pred = scoring.strip_string(scoring.squad_normalize(prediction), deepsearch=True)
-    ref = scoring.strip_string(scoring.squad_normalize(gold), deepsearch=True)
-    if (pred in scoring.YES_NO or ref in scoring.YES_NO) and pred != ref:
-        return 0.0
-    return scoring.token_f1(pred.split(), ref.split())
-
-
 def raw_correctness(response: str, ground_truth: Sequence[str], data_source: str, mode: str = "default") -> float:
     """raw_i: math 0 or 1, QA an F1 in [0, 1]; 0 without an answer block, in both modes."""
     if mode not in MODES:
         raise ValueError(f"mode must be one of {', '.join(MODES)}, got {mode!r}")
     kind = kind_of(data_source)
+    if mode == "paper":
+        return paper_reward.raw_score(kind, response, ground_truth)
     block = answer_block(response)
     if block is None or not ground_truth:
         return 0.0
-    if mode == "paper":
-        if kind == "math":
-            boxed = protocol.last_boxed(response)
-            return float(boxed is not None and scoring.is_equiv(boxed, ground_truth[0]))
-        boxed = protocol.last_boxed(block)
-        if boxed is None:
-            return 0.0
-        return scoring.best_over_golds(paper_qa_f1, boxed, ground_truth)
     boxed = protocol.last_boxed(block)
     prediction = block.strip() if boxed is None else protocol.unwrap_text(boxed)
     if kind == "math":
@@ -181,24 +166,6 @@ def efficiency_reward(
         f_length=[float(x) for x in f_length],
         f_format=f_format,
     )
-
-
-def validation_score(data_source: str, response: str, ground_truth: Sequence[str]) -> float:
-    """The paper's validation score (paper_rl.md §4.4). Math: -1 for a bad format or no answer,
-    else 1 or 0 (the paper-mode check). QA: -1 for a bad format, no answer or no box in it; else
-    the paper-mode F1, plus 0.1 when the response closed both a search and a python call and the
-    F1 is above 0."""
-    kind = kind_of(data_source)
-    block = answer_block(response)
-    if not protocol.validate_format(response) or block is None:
-        return -1.0
-    if kind == "math":
-        return raw_correctness(response, ground_truth, data_source, "paper")
-    if protocol.last_boxed(block) is None:
-        return -1.0
-    score = raw_correctness(response, ground_truth, data_source, "paper")
-    both_tools = "</search>" in response and "</python>" in response
-    return score + 0.1 if both_tools and score > 0 else score
 
 
 # ---------------------------------------------------------------------------------------------

@@ -90,8 +90,9 @@ from rl.batch import TRUNCATED, Batch, BatchPlan, balanced_partition, batch_plan
 from rl.checkpoint import export_model, latest_checkpoint, load_checkpoint, save_checkpoint
 from rl.config import RewardSettings, RLConfig, RolloutSettings
 from rl.distributed import gather_objects, init_distributed, sum_all, training_device
+from rl.paper_reward import validation_score
 from rl.policy import Policy, gathered, load_policy
-from rl.reward import efficiency_reward, raw_correctness, sigma_factor, validation_score
+from rl.reward import efficiency_reward, kind_of, raw_correctness, sigma_factor
 from rl.rollout import Prompt, make_rollout, read_prompts, rollout_metrics
 from rl.weights import sync_engine
 
@@ -481,8 +482,9 @@ def rewards_of(groups: list[list[TrajectoryState]], prompts: list[Prompt], rewar
     rows = []
     for prompt, group in zip(prompts, groups):
         texts = [tokenizer.decode(t.response_ids, skip_special_tokens=False) for t in group]
-        if reward.mode == "paper":
-            scored, lengths, calls = texts, [len(t.response_ids) for t in group], None
+        if reward.mode == "paper":  # as the released reward manager decoded it: no special tokens
+            scored = [tokenizer.decode(t.response_ids, skip_special_tokens=True) for t in group]
+            lengths, calls = [len(t.response_ids) for t in group], None
         else:
             scored = [policy_text(t.response_ids, t.origin, tokenizer) for t in group]
             lengths, calls = [t.n_generated for t in group], [t.executed() for t in group]
@@ -557,7 +559,8 @@ def validate(trainer: Trainer, loop: AgentLoop, step: int) -> dict:
     with engine_reads_policy(trainer):
         asyncio.run(loop.run(states))
     texts = [loop.text(s) for s in states]
-    scores = [validation_score(p.data_source, t, p.question.answer) for p, t in zip(prompts, texts)]
+    decoded = [trainer.tokenizer.decode(s.response_ids, skip_special_tokens=True) for s in states]  # as the paper's
+    scores = [validation_score(kind_of(p.data_source), t, p.question.answer) for p, t in zip(prompts, decoded)]
     raw = [raw_correctness(t, p.question.answer, p.data_source) for p, t in zip(prompts, texts)]
     calls = [s.executed() for s in states]
     n, total_score, total_raw, total_calls = sum_all([len(states), sum(scores), sum(raw), sum(calls)], trainer.device)

@@ -9,7 +9,8 @@ import sys
 
 import pytest
 
-from rl.reward import efficiency_reward, length_zscores, raw_correctness, relative_factor, sigma_factor, validation_score
+from rl.paper_reward import validation_score
+from rl.reward import efficiency_reward, length_zscores, raw_correctness, relative_factor, sigma_factor
 
 
 def response(answer: str, calls: int = 0, tool: str = "search") -> str:
@@ -84,13 +85,13 @@ def test_paper_mode_math_reads_the_first_gold_and_the_last_box_anywhere():
 
 
 def test_validation_score_as_the_paper():
-    assert validation_score("math_effi_rl", response("42"), ["42"]) == 1.0
-    assert validation_score("math_effi_rl", response("1"), ["42"]) == 0.0
-    assert validation_score("math_effi_rl", "<answer>\\boxed{42}</answer>", ["42"]) == -1.0
+    assert validation_score("math", response("42"), ["42"]) == 1.0
+    assert validation_score("math", response("1"), ["42"]) == 0.0
+    assert validation_score("math", "<answer>\\boxed{42}</answer>", ["42"]) == -1.0
     both = "<think>a</think><search>q</search><result>r</result><think>b</think><python>1</python><result>1</result><think>c</think>"
-    assert validation_score("qa_effi_rl", both + "<answer>\\boxed{Pell}</answer>", ["Pell"]) == pytest.approx(1.1)
-    assert validation_score("qa_effi_rl", both + "<answer>\\boxed{Kess}</answer>", ["Pell"]) == 0.0
-    assert validation_score("qa_effi_rl", "<think>a</think><answer>Pell</answer>", ["Pell"]) == -1.0  # no box
+    assert validation_score("qa", both + "<answer>\\boxed{Pell}</answer>", ["Pell"]) == pytest.approx(1.1)
+    assert validation_score("qa", both + "<answer>\\boxed{Kess}</answer>", ["Pell"]) == 0.0
+    assert validation_score("qa", "<think>a</think><answer>Pell</answer>", ["Pell"]) == -1.0  # no box
 
 
 def test_etagent_reward_command(tmp_path):
