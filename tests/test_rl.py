@@ -426,3 +426,54 @@ def test_truncated_rollouts_are_counted_and_treated_as_set(sft_model, parquet, s
         assert m["actor/policy_tokens"] == sum(r["length"] for r in rows if r not in cut)
     else:
         assert all(r["raw"] == 0.0 and r["reward"] == r["f_format"] for r in cut)
+
+
+# Run in the test's subprocess: the real RL stage, with the hf engine's prefill failing on every
+# prompt longer than 800 tokens (the model failing on an input), so those rows come back from the
+# engine's own error path (each row of a failed batch again alone) as finish reason "error".
+FAILING_ENGINE = """
+import runpy, sys
+from etagent.llm import hf
+prefill = hf.HFEngine._prefill
+def failing_prefill(self, rows):
+    if any(len(row.prompt) > 800 for row in rows):
+        raise RuntimeError("scripted: the model failed on this input")
+    return prefill(self, rows)
+hf.HFEngine._prefill = failing_prefill
+sys.argv = ["rl.run", *sys.argv[1:]]
+runpy.run_module("rl.run", run_name="__main__", alter_sys=True)
+"""
+
+
+@pytest.mark.slow  # two RL runs, 35-50 s: kept out of the default run's 15 minutes
+def test_an_engine_that_fails_some_requests(sft_model_full, toy, server, tmp_path, monkeypatch):
+    """The engine fails half of a step's requests: two of its four prompts are long, and the hf
+    engine's prefill is scripted to fail on them (FAILING_ENGINE; a control-flow test, the model's
+    failure is the only thing scripted). Under tools.max_failure_share those trajectories are
+    counted and never trained on: the trained tokens are the served rollouts' sampled tokens.
+    Over it, the step stops before its update with exit 3, naming the cause, and saves nothing."""
+    import subprocess
+    import sys
+
+    monkeypatch.setenv("RETRIEVER_TOKEN", TOKEN)
+    questions = [q for q in read_questions(toy / "questions" / "test.jsonl") if q.source == "toy_python"][:4]
+    questions[1:4:2] = [q.model_copy(update={"question": "why " * 300}) for q in questions[1:4:2]]  # ~920 prompt tokens
+    parquet = write_rl_parquet([RLRow.for_question(q, i, "train") for i, q in enumerate(questions)], tmp_path / "rl.parquet")
+
+    def run(out: Path, share: float) -> subprocess.CompletedProcess:
+        overrides = rl_overrides(sft_model_full, parquet, server, out, "train.max_steps=1", f"tools.max_failure_share={share}")
+        return subprocess.run([sys.executable, "-c", FAILING_ENGINE, *overrides], capture_output=True, text=True, timeout=900)
+
+    stopped = run(tmp_path / "stopped", 0.4)
+    assert stopped.returncode == 3, stopped.stderr[-3000:]
+    assert "the engine failed on 8 of 16 trajectories (50.0%: RuntimeError (8))" in stopped.stderr
+    assert not (tmp_path / "stopped" / "checkpoints").exists() and not (tmp_path / "stopped" / "rollouts").exists()
+
+    served = tmp_path / "served"
+    assert run(served, 0.6).returncode == 0
+    [m] = metrics_of(served)
+    rows = [json.loads(line) for line in (served / "rollouts" / "step_1.jsonl").read_text().splitlines()]
+    failed = [r for r in rows if r["finish_reason"] == "error"]
+    assert len(failed) == 8 and all("scripted: the model failed" in r["error"] for r in failed)
+    assert (m["engine/failed"], m["engine/failure_share"], m["finish/error"]) == (8, 0.5, 0.5)
+    assert m["actor/policy_tokens"] == sum(r["length"] for r in rows if r not in failed) > 0
