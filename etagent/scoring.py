@@ -152,8 +152,9 @@ def _fix_fracs(text: str) -> str:
     return out
 
 
-def _fix_slash_fraction(text: str) -> str:
-    """``a/b`` with integer a and b -> ``\\frac{a}{b}``."""
+def fix_slash_fraction(text: str) -> str:
+    """``a/b`` with integer a and b -> ``\\frac{a}{b}`` (the MATH rules' last step, the same in every
+    copy of them)."""
     parts = text.split("/")
     if len(parts) != 2:
         return text
@@ -224,7 +225,7 @@ def strip_string(text: str, *, deepsearch: bool = False) -> str:
     text = _fix_fracs(text)
     if text == "0.5":
         text = "\\frac{1}{2}"
-    return _fix_slash_fraction(text)
+    return fix_slash_fraction(text)
 
 
 def is_equiv(a: str | None, b: str | None, *, deepsearch: bool = False) -> bool:

@@ -119,17 +119,6 @@ def _fix_fracs(text: str) -> str:
     return out
 
 
-def _fix_slash(text: str) -> str:
-    sides = text.split("/")
-    if len(sides) != 2:
-        return text
-    try:
-        a, b = int(sides[0]), int(sides[1])
-    except ValueError:
-        return text
-    return f"\\frac{{{a}}}{{{b}}}" if text == f"{a}/{b}" else text
-
-
 def math_strip(text: str) -> str:
     """The released reward's copy of the Hendrycks MATH string rules, in their order. Raises
     :class:`_Malformed` where that copy raises."""
@@ -155,7 +144,7 @@ def math_strip(text: str) -> str:
     text = _fix_fracs(text)
     if text == "0.5":
         text = "\\frac{1}{2}"
-    return _fix_slash(text)
+    return scoring.fix_slash_fraction(text)
 
 
 def math_equal(prediction: str, gold: str) -> bool:
