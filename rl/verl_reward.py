@@ -1,22 +1,58 @@
-"""Our reward for verl users: ``compute_score`` with verl's custom-reward signature.
+"""Our reward for verl users: ``compute_score`` (one response) and ``compute_score_batch`` (the
+group-relative efficiency reward), with verl's custom-reward signatures.
 
-In a verl run on our RL parquet (``data_source`` ``math_effi_rl`` / ``qa_effi_rl``)::
+Per response, in any verl, on our RL parquet (``data_source`` ``math_effi_rl`` / ``qa_effi_rl``)::
 
     custom_reward_function.path=/path/to/etagent/rl/verl_reward.py
     custom_reward_function.name=compute_score
     +custom_reward_function.reward_kwargs.mode=paper      # optional; default: the corrected mode
 
-verl's reward managers call it once per response, with keyword arguments (``data_source``,
+verl's per-response reward managers call it with keyword arguments (``data_source``,
 ``solution_str``, ``ground_truth``, ``extra_info``, plus the ``reward_kwargs``). It returns
 verl's dict form: ``score`` (the reward), and ``raw``, ``format_penalty`` and ``tool_calls``,
-which verl logs beside it.
+which verl logs beside it. One response is its own group there, so f_tool = f_length = 1: this
+is the reward the paper's released scripts trained with (both sigmas 0).
 
-What it computes: rl/reward.py's reward of one response, raw correctness plus the format
-penalty, in either mode. The efficiency factors f_tool and f_length are relative to the other
-rollouts of the same prompt and need their token lengths, which verl's per-response interface
-does not pass; with them at 1 this is the reward the paper's released scripts trained with (both
-sigmas 0). The group-relative reward runs in our trainer (``rl/run.py``) and by hand through
-``etagent reward``.
+The whole efficiency reward, in verl 0.4 to 0.7.0, whose ``batch`` reward manager
+(``verl/workers/reward_manager/batch.py``) hands the reward function the whole batch::
+
+    reward_model.reward_manager=batch
+    reward_model.use_reward_loop=false                          # verl 0.7.0 only (its default is true)
+    custom_reward_function.path=/path/to/etagent/rl/verl_reward.py
+    custom_reward_function.name=compute_score_batch
+    +custom_reward_function.reward_kwargs.tokenizer_path=/path/to/the/policy
+    +custom_reward_function.reward_kwargs.sigma_tool=0.2
+    +custom_reward_function.reward_kwargs.sigma_length=0.5
+    +custom_reward_function.reward_kwargs.mode=default          # or paper
+
+That manager calls ``compute_score_batch(data_sources=, solution_strs=, ground_truths=,
+extra_infos=, **reward_kwargs)`` once per batch (every rollout of every prompt, in the order
+``trainer.balance_batch`` left them) and takes one dict per response, ``score`` and the terms.
+Responses are grouped by ``extra_info["index"]``, which our RL parquet makes unique per question
+(the paper's own manager grouped the same way; verl's GRPO ``uid`` is not passed to the reward),
+and :func:`rl.reward.efficiency_reward` runs on each group. From verl 0.7.1 on (0.9.1 included)
+rewards are computed one response at a time in verl's reward loop, the batch manager is no longer
+reachable from the config, and only ``compute_score`` applies.
+
+What the batch function reads, and why:
+- lengths: the batch manager does not pass them (it knows each response's token count, the
+  attention mask's sum, and keeps it). So they are counted again by encoding each decoded
+  response with the policy's tokenizer (``tokenizer_path``, loaded once per process). The
+  response was decoded without special tokens, so the count leaves out EOS and can differ from
+  the sampled ids by a token or so where re-encoding merges differently; z-scores do not move
+  with a count shifted alike for the whole group. The count covers tool results too, as the
+  paper's lengths did;
+- text and tool calls: verl passes the decoded text only, which cannot tell a tool's result from
+  what the policy wrote, so both modes read the whole response and count the paired tags in it,
+  as ``compute_score`` does (the default mode in our trainer reads the policy's own tokens only);
+- sigmas: constant through the run. verl tells a reward function nothing of the step, so the
+  linear decay within a stage (our trainer's ``reward.decay``; the paper's fork passed its factor
+  through its own manager) is not applied.
+
+What still needs our trainer (``rl/run.py``): ARPO's entropy-branching tree, the tools' token
+masks (train only on the policy's tokens) and tool execution in our tag protocol: verl's
+tool-calling agent loop speaks its chat templates' function calls, not our ``<search>`` and
+``<python>`` tags.
 
 Importing this file needs our package in verl's environment without its pinned dependencies
 (verl pins an older transformers): ``pip install --no-deps -e /path/to/etagent`` and
@@ -25,19 +61,81 @@ Importing this file needs our package in verl's environment without its pinned d
 
 from __future__ import annotations
 
+from functools import lru_cache
+
 from rl.reward import efficiency_reward
+
+
+def gold_answers(ground_truth) -> list[str]:
+    """A row's ``reward_model.ground_truth`` as a list of gold answers: any sequence (a numpy
+    array, as verl loads our parquet's list column) or a single string."""
+    return [ground_truth] if isinstance(ground_truth, str) else [str(g) for g in ground_truth]
 
 
 def compute_score(data_source: str, solution_str: str, ground_truth, extra_info: dict | None = None, mode: str = "default") -> dict:
     """The reward of one response to an RL-parquet prompt. ``ground_truth`` is the row's
     ``reward_model.ground_truth``: a list of gold answers (any sequence, a numpy array as verl
     loads it, or a single string)."""
-    golds = [ground_truth] if isinstance(ground_truth, str) else [str(g) for g in ground_truth]
     # one response is its own group: f_tool = f_length = 1 whatever the sigmas, so pass 0
-    terms = efficiency_reward(data_source, golds, [solution_str], [0], 0.0, 0.0, mode)
+    terms = efficiency_reward(data_source, gold_answers(ground_truth), [solution_str], [0], 0.0, 0.0, mode)
     return {
         "score": float(terms.rewards[0]),
         "raw": float(terms.raw[0]),
         "format_penalty": float(terms.f_format[0]),
         "tool_calls": int(terms.tool_calls[0]),
     }
+
+
+@lru_cache(maxsize=4)
+def policy_tokenizer(path: str):
+    """The policy's tokenizer, loaded once per process (verl calls the reward every step)."""
+    from transformers import AutoTokenizer
+
+    return AutoTokenizer.from_pretrained(path)
+
+
+def compute_score_batch(
+    data_sources,
+    solution_strs,
+    ground_truths,
+    extra_infos,
+    *,
+    tokenizer_path: str,
+    sigma_tool: float,
+    sigma_length: float,
+    mode: str = "default",
+) -> list[dict]:
+    """The efficiency reward of every response of a batch, grouped by ``extra_info["index"]``:
+    one dict per response, in the batch's order (``score`` and the terms verl logs beside it).
+
+    Raises ValueError when a response has no index, or when one index holds responses to two
+    questions (a data source or gold answers that differ): the groups would be wrong."""
+    members: dict[object, list[int]] = {}
+    for i, extra in enumerate(extra_infos):
+        if "index" not in (extra or {}):
+            raise ValueError(
+                f"response {i}: extra_info has no 'index'; the group reward groups a prompt's responses by it (our RL parquet sets it)"
+            )
+        members.setdefault(extra["index"], []).append(i)
+    # one call for the batch: the fast tokenizer encodes a list in parallel
+    lengths = [len(ids) for ids in policy_tokenizer(tokenizer_path)(list(solution_strs), add_special_tokens=False)["input_ids"]]
+    scores: list[dict] = [{} for _ in solution_strs]
+    for index, group in members.items():
+        data_source, golds = str(data_sources[group[0]]), gold_answers(ground_truths[group[0]])
+        for i in group[1:]:
+            if str(data_sources[i]) != data_source or gold_answers(ground_truths[i]) != golds:
+                raise ValueError(f"extra_info.index {index!r} holds responses to two questions: the index must be unique per question")
+        terms = efficiency_reward(
+            data_source, golds, [solution_strs[i] for i in group], [lengths[i] for i in group], sigma_tool, sigma_length, mode
+        )
+        for k, i in enumerate(group):
+            scores[i] = {
+                "score": terms.rewards[k],
+                "raw": terms.raw[k],
+                "format_penalty": terms.f_format[k],
+                "tool_calls": terms.tool_calls[k],
+                "f_tool": terms.f_tool[k],
+                "f_length": terms.f_length[k],
+                "length": lengths[i],
+            }
+    return scores
