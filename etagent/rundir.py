@@ -126,6 +126,21 @@ def claim_output(out_dir: str | os.PathLike, *, stage: str, schema: type, config
             _HELD.pop(key)[0].close()
 
 
+def completed(out_dir: str | os.PathLike) -> dict | None:
+    """The manifest of a run that finished in ``out_dir`` (status ``complete``), or None. Read it
+    before :func:`claim_output`, which marks the folder running; a stage that finds its work done
+    puts it back with :func:`restore_manifest` instead of doing the work again."""
+    manifest = _previous_manifest(Path(out_dir))
+    return manifest if manifest is not None and manifest.get("status") == "complete" else None
+
+
+def restore_manifest(out: Path, manifest: dict) -> None:
+    """Write ``manifest`` back as it was (atomically)."""
+    tmp = out / f".manifest.json.{os.getpid()}.tmp"
+    tmp.write_text(json.dumps(manifest, indent=2, ensure_ascii=False, default=str) + "\n")
+    os.replace(tmp, out / "manifest.json")
+
+
 def _previous_manifest(out: Path) -> dict | None:
     path = out / "manifest.json"
     return read_manifest(path) if path.exists() else None
@@ -155,7 +170,7 @@ def check_inputs(out: Path, inputs: list[dict]) -> None:
     before = {i["key"]: i for i in manifest.get("inputs") or [] if isinstance(i, dict) and "key" in i}
     for now in inputs:
         then = before.get(now["key"])
-        if then is not None and (then.get("sha256"), then.get("bytes")) != (now["sha256"], now["bytes"]):
+        if then is not None and (then.get("sha256"), then.get("bytes")) != (now.get("sha256"), now.get("bytes")):
             moved = "" if then.get("path") == now["path"] else f" (then {then.get('path')})"
             raise InputsChanged(
                 f"{out} was made from another {now['key']}: {now['path']}{moved} has changed since "

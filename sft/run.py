@@ -37,7 +37,7 @@ from etagent.divergence import non_finite_values
 from etagent.errors import SettingError, TrainingDiverged, UserError, exit_on_user_error
 from etagent.progress import Progress
 from etagent.records import write_manifest
-from etagent.rundir import claim_output
+from etagent.rundir import claim_output, completed, restore_manifest
 from etagent.settings import check_paths
 from sft.config import LoraSettings, SFTConfig, SFTTrainSettings
 from sft.data import IGNORE, build_dataset, load_examples
@@ -225,9 +225,16 @@ def check_settings(cfg: DictConfig) -> None:
 def run(cfg: DictConfig) -> dict:
     check_settings(cfg)
     config = OmegaConf.to_container(cfg, resolve=True)
+    previous = completed(cfg.out_dir) if (Path(cfg.out_dir) / "model").is_dir() else None
     if int(os.environ.get("RANK", "0")) != 0:  # under torchrun, rank 0 holds the output directory
-        return train(cfg, Path(cfg.out_dir), config)
+        return previous["metrics"] if previous is not None else train(cfg, Path(cfg.out_dir), config)
     with claim_output(cfg.out_dir, stage="sft", schema=SFTConfig, config=config) as out:
+        if previous is not None:
+            # the Trainer, resumed from a checkpoint at max_steps, takes one step more and saves the
+            # model again: a finished run is left as it is, so that what was made from it stays valid
+            restore_manifest(out, previous)
+            print(f"SFT already complete in {out} ({previous['counts']['steps']} steps); nothing to do (--restart to train again)")
+            return previous["metrics"]
         return train(cfg, out, config)
 
 

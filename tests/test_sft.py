@@ -186,6 +186,14 @@ def test_resume_from_a_mid_run_checkpoint_continues_the_same_loss_curve(toy, tmp
     for step in range(9, 17):
         assert after[step] == pytest.approx(full[step], abs=1e-4), step
 
+    # a finished run, rerun, is left as it is: no step past max_steps, the model and manifest
+    # unchanged (a stage made from the model would otherwise refuse to resume)
+    before = {path.name: path.read_bytes() for path in [*(whole / "model").iterdir(), whole / "manifest.json"]}
+    again = subprocess.run(sft_command(toy, whole, "threads=1", *settings), check=True, capture_output=True, text=True, timeout=600)
+    assert "already complete" in again.stdout
+    assert {path.name: path.read_bytes() for path in [*(whole / "model").iterdir(), whole / "manifest.json"]} == before
+    assert {p.name for p in (whole / "checkpoints").iterdir()} == {"checkpoint-8", "checkpoint-16"}
+
 
 def test_two_process_cpu_run_trains_and_saves_a_working_model(toy, tmp_path):
     out = tmp_path / "ddp"
