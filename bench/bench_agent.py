@@ -83,7 +83,7 @@ def main() -> None:
     with toy_tools(work, toy) as tools:
         from etagent.llm.hf import HFEngine
         from etagent.llm.vllm_engine import AsyncVLLMEngine, VLLMEngine
-        from etagent.records import read_questions
+        from etagent.question_formats import read_questions
         from etagent.tools.executor import build_executor
 
         questions = read_questions(toy / "questions" / "test.jsonl")[: args.questions]

@@ -53,7 +53,7 @@ ROOT = Path(__file__).resolve().parents[1]
 
 
 def questions(toy: Path, count: int):
-    from etagent.records import read_questions
+    from etagent.question_formats import read_questions
 
     found = read_questions(toy / "questions" / "test.jsonl")
     if len(found) < count:

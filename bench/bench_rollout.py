@@ -125,7 +125,7 @@ def main() -> None:
     work = Path(tempfile.mkdtemp(prefix="etagent-bench-rollout-"))
     toy, model = toy_policy(work, args.toy, args.model)
     from etagent.llm.hf import HFEngine
-    from etagent.records import read_questions
+    from etagent.question_formats import read_questions
     from etagent.tools.executor import ToolExecutor, build_executor
 
     questions = read_questions(toy / "questions" / "test.jsonl")

@@ -49,7 +49,7 @@ def main() -> None:
     toy, model = toy_policy(work, args.toy, args.model)
     from etagent.config import load_config
     from etagent.llm.hf import HFEngine
-    from etagent.records import read_questions
+    from etagent.question_formats import read_questions
     from etagent.tools.executor import build_executor
     from rl.rollout import Prompt
 

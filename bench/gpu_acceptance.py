@@ -110,7 +110,8 @@ def rl(work: Path, smoke: bool, engine: str) -> None:
     import torch
     from transformers import AutoModelForCausalLM
 
-    from etagent.records import RLRow, read_questions, write_rl_parquet
+    from etagent.question_formats import read_questions
+    from etagent.records import RLRow, write_rl_parquet
 
     item = "rl" if engine == "hf" else "rl-vllm"
     if engine == "vllm" and not installed("vllm"):
@@ -147,7 +148,7 @@ def rl(work: Path, smoke: bool, engine: str) -> None:
     if engine == "vllm":
         overrides += ["engine.vllm.max_model_len=2560", "engine.vllm.gpu_memory_utilization=0.3"]
     if not on_gpu:
-        overrides += ["train.device=cpu", "engine.device=cpu", "engine.dtype=float32"]
+        overrides += ["train.device=cpu", "engine.dtype=float32"]  # engine.device follows train.device
     for steps in (2, 3):
         proc = run(torchrun("rl.run", *overrides, f"train.max_steps={steps}"), work / f"{item}-{steps}.log", 1200)
         if proc.returncode != 0:

@@ -7,7 +7,7 @@ from __future__ import annotations
 from omegaconf import MISSING
 
 from etagent.sampling import SamplingConfig
-from etagent.settings import Fraction, PositiveInt, group
+from etagent.settings import Fraction, ModelPath, PositiveInt, group
 
 
 @group
@@ -15,5 +15,6 @@ class DirectRolloutConfig(SamplingConfig):
     """What run_sampling reads (the questions, the engine, the agent, the tools, n), at the top
     level, and direct rollout's own two settings."""
 
+    model: ModelPath = MISSING
     rl_stage: PositiveInt = MISSING
     qa_pass_mark: Fraction = MISSING

@@ -59,24 +59,24 @@ def run(cfg: DictConfig) -> dict:
 
 @exit_on_user_error
 def main(argv: list[str] | None = None) -> None:
-    from etagent.config import parse_stage_args
+    from etagent.stage_cli import stage_configs
 
     logging.basicConfig(level=logging.INFO, format="%(asctime)s %(name)s %(message)s")
     logging.getLogger("httpx").setLevel(logging.WARNING)  # one line per tool request is noise
-    cfg = parse_stage_args("direct_rollout", argv, prog="python -m direct_rollout.run", doc=__doc__)
-    m = run(cfg)
-    kinds = ", ".join(f"{kind} {s['mean_score']:.3f}" for kind, s in m["per_kind"].items())
-    print(
-        f"direct rollout for RL stage {cfg.rl_stage}: {m['trajectories']} chains of {m['questions']} questions in {cfg.out_dir}\n"
-        f"  correctness {m['mean_score']:.3f} ({kinds}); tool calls {m['mean_tool_calls_executed']:.2f} executed, "
-        f"{m['mean_tool_calls_written']:.2f} written; {m['mean_generated_tokens']:.0f} generated tokens; finish {m['finish_reasons']}\n"
-        f"  tool failures: {describe_failures(m['tool_failures'])}"
-    )
-    if m["degraded"]:
-        raise DegradedRun(
-            f"{describe_failures(m['tool_failures'])}, over tools.max_failure_share={cfg.tools.max_failure_share}: "
-            f"the records in {cfg.out_dir} are written but not to be trusted; fix the tools and rerun into a new out_dir"
+    for cfg in stage_configs("direct_rollout", argv, prog="python -m direct_rollout.run", doc=__doc__):
+        m = run(cfg)
+        kinds = ", ".join(f"{kind} {s['mean_score']:.3f}" for kind, s in m["per_kind"].items())
+        print(
+            f"direct rollout for RL stage {cfg.rl_stage}: {m['trajectories']} chains of {m['questions']} questions in {cfg.out_dir}\n"
+            f"  correctness {m['mean_score']:.3f} ({kinds}); tool calls {m['mean_tool_calls_executed']:.2f} executed, "
+            f"{m['mean_tool_calls_written']:.2f} written; {m['mean_generated_tokens']:.0f} generated tokens; finish {m['finish_reasons']}\n"
+            f"  tool failures: {describe_failures(m['tool_failures'])}"
         )
+        if m["degraded"]:
+            raise DegradedRun(
+                f"{describe_failures(m['tool_failures'])}, over tools.max_failure_share={cfg.tools.max_failure_share}: "
+                f"the records in {cfg.out_dir} are written but not to be trusted; fix the tools and rerun into a new out_dir"
+            )
 
 
 if __name__ == "__main__":

@@ -1,6 +1,7 @@
-"""The core's own commands, ``etagent score`` and ``etagent tool`` (the ``etagent`` command
-itself, which also reaches every stage, is :mod:`launcher.main`, outside the core): scoring
-predictions given as JSON lines, and one tool call through the configured tool."""
+"""The core's own commands, ``etagent score``, ``etagent tool`` and ``etagent convert`` (the
+``etagent`` command itself, which also reaches every stage, is :mod:`launcher.main`, outside the
+core): scoring predictions given as JSON lines, one tool call through the configured tool, and
+questions from another project's format written in ours."""
 
 from __future__ import annotations
 
@@ -8,10 +9,11 @@ import argparse
 import json
 import os
 import sys
+from pathlib import Path
 from typing import IO
 
 from etagent import scoring
-from etagent.errors import MissingInput, exit_on_user_error
+from etagent.errors import MissingInput, SettingError, exit_on_user_error
 
 
 def _score_lines(source: IO[bytes], name: str, out: IO[str], judge: scoring.LLMJudge | None) -> int:
@@ -127,3 +129,57 @@ def tool_main(argv: list[str]) -> int:
                 line["isolation_note"] = backend.isolation_note
     print(json.dumps(line, ensure_ascii=False))
     return 0 if record.ok else 1
+
+
+@exit_on_user_error
+def convert_main(argv: list[str]) -> int:
+    """``etagent convert SOURCE OUT``: questions in any format etagent.question_formats reads,
+    written in our schema (JSONL), saying which column each field came from."""
+    from etagent.question_formats import MAPPABLE, QuestionFormat, read_question_rows
+    from etagent.records import write_jsonl
+
+    parser = argparse.ArgumentParser(
+        prog="etagent convert",
+        description="Write questions in etagent's schema ({id, question, answer, source, kind}, docs/data.md) from a file in "
+        "another format: ours, FlashRAG JSONL, Search-R1 or verl parquet/JSONL, a TRL prompt dataset, a `datasets` "
+        "save_to_disk folder, or hf:<hub id>.",
+    )
+    parser.add_argument("source", help="the file, folder or hf:<hub id> to read")
+    parser.add_argument("out", help="the JSONL file to write")
+    parser.add_argument(
+        "--kind", choices=("auto", "math", "qa"), default="auto", help="how answers are scored (auto: each row's kind or ability, else qa)"
+    )
+    parser.add_argument(
+        "--source-name", default=None, help="every question's source (default: the row's source or data_source, else the file's name)"
+    )
+    parser.add_argument("--split", default=None, help="the split of a `datasets` folder or hub id (default: train)")
+    parser.add_argument(
+        "--field",
+        action="append",
+        default=[],
+        metavar="OURS=THEIRS",
+        help=f"read a field ({', '.join(MAPPABLE)}) from a column (dotted for nested ones)",
+    )
+    args = parser.parse_args(argv)
+    fields = {}
+    for item in args.field:
+        ours, sep, theirs = item.partition("=")
+        if not sep or not theirs:
+            parser.error(f"--field {item!r}: expected OURS=THEIRS, e.g. --field question=problem")
+        fields[ours] = theirs
+    out = Path(args.out)
+    if not args.source.startswith("hf:") and _overlaps(out, Path(args.source)):
+        raise SettingError(
+            "out", f"{args.out!r} is or lies inside the source {args.source!r}: outputs never overwrite inputs; write elsewhere"
+        )
+    settings = QuestionFormat(kind=args.kind, source=args.source_name, split=args.split, fields=fields)
+    rows, mapping = read_question_rows(args.source, settings)
+    write_jsonl(out, [row.question for row in rows])
+    print(f"wrote {len(rows)} questions to {out}")
+    print(f"read {args.source}: {mapping.describe()}")
+    return 0
+
+
+def _overlaps(out: Path, source: Path) -> bool:
+    out, source = out.resolve(), source.resolve()
+    return out == source or source in out.parents

@@ -218,37 +218,6 @@ def build(schema: type[T], cfg) -> T:
     return OmegaConf.to_object(OmegaConf.merge(OmegaConf.structured(schema), cfg))
 
 
-def parse_stage_args(stage: str, argv: Sequence[str] | None, prog: str, doc: str | None = None, resumes: bool = True) -> DictConfig:
-    """The command line of a stage entry point: ``[--preset NAME] [--restart] [key=value ...]``.
-    ``--restart`` starts the stage over in its output folder: what the folder holds is moved into
-    a sibling folder first (etagent.rundir.set_aside), instead of being resumed. A command that
-    does not resume (``resumes=False``: the retriever's server, which writes nothing, and the
-    flywheel's export, which rewrites its files and reads the flywheel's folder) has no
-    ``--restart``."""
-    import argparse
-    import logging
-    import sys
-
-    parser = argparse.ArgumentParser(prog=prog, description=doc, formatter_class=argparse.RawDescriptionHelpFormatter)
-    parser.add_argument("--preset", default="tiny", help=f"configs/{stage}/PRESET.yaml (default: tiny)")
-    if resumes:
-        parser.add_argument(
-            "--restart",
-            action="store_true",
-            help="start over instead of resuming: the output folder's contents are moved to OUT.previous-TIME (nothing is deleted)",
-        )
-    parser.set_defaults(restart=False)
-    parser.add_argument("overrides", nargs="*", help="Hydra overrides, e.g. key=value")
-    args = parser.parse_args(list(sys.argv[1:] if argv is None else argv))
-    cfg = load_config(stage, args.preset, args.overrides)
-    if args.restart and int(os.environ.get("RANK", "0")) == 0:  # under torchrun, rank 0 owns the folder
-        from etagent.rundir import set_aside
-
-        for aside in set_aside(SCHEMAS[stage][0], OmegaConf.to_container(cfg, resolve=True)):
-            logging.getLogger(stage).warning("--restart: the earlier outputs are in %s", aside)
-    return cfg
-
-
 def resolved_yaml(stage: str, preset: str) -> str:
     """What ``--preset PRESET`` runs with no overrides, every interpolation resolved."""
     from omegaconf import OmegaConf

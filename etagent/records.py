@@ -634,23 +634,6 @@ def read_records(path: str | os.PathLike, model: type[R], partial_ok: bool = Fal
     return read_jsonl(path, model, partial_ok)
 
 
-def read_questions(path: str | os.PathLike, partial_ok: bool = False) -> list[Question]:
-    """Read a questions file (JSONL, JSON array or parquet), checking ids are unique. An empty
-    file, or one whose last line is cut off, is refused unless ``partial_ok``: a run on it would
-    end with status 0 having done nothing, or less than asked."""
-    questions = read_records(path, Question, partial_ok)
-    if not questions and not partial_ok:
-        raise RecordError(
-            path, None, "(file)", "no questions in the file; give a questions file, or set partial_input_ok=true to run on none"
-        )
-    seen: dict[str, int] = {}
-    for number, question in enumerate(questions, start=1):
-        if question.id in seen:
-            raise RecordError(path, number, "id", f"duplicate id {question.id!r} (first at record {seen[question.id]})")
-        seen[question.id] = number
-    return questions
-
-
 # ---------------------------------------------------------------------------------------------
 # Writing
 
@@ -792,7 +775,10 @@ def path_size(path: str | os.PathLike) -> int:
 
 def input_identity(key: str, path: str | os.PathLike) -> dict[str, Any]:
     """What a manifest records of one input: the setting that names it, its path, its size and
-    its content hash (see :func:`sha256_file`)."""
+    its content hash (see :func:`sha256_file`). A hub dataset (``hf:<id>``) is recorded by its id
+    only: the hub does not promise that an id's content stays the same."""
+    if str(path).startswith("hf:"):
+        return {"key": key, "path": str(path), "hub": True}
     return {"key": key, "path": str(path), "bytes": path_size(path), "sha256": sha256_path(path)}
 
 

@@ -35,7 +35,8 @@ from etagent.agent import AgentConfig, AgentLoop
 from etagent.config import build
 from etagent.llm import EngineConfig, check_engine_settings
 from etagent.progress import Progress
-from etagent.records import JsonlAppender, Judgement, Question, TrajectoryGroup, read_questions, write_manifest
+from etagent.question_formats import QuestionFormat, read_questions
+from etagent.records import JsonlAppender, Judgement, Question, TrajectoryGroup, write_manifest
 from etagent.rundir import claim_output
 from etagent.settings import FREE, InputData, NonNegativeFloat, NonNegativeInt, OutputFolder, PositiveInt, check_paths, group, validate
 from etagent.tools.executor import ToolsConfig, degraded, describe_failures, failure_counts
@@ -73,6 +74,7 @@ class SamplingConfig:
     the same: etagent/rundir.py)."""
 
     questions: Annotated[InputData, FREE] = MISSING
+    question_format: QuestionFormat = field(default_factory=QuestionFormat)
     out_dir: OutputFolder = MISSING
     n: PositiveInt = MISSING
     batch_questions: Annotated[PositiveInt, FREE] = MISSING
@@ -230,7 +232,7 @@ def run_sampling(cfg: DictConfig, stage: str, judge: Judge, token_arrays: bool =
     started = time.time()
     check_sampling_settings(cfg)
     config = OmegaConf.to_container(cfg, resolve=True)
-    questions = read_questions(cfg.questions, partial_ok=cfg.partial_input_ok)
+    questions = read_questions(cfg.questions, cfg.partial_input_ok, build(QuestionFormat, cfg.question_format))
     if cfg.limit is not None:
         questions = questions[: cfg.limit]
     with claim_output(cfg.out_dir, stage=stage, schema=SamplingConfig, config=config) as out:

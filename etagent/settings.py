@@ -96,6 +96,9 @@ class PathKind:
     kind: str
 
 
+# what datasets' save_to_disk writes at the top of a folder: one dataset, or a dict of splits
+DATASETS_FOLDER_FILES = {"state.json", "dataset_dict.json"}
+
 INPUT_FILE = PathKind("input", "file")
 INPUT_FOLDER = PathKind("input", "folder")
 INPUT_DATA = PathKind("input", "data")
@@ -346,14 +349,21 @@ TOKENIZER_FILES = ("tokenizer.json", "tokenizer.model", "vocab.json")
 
 def _path_problem(path: Path, kind: str) -> str | None:
     """Why ``path`` is not an input of ``kind``, or None when it is."""
+    if kind == "data" and str(path).startswith("hf:"):  # a hub dataset (etagent.question_formats): read when the stage runs
+        return None
     if not path.exists():
         return "does not exist"
     if kind == "file" and not path.is_file():
         return "is a folder, not a file"
     if kind == "folder" and not path.is_dir():
         return "is a file, not a folder"
-    if kind == "data" and path.is_dir() and not any(path.glob("*.parquet")):
-        return "is a folder with no parquet files, not a data file"
+    if (
+        kind == "data"
+        and path.is_dir()
+        and not any(path.glob("*.parquet"))
+        and not DATASETS_FOLDER_FILES & {p.name for p in path.iterdir()}
+    ):
+        return "is a folder with no parquet files and not a `datasets` save_to_disk folder, not a data file"
     if kind == "model" and path.is_file():
         return None if path.suffix == ".gguf" else "is a file, not a model folder (or a .gguf file)"
     if kind in ("model", "tokenizer"):

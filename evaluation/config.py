@@ -14,8 +14,9 @@ from omegaconf import MISSING
 
 from etagent.agent import AgentConfig
 from etagent.llm import EngineConfig, Sampling
+from etagent.question_formats import QuestionFormat
 from etagent.sampling import RayConfig
-from etagent.settings import FREE, Fraction, InputData, OneOf, OutputFolder, PositiveInt, Seed, group
+from etagent.settings import FREE, Fraction, InputData, ModelPath, OneOf, OutputFolder, PositiveInt, Seed, group
 from etagent.tools.executor import ToolsConfig
 
 
@@ -39,6 +40,7 @@ class WebSearch:
 
 @group
 class EvaluationConfig:
+    model: ModelPath = MISSING
     engine: EngineConfig = field(default_factory=EngineConfig)
     agent: AgentConfig = field(default_factory=AgentConfig)
     tools: ToolsConfig = field(default_factory=ToolsConfig)
@@ -49,6 +51,9 @@ class EvaluationConfig:
     # per dataset name: its questions file, instead of data_dir/{name}/test.jsonl (a run records
     # the file of each dataset it evaluates here: evaluation/run.py)
     files: Annotated[dict[str, InputData], FREE] = MISSING
+    # per dataset of the user's (a name that is not a benchmark): how its answers are scored
+    kinds: dict[str, Annotated[str, OneOf("math", "qa")]] = MISSING
+    question_format: QuestionFormat = field(default_factory=QuestionFormat)
     limit: Annotated[PositiveInt | None, FREE] = MISSING
     partial_input_ok: Annotated[bool, FREE] = MISSING
     out_dir: OutputFolder = MISSING

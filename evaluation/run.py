@@ -25,6 +25,7 @@ aggregates.
 
 from __future__ import annotations
 
+import dataclasses
 import json
 import logging
 import time
@@ -36,6 +37,7 @@ from omegaconf import DictConfig, OmegaConf
 from etagent.config import build
 from etagent.errors import DegradedRun, SettingError, exit_on_user_error
 from etagent.progress import Progress
+from etagent.question_formats import QuestionFormat, read_questions
 from etagent.records import JsonlAppender, TrajectoryGroup, iter_jsonl, read_jsonl, write_jsonl, write_manifest
 from etagent.rundir import claim_output
 from etagent.sampling import SamplingConfig, run_sampling
@@ -65,7 +67,7 @@ def dataset_sampling(cfg: DictConfig, name: str, questions_path: Path, out: Path
             **{group: OmegaConf.to_container(cfg[group], resolve=True) for group in ("engine", "agent", "tools", "ray")},
         }
     )
-    if BENCHMARKS[name].search == "web" and cfg.web_search.backend:
+    if name in BENCHMARKS and BENCHMARKS[name].search == "web" and cfg.web_search.backend:
         job.tools.search.backend = cfg.web_search.backend
     return job
 
@@ -140,8 +142,17 @@ def check_settings(cfg: DictConfig) -> dict:
     if not cfg.datasets:
         raise SettingError("datasets", "is empty: name at least one benchmark")
     for name in cfg.datasets:
-        if name not in BENCHMARKS:
-            raise SettingError("datasets", f"unknown benchmark {name!r}; known: {', '.join(BENCHMARKS)}")
+        if name not in BENCHMARKS and name not in cfg.files:
+            raise SettingError(
+                "datasets",
+                f"{name!r} is not a known benchmark ({', '.join(BENCHMARKS)}); for a dataset of your own give its file: "
+                f"+files.{name}=PATH (any format etagent.question_formats reads), and +kinds.{name}=math|qa where its rows do not say",
+            )
+    for name in cfg.kinds:
+        if name in BENCHMARKS:
+            raise SettingError(
+                f"kinds.{name}", f"{name} is a known benchmark, scored as {BENCHMARKS[name].kind}; kinds is for datasets of your own"
+            )
     config = OmegaConf.to_container(cfg, resolve=True)
     config["files"] = {name: str(benchmark_path(cfg, name)) for name in cfg.datasets}
     check_paths(EvaluationConfig, config)
@@ -153,6 +164,22 @@ def check_settings(cfg: DictConfig) -> dict:
 
 def benchmark_path(cfg: DictConfig, name: str) -> Path:
     return Path(cfg.files[name]) if name in cfg.files else benchmark_file(cfg.data_dir, name)
+
+
+def dataset_questions(cfg: DictConfig, name: str) -> list:
+    """The questions of one dataset: a known benchmark in its own format (evaluation/benchmarks.py),
+    or a dataset of the user's in any format etagent.question_formats reads, with its kind from
+    ``kinds`` where given (first ``limit`` only)."""
+    path = benchmark_path(cfg, name)
+    if name in BENCHMARKS:
+        return load_benchmark(name, path, cfg.limit, cfg.partial_input_ok)
+    settings = build(QuestionFormat, cfg.question_format)
+    if name in cfg.kinds:
+        settings = dataclasses.replace(settings, kind=cfg.kinds[name])
+    if settings.source is None:
+        settings = dataclasses.replace(settings, source=name)
+    questions = read_questions(path, cfg.partial_input_ok, settings)
+    return questions[: cfg.limit] if cfg.limit is not None else questions
 
 
 def evaluate_dataset(cfg: DictConfig, name: str, questions: list, judge_settings: EvaluationJudge, judge) -> dict:
@@ -182,7 +209,7 @@ def run(cfg: DictConfig) -> dict:
     started = time.time()
     config = check_settings(cfg)
     # every benchmark read (and so checked) before anything is written
-    questions = {name: load_benchmark(name, benchmark_path(cfg, name), cfg.limit, cfg.partial_input_ok) for name in cfg.datasets}
+    questions = {name: dataset_questions(cfg, name) for name in cfg.datasets}
     with claim_output(cfg.out_dir, stage="evaluation", schema=EvaluationConfig, config=config) as out:
         return _evaluate(cfg, out, config, questions, started)
 
@@ -244,11 +271,12 @@ def _evaluate(cfg: DictConfig, out: Path, config: dict, questions: dict[str, lis
 
 @exit_on_user_error
 def main(argv: list[str] | None = None) -> None:
-    from etagent.config import parse_stage_args
+    from etagent.stage_cli import stage_configs
 
     logging.basicConfig(level=logging.INFO, format="%(asctime)s %(name)s %(message)s")
     logging.getLogger("httpx").setLevel(logging.WARNING)
-    run(parse_stage_args("evaluation", argv, prog="python -m evaluation.run", doc=__doc__))
+    for cfg in stage_configs("evaluation", argv, prog="python -m evaluation.run", doc=__doc__):
+        run(cfg)
 
 
 if __name__ == "__main__":

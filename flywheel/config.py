@@ -12,7 +12,8 @@ from omegaconf import MISSING
 
 from etagent.agent import AgentConfig
 from etagent.llm import EngineConfig, Sampling
-from etagent.settings import FREE, InputData, InputFile, OneOf, OutputFolder, PositiveInt, group
+from etagent.question_formats import QuestionFormat
+from etagent.settings import FREE, InputData, InputFile, ModelPath, OneOf, OutputFolder, PositiveInt, group
 from etagent.tools.executor import ToolsConfig
 from flywheel.evolve import FlywheelSettings
 
@@ -63,10 +64,12 @@ class ExportSettings:
 
 @group
 class FlywheelConfig:
+    model: ModelPath = MISSING
     engine: EngineConfig = field(default_factory=EngineConfig)
     agent: AgentConfig = field(default_factory=AgentConfig)
     tools: ToolsConfig = field(default_factory=ToolsConfig)
     questions: Annotated[InputData, FREE] = MISSING
+    question_format: QuestionFormat = field(default_factory=QuestionFormat)
     limit: Annotated[PositiveInt | None, FREE] = MISSING
     partial_input_ok: Annotated[bool, FREE] = MISSING
     out_dir: OutputFolder = MISSING

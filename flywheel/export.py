@@ -165,25 +165,25 @@ def seed_examples(path: Path, questions: set[str]) -> list[SFTExample]:
 
 @exit_on_user_error
 def main(argv: list[str] | None = None) -> None:
-    from etagent.config import parse_stage_args
+    from etagent.stage_cli import stage_configs
 
     logging.basicConfig(level=logging.INFO, format="%(asctime)s %(name)s %(message)s")
-    cfg = parse_stage_args("flywheel", argv, prog="python -m flywheel.export", doc=__doc__, resumes=False)
-    r = export(cfg)
-    x = r["export"]
-    print(
-        f"flywheel export: {r['kept']} of {r['trajectories']} trajectories kept as SFT data for {r['questions_with_data']} of "
-        f"{x['questions']} questions -> {cfg.export.out_dir}/sft.jsonl\n"
-        f"  dropped: {r['dropped']}\n  kept by operation: {r['kept_by_operation']}\n"
-        f"  per question: {x['examples_per_question']:.2f} examples, {x['distinct_tool_call_counts_per_question']:.2f} distinct "
-        f"tool-call counts; tool calls {x['tool_calls']}"
-    )
-    if "seed_data" in r:
-        s = r["seed_data"]
+    for cfg in stage_configs("flywheel", argv, prog="python -m flywheel.export", doc=__doc__, resumes=False):
+        r = export(cfg)
+        x = r["export"]
         print(
-            f"  seed data of the same questions: {s['examples_per_question']:.2f} examples, "
-            f"{s['distinct_tool_call_counts_per_question']:.2f} distinct tool-call counts per question; tool calls {s['tool_calls']}"
+            f"flywheel export: {r['kept']} of {r['trajectories']} trajectories kept as SFT data for {r['questions_with_data']} of "
+            f"{x['questions']} questions -> {cfg.export.out_dir}/sft.jsonl\n"
+            f"  dropped: {r['dropped']}\n  kept by operation: {r['kept_by_operation']}\n"
+            f"  per question: {x['examples_per_question']:.2f} examples, {x['distinct_tool_call_counts_per_question']:.2f} distinct "
+            f"tool-call counts; tool calls {x['tool_calls']}"
         )
+        if "seed_data" in r:
+            s = r["seed_data"]
+            print(
+                f"  seed data of the same questions: {s['examples_per_question']:.2f} examples, "
+                f"{s['distinct_tool_call_counts_per_question']:.2f} distinct tool-call counts per question; tool calls {s['tool_calls']}"
+            )
 
 
 if __name__ == "__main__":

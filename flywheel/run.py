@@ -46,7 +46,8 @@ from etagent.errors import DegradedRun, SettingError, exit_on_user_error
 from etagent.llm import Sampling, check_engine_settings
 from etagent.llm.text import TextModel, load_text_model, shared_engine
 from etagent.progress import Progress
-from etagent.records import JsonlAppender, Question, TrajectoryGroup, read_jsonl, read_questions, write_manifest
+from etagent.question_formats import QuestionFormat, read_questions
+from etagent.records import JsonlAppender, Question, TrajectoryGroup, read_jsonl, write_manifest
 from etagent.rundir import claim_output
 from etagent.settings import check_paths
 from etagent.tools import ToolOutput
@@ -135,7 +136,7 @@ def run(cfg: DictConfig) -> dict:
     started = time.time()
     check_settings(cfg)  # before any model is loaded or output written
     config = OmegaConf.to_container(cfg, resolve=True)
-    questions = read_questions(cfg.questions, partial_ok=cfg.partial_input_ok)
+    questions = read_questions(cfg.questions, cfg.partial_input_ok, build(QuestionFormat, cfg.question_format))
     if cfg.limit is not None:
         questions = questions[: cfg.limit]
     with claim_output(cfg.out_dir, stage="flywheel", schema=FlywheelConfig, config=config) as out:
@@ -206,27 +207,27 @@ def summarise(path: Path) -> dict:
 
 @exit_on_user_error
 def main(argv: list[str] | None = None) -> None:
-    from etagent.config import parse_stage_args
+    from etagent.stage_cli import stage_configs
 
     logging.basicConfig(level=logging.INFO, format="%(asctime)s %(name)s %(message)s")
     logging.getLogger("httpx").setLevel(logging.WARNING)
-    cfg = parse_stage_args("flywheel", argv, prog="python -m flywheel.run", doc=__doc__)
-    m = run(cfg)
-    print(
-        f"flywheel: {m['trajectories']} trajectories of {m['questions']} questions in {cfg.out_dir}\n"
-        f"  correct: initial rollout {m['initial_correct']:.3f} of questions, any trajectory {m['any_correct']:.3f}; "
-        f"{m['correct_per_question']:.2f} correct trajectories per question; tool calls of correct ones {m['tool_calls_of_correct']}"
-    )
-    print(f"  {'operation':<20}" + "".join(f"{f:>11}" for f in STAT_FIELDS) + "   other")
-    for op, counts in m["operations"].items():
-        other = ", ".join(f"{k} {v}" for k, v in counts.items() if k not in STAT_FIELDS)
-        print(f"  {op:<20}" + "".join(f"{counts[f]:>11}" for f in STAT_FIELDS) + f"   {other}")
-    print(f"  tool failures: {describe_failures(m['tool_failures'])}")
-    if m["degraded"]:
-        raise DegradedRun(
-            f"{describe_failures(m['tool_failures'])}, over tools.max_failure_share={cfg.tools.max_failure_share}: "
-            f"the trajectories in {cfg.out_dir} are written but not to be trusted; fix the tools and rerun into a new out_dir"
+    for cfg in stage_configs("flywheel", argv, prog="python -m flywheel.run", doc=__doc__):
+        m = run(cfg)
+        print(
+            f"flywheel: {m['trajectories']} trajectories of {m['questions']} questions in {cfg.out_dir}\n"
+            f"  correct: initial rollout {m['initial_correct']:.3f} of questions, any trajectory {m['any_correct']:.3f}; "
+            f"{m['correct_per_question']:.2f} correct trajectories per question; tool calls of correct ones {m['tool_calls_of_correct']}"
         )
+        print(f"  {'operation':<20}" + "".join(f"{f:>11}" for f in STAT_FIELDS) + "   other")
+        for op, counts in m["operations"].items():
+            other = ", ".join(f"{k} {v}" for k, v in counts.items() if k not in STAT_FIELDS)
+            print(f"  {op:<20}" + "".join(f"{counts[f]:>11}" for f in STAT_FIELDS) + f"   {other}")
+        print(f"  tool failures: {describe_failures(m['tool_failures'])}")
+        if m["degraded"]:
+            raise DegradedRun(
+                f"{describe_failures(m['tool_failures'])}, over tools.max_failure_share={cfg.tools.max_failure_share}: "
+                f"the trajectories in {cfg.out_dir} are written but not to be trusted; fix the tools and rerun into a new out_dir"
+            )
 
 
 if __name__ == "__main__":

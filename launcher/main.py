@@ -14,13 +14,17 @@
     etagent score [FILE] [--judge-url URL ...]     score predictions, one JSON line each
     etagent reward [FILE]                          the RL efficiency reward of groups, one JSON line each (rl/reward.py)
     etagent tool python|search ...                 run one tool call, print its record
+    etagent convert SOURCE OUT [--kind K ...]      questions from another project's format, in ours
     etagent configs [--check]                      write every preset, resolved, into configs/resolved/
 
-Stage subcommands take ``--preset NAME`` (``configs/<stage>/NAME.yaml``, default ``tiny``) and
-Hydra overrides (``key=value``); each also runs as ``python -m <module>``. A stage is imported
-only when its command runs (``etagent score`` does not load torch), by an import statement in
-its command's function, so that tests/test_layout.py sees which modules the launcher reaches.
+Stage commands take ``--preset NAME`` (``configs/<stage>/NAME.yaml``, default ``tiny``), Hydra
+overrides (``key=value``), ``--cfg job``, ``--info``, ``-m`` sweeps and ``--help`` (every setting
+with its doc); each also runs as ``python -m <module>``.
 """
+
+# A stage is imported only when its command runs (``etagent score`` does not load torch), by an
+# import statement in its command's function, so that tests/test_layout.py sees which modules the
+# launcher reaches.
 
 from __future__ import annotations
 
@@ -143,6 +147,7 @@ STAGES: dict[str, tuple[str | None, Callable[[list[str]], None], str]] = {
 UTILITIES = {
     "score": "score predictions given as JSON lines",
     "tool": "run one tool call (python or search) with the tools config",
+    "convert": "questions from another format (FlashRAG, Search-R1, verl, TRL, datasets) in ours: etagent convert SOURCE OUT",
     "configs": "write every preset, resolved, into configs/resolved/ (--check: fail if one is stale)",
 }
 
@@ -169,6 +174,10 @@ def main(argv: list[str] | None = None) -> int:
         from etagent.cli import score_main
 
         return score_main(argv[1:])
+    if name == "convert":
+        from etagent.cli import convert_main
+
+        return convert_main(argv[1:])
     if name == "configs":
         register_stage_schemas()
         from etagent.config import configs_main

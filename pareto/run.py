@@ -331,23 +331,25 @@ def choose(cfg: DictConfig, out: Path, config: dict) -> dict:
 
 @exit_on_user_error
 def main(argv: list[str] | None = None) -> None:
-    from etagent.config import parse_stage_args
+    from etagent.stage_cli import stage_configs
 
     logging.basicConfig(level=logging.INFO, format="%(asctime)s %(name)s %(message)s")
-    cfg = parse_stage_args("pareto", argv, prog="python -m pareto.run", doc=__doc__)
-    report = run(cfg)
-    c, f = report["counts"], report["fronts"]
-    dropped = ", ".join(f"{k} {v}" for k, v in sorted(report["dropped"].items()))
-    if cfg.method == "pareto":
-        how = (
-            f"{c['selected']} of {c['eligible']} eligible questions selected ({c['questions']} read, {c['chains']} chains); "
-            f"requested {report['requested']}\n  dropped: {dropped}\n"
-            f"  fronts: {f['sizes'][:12]}{' ...' if len(f['sizes']) > 12 else ''}; whole fronts taken {f['whole_fronts_taken']}, "
-            f"{f['taken_from_cut_front']} from front {f['cut_front']} by crowding distance"
+    for cfg in stage_configs("pareto", argv, prog="python -m pareto.run", doc=__doc__):
+        report = run(cfg)
+        c, f = report["counts"], report["fronts"]
+        dropped = ", ".join(f"{k} {v}" for k, v in sorted(report["dropped"].items()))
+        if cfg.method == "pareto":
+            how = (
+                f"{c['selected']} of {c['eligible']} eligible questions selected ({c['questions']} read, {c['chains']} chains); "
+                f"requested {report['requested']}\n  dropped: {dropped}\n"
+                f"  fronts: {f['sizes'][:12]}{' ...' if len(f['sizes']) > 12 else ''}; whole fronts taken {f['whole_fronts_taken']}, "
+                f"{f['taken_from_cut_front']} from front {f['cut_front']} by crowding distance"
+            )
+        else:
+            how = f"{c['selected']} of {c['questions']} questions drawn at random ({c['eligible']} of them eligible; method random)"
+        print(
+            f"pareto for RL stage {cfg.rl_stage}: {how}\n  wrote {Path(cfg.out_dir) / 'rl.parquet'}, report.json, scores.jsonl, scatter.png"
         )
-    else:
-        how = f"{c['selected']} of {c['questions']} questions drawn at random ({c['eligible']} of them eligible; method random)"
-    print(f"pareto for RL stage {cfg.rl_stage}: {how}\n  wrote {Path(cfg.out_dir) / 'rl.parquet'}, report.json, scores.jsonl, scatter.png")
 
 
 if __name__ == "__main__":

@@ -235,11 +235,12 @@ def measure(cfg: DictConfig, out: Path, config: dict) -> dict:
 
 @exit_on_user_error
 def main(argv: list[str] | None = None) -> None:
-    from etagent.config import parse_stage_args
+    from etagent.stage_cli import stage_configs
 
     logging.basicConfig(level=logging.INFO, format="%(asctime)s %(name)s %(message)s")
     logging.getLogger("httpx").setLevel(logging.WARNING)
-    run(parse_stage_args("radar", argv, prog="python -m radar.run", doc=__doc__))
+    for cfg in stage_configs("radar", argv, prog="python -m radar.run", doc=__doc__):
+        run(cfg)
 
 
 if __name__ == "__main__":

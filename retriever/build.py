@@ -248,12 +248,13 @@ def build_index(cfg: RetrieverConfig) -> dict:
 
 @exit_on_user_error
 def main(argv: list[str] | None = None) -> None:
-    from etagent.config import build, parse_stage_args
+    from etagent.config import build
+    from etagent.stage_cli import stage_configs
 
     logging.basicConfig(level=logging.INFO, format="%(asctime)s %(name)s %(message)s")
     logging.getLogger("faiss.loader").setLevel(logging.WARNING)  # its CPU-feature probing is noise
-    cfg = parse_stage_args("retriever", argv, prog="python -m retriever.build", doc=__doc__)
-    build_index(build(RetrieverConfig, cfg))
+    for cfg in stage_configs("retriever", argv, prog="python -m retriever.build", doc=__doc__):
+        build_index(build(RetrieverConfig, cfg))
 
 
 if __name__ == "__main__":

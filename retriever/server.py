@@ -520,11 +520,11 @@ def create_app(index_dir: Path, serve: ServeConfig, encoder: EncoderSettings, in
 def main(argv: list[str] | None = None) -> None:
     import uvicorn
 
-    from etagent.config import parse_stage_args
+    from etagent.stage_cli import stage_configs
 
     logging.basicConfig(level=logging.INFO, format="%(asctime)s %(name)s %(message)s")
     logging.getLogger("faiss.loader").setLevel(logging.WARNING)  # its CPU-feature probing is noise
-    cfg = parse_stage_args("retriever", argv, prog="python -m retriever.server", doc=__doc__, resumes=False)
+    [cfg] = stage_configs("retriever", argv, prog="python -m retriever.server", doc=__doc__, resumes=False)
     log.info("config:\n%s", OmegaConf.to_yaml(cfg))
     settings = build(RetrieverConfig, cfg)
     serve = settings.serve

@@ -14,6 +14,7 @@ from omegaconf import MISSING
 from etagent.agent import AgentConfig
 from etagent.config import TensorBoardConfig, WandbConfig
 from etagent.llm import EngineConfig
+from etagent.question_formats import QuestionFormat
 from etagent.settings import (
     FREE,
     Fraction,
@@ -42,6 +43,8 @@ class RLData:
     prompts_per_step: PositiveInt = MISSING
     epochs: PositiveInt = MISSING
     max_prompt_tokens: PositiveInt | None = MISSING
+    question_format: QuestionFormat = field(default_factory=QuestionFormat)
+    rerender_prompts: bool = MISSING
 
 
 @group

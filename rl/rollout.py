@@ -37,8 +37,10 @@ from pathlib import Path
 
 from etagent import protocol
 from etagent.agent import AgentLoop, TrajectoryState
-from etagent.records import Question, RecordError, RLRow, read_records
+from etagent.question_formats import DEFAULT_FORMAT, QuestionFormat, read_question_rows
+from etagent.records import Question, RecordError
 from rl.config import RolloutSettings
+from rl.reward import DATA_SOURCES
 
 
 @dataclass(frozen=True)
@@ -51,38 +53,53 @@ class Prompt:
     data_source: str
 
 
-def read_prompts(path: str | Path, tokenizer=None, max_prompt_tokens: int | None = None) -> list[Prompt]:
-    """The rows of an RL parquet as prompts. The system turn must be the protocol's prompt: the
-    agent loop renders that one, so a different one would train on prompts the data never had.
-    With ``max_prompt_tokens``, a longer prompt is an error naming its row, as verl's
+def read_prompts(
+    path: str | Path,
+    tokenizer=None,
+    max_prompt_tokens: int | None = None,
+    question_format: QuestionFormat = DEFAULT_FORMAT,
+    rerender_prompts: bool = False,
+) -> list[Prompt]:
+    """The rows of an RL data source as prompts: our RL parquet (verl's schema, as ``pareto/``
+    writes it or as the paper's files are), or any format etagent.question_formats reads (verl's
+    GSM8K, Search-R1, FlashRAG, TRL, a ``datasets`` folder). The agent loop renders every question
+    with the protocol's prompt, so a row that brings a chat prompt of its own (another system
+    prompt, none, or instructions in the user turn) is refused unless ``rerender_prompts``: it
+    would train on prompts the data never had. With it, the question read from the row (see
+    :mod:`etagent.question_formats`) is rendered with the protocol's prompt. With
+    ``max_prompt_tokens``, a longer prompt is an error naming its row, as verl's
     ``truncation=error`` (a cut question would be scored against its full answer)."""
+    rows, mapping = read_question_rows(path, question_format)
     prompts, seen = [], set()
-    for row_number, row in enumerate(read_records(path, RLRow), start=1):
-        roles = [m.role for m in row.prompt]
-        if roles == ["system", "user"] and not row.prompt[1].content.strip():
-            raise RecordError(path, row_number, "prompt.1.content", "empty question")
-        if roles != ["system", "user"]:
-            raise RecordError(path, row_number, "prompt", f"expected a system and a user turn, got {roles}")
-        if row.prompt[0].content != protocol.SYSTEM_PROMPT:
-            raise RecordError(
-                path, row_number, "prompt.0.content", "the system prompt is not the protocol's (etagent.protocol.SYSTEM_PROMPT)"
-            )
-        index = row.extra_info.index
-        if index in seen:
-            raise RecordError(path, row_number, "extra_info.index", f"{index} is not unique: the reward groups rollouts by it")
-        seen.add(index)
-        question = Question(
-            id=row.extra_info.question_id or f"{row.data_source}-{index}",
-            question=row.prompt[1].content,
-            answer=row.reward_model.ground_truth,
-            source=row.data_source,
-            kind=row.ability,
-        )
+    for row in rows:
+        question = row.question
+        if row.prompt is not None:
+            roles = [m["role"] for m in row.prompt]
+            ours = roles == ["system", "user"] and row.prompt[0]["content"] == protocol.SYSTEM_PROMPT
+            if ours:
+                if not row.prompt[1]["content"].strip():
+                    raise RecordError(path, row.number, "prompt.1.content", "empty question")
+                question = question.model_copy(update={"question": row.prompt[1]["content"]})
+            elif not rerender_prompts:
+                what, field = f"a {' and '.join(roles) or 'no'} turn" + ("s" if len(roles) > 1 else ""), "prompt"
+                if roles == ["system", "user"]:
+                    what, field = "a system prompt that is not the protocol's (etagent.protocol.SYSTEM_PROMPT)", "prompt.0.content"
+                raise RecordError(
+                    path,
+                    row.number,
+                    field,
+                    f"{what}, where the agent loop renders the protocol's system prompt and the question: set "
+                    f"data.rerender_prompts=true to train on the question ({mapping.describe_field('question')}) with the protocol's prompt",
+                )
+        if row.index in seen:
+            raise RecordError(path, row.number, "extra_info.index", f"{row.index} is not unique: the reward groups rollouts by it")
+        seen.add(row.index)
         if max_prompt_tokens is not None:
             length = len(protocol.encode_prompt(tokenizer, question.question))
             if length > max_prompt_tokens:
-                raise RecordError(path, row_number, "prompt", f"{length} tokens, over data.max_prompt_tokens ({max_prompt_tokens})")
-        prompts.append(Prompt(question=question, index=index, data_source=row.data_source))
+                raise RecordError(path, row.number, "prompt", f"{length} tokens, over data.max_prompt_tokens ({max_prompt_tokens})")
+        source = question.source if question.source in DATA_SOURCES else ("math_effi_rl" if question.kind == "math" else "qa_effi_rl")
+        prompts.append(Prompt(question=question, index=row.index, data_source=source))
     return prompts
 
 

@@ -59,6 +59,7 @@ What it does not do: choose a stage's data (pareto/) or chain the stages
 from __future__ import annotations
 
 import asyncio
+import functools
 import importlib.util
 import json
 import logging
@@ -79,6 +80,7 @@ from etagent.agent import AgentConfig, AgentLoop, SegmentEntropy, TrajectoryStat
 from etagent.config import build
 from etagent.errors import DegradedRun, SettingError, TrainingDiverged, exit_on_user_error
 from etagent.progress import Progress
+from etagent.question_formats import QuestionFormat
 from etagent.records import origin_segments, policy_text, write_manifest
 from etagent.rundir import claim_output
 from etagent.settings import check_paths
@@ -230,8 +232,16 @@ def setup(cfg: DictConfig) -> Trainer:
             temperature=cfg.agent.sampling.temperature,
         )
 
-    prompts = read_prompts(cfg.data.train, tokenizer, cfg.data.max_prompt_tokens)
-    validation = read_prompts(cfg.data.validation, tokenizer, cfg.data.max_prompt_tokens) if cfg.data.validation else []
+    question_format = build(QuestionFormat, cfg.data.question_format)
+    read = functools.partial(
+        read_prompts,
+        tokenizer=tokenizer,
+        max_prompt_tokens=cfg.data.max_prompt_tokens,
+        question_format=question_format,
+        rerender_prompts=cfg.data.rerender_prompts,
+    )
+    prompts = read(cfg.data.train)
+    validation = read(cfg.data.validation) if cfg.data.validation else []
     per_step = int(cfg.data.prompts_per_step)
     if len(prompts) < per_step:
         raise SettingError("data.prompts_per_step", f"{per_step}, more than the {len(prompts)} prompts of {cfg.data.train}")
@@ -697,16 +707,16 @@ def train(cfg: DictConfig) -> list[dict]:
 
 @exit_on_user_error
 def main(argv: list[str] | None = None) -> None:
-    from etagent.config import parse_stage_args
+    from etagent.stage_cli import stage_configs
 
     logging.basicConfig(level=logging.INFO, format="%(asctime)s %(name)s %(message)s")
     logging.getLogger("httpx").setLevel(logging.WARNING)
-    cfg = parse_stage_args("rl", argv, prog="python -m rl.run", doc=__doc__)
-    try:
-        run(cfg)
-    finally:
-        if dist.is_initialized():
-            dist.destroy_process_group()
+    for cfg in stage_configs("rl", argv, prog="python -m rl.run", doc=__doc__):
+        try:
+            run(cfg)
+        finally:
+            if dist.is_initialized():
+                dist.destroy_process_group()
 
 
 if __name__ == "__main__":

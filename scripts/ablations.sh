@@ -85,14 +85,14 @@ done_already() { [ -f "$1/manifest.json" ] && grep -q '"status": "complete"' "$1
 rollout() {
   local model=$1 dir=$2 seed=$3 k=$4
   done_already "$dir" && return 0
-  python -m direct_rollout.run engine.model="$model" questions="$RUN/toy/questions/rl.jsonl" rl_stage="$k" out_dir="$dir" \
+  python -m direct_rollout.run model="$model" questions="$RUN/toy/questions/rl.jsonl" rl_stage="$k" out_dir="$dir" \
     tools.search.local.url="$RL_URL" agent.seed="$seed"
 }
 
 # the held-out evaluation of MODEL into DIR/eval, under SEED
 evaluate() {
   local model=$1 dir=$2 name=$3 seed=$4
-  python -m evaluation.run engine.model="$model" files.toy="$RUN/toy/questions/test.jsonl" out_dir="$dir/eval" \
+  python -m evaluation.run model="$model" files.toy="$RUN/toy/questions/test.jsonl" out_dir="$dir/eval" \
     run_name="$name" n=2 agent.seed="$seed" tools.search.local.url="$EVAL_URL" > "$dir/eval.log"
 }
 

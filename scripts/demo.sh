@@ -11,7 +11,7 @@ export PATH="$VENV/bin:$PATH" HF_HUB_OFFLINE=1 TRANSFORMERS_OFFLINE=1 WANDB_MODE
 evaluate_on_held_out() {
   local model=$1 out=$2 name=$3
   source scripts/serve_retriever.sh "$RUN/index" "$RUN/retriever.log"
-  python -m evaluation.run engine.model="$model" files.toy="$RUN/toy/questions/test.jsonl" out_dir="$out" \
+  python -m evaluation.run model="$model" files.toy="$RUN/toy/questions/test.jsonl" out_dir="$out" \
     run_name="$name" n=2 tools.search.local.url="$RETRIEVER_URL"
   stop_retriever
 }

@@ -1,7 +1,7 @@
 #!/usr/bin/env bash
 # Evaluate a policy on benchmarks (evaluation/run.py), then print the table.
 #
-#   bash scripts/evaluate.sh engine.model=runs/sft/model files.toy=runs/toy/questions/test.jsonl out_dir=runs/eval
+#   bash scripts/evaluate.sh model=runs/sft/model files.toy=runs/toy/questions/test.jsonl out_dir=runs/eval
 #   PRESET=paper bash scripts/evaluate.sh engine.kind=openai engine.openai.urls=[http://127.0.0.1:8011/v1] ...
 #
 # The retriever must be serving (bash scripts/retriever.sh up), and for the paper preset the

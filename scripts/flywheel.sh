@@ -35,7 +35,7 @@ EXPORT=()
 
 run_flywheel() {  # QUESTIONS SEARCH_URL OUT_DIR
   echo "-- flywheel over $1 with $MODEL -> $3"
-  python -m flywheel.run --preset "$PRESET" engine.model="$MODEL" questions="$1" out_dir="$3" \
+  python -m flywheel.run --preset "$PRESET" model="$MODEL" questions="$1" out_dir="$3" \
     tools.search.local.url="$2" ${FLYWHEEL_ARGS:-}
 }
 

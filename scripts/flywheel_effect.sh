@@ -29,7 +29,7 @@ for arm in flywheel seed; do
   fi
   if [ ! -f "$RUN/eval-$arm/summary.md" ]; then
     echo "-- evaluation of $RUN/sft-$arm on the held-out questions -> $RUN/eval-$arm"
-    python -m evaluation.run engine.model="$RUN/sft-$arm/model" files.toy="$RUN/toy/questions/test.jsonl" out_dir="$RUN/eval-$arm" \
+    python -m evaluation.run model="$RUN/sft-$arm/model" files.toy="$RUN/toy/questions/test.jsonl" out_dir="$RUN/eval-$arm" \
       run_name="toy-sft+$arm" n=2 tools.search.local.url="$RETRIEVER_URL"
   fi
 done

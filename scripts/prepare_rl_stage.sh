@@ -44,7 +44,7 @@ if [ -z "${SEARCH_URL:-}" ]; then
 fi
 
 echo "-- direct rollout of $QUESTIONS with $MODEL -> $ROLLOUTS"
-python -m direct_rollout.run --preset "$PRESET" engine.model="$MODEL" questions="$QUESTIONS" rl_stage="$STAGE" \
+python -m direct_rollout.run --preset "$PRESET" model="$MODEL" questions="$QUESTIONS" rl_stage="$STAGE" \
   out_dir="$ROLLOUTS" tools.search.local.url="$SEARCH_URL" ${ROLLOUT_ARGS:-}
 if [ -n "${RETRIEVER_PID:-}" ]; then stop_retriever; fi
 

@@ -62,7 +62,7 @@ for k in $(seq 1 "$STAGES"); do
     toy_files=(files.toy="$RUN/toy/questions/test.jsonl" n=2)
   fi
   # shellcheck disable=SC2086
-  python -m evaluation.run --preset "$PRESET" engine.model="$model" out_dir="$RUN/eval-rl-stage$k" run_name="rl-stage$k" \
+  python -m evaluation.run --preset "$PRESET" model="$model" out_dir="$RUN/eval-rl-stage$k" run_name="rl-stage$k" \
     "${toy_files[@]}" tools.search.local.url="$eval_url" ${EVAL_ARGS:-}
   if [ -n "${RETRIEVER_PID:-}" ]; then stop_retriever; fi
 done

@@ -312,10 +312,11 @@ def train(cfg: DictConfig, out: Path, config: dict) -> dict:
 
 @exit_on_user_error
 def main(argv: list[str] | None = None) -> None:
-    from etagent.config import parse_stage_args
+    from etagent.stage_cli import stage_configs
 
     logging.basicConfig(level=logging.INFO, format="%(asctime)s %(name)s %(message)s")
-    run(parse_stage_args("sft", argv, prog="python -m sft.run", doc=__doc__))
+    for cfg in stage_configs("sft", argv, prog="python -m sft.run", doc=__doc__):
+        run(cfg)
 
 
 if __name__ == "__main__":

@@ -17,14 +17,15 @@ import pytest
 from direct_rollout.run import chain_judgement
 from direct_rollout.run import run as run_direct_rollout
 from etagent.config import load_config
-from etagent.records import TrajectoryGroup, read_jsonl, read_questions
+from etagent.question_formats import read_questions
+from etagent.records import TrajectoryGroup, read_jsonl
 from pareto.run import run as run_pareto
 from tests.conftest import TOKEN
 
 
 def rollout_overrides(sft_model: Path, toy: Path, server: str, out: Path, *extra: str) -> list[str]:
     return [
-        f"engine.model={sft_model / 'model'}",
+        f"model={sft_model / 'model'}",
         f"questions={toy / 'questions' / 'test.jsonl'}",
         f"out_dir={out}",
         "n=4",

@@ -374,7 +374,7 @@ def eval_command(sft_model, toy, server, out, *extra):
         sys.executable,
         "-m",
         "evaluation.run",
-        f"engine.model={sft_model / 'model'}",
+        f"model={sft_model / 'model'}",
         f"files.toy={toy / 'questions' / 'test.jsonl'}",
         f"out_dir={out}",
         f"tools.search.local.url={server}",

@@ -26,7 +26,7 @@ def flywheel_command(model: Path, questions: Path, out: Path, server: str, *extr
         sys.executable,
         "-m",
         "flywheel.run",
-        f"engine.model={model}",
+        f"model={model}",
         f"questions={questions}",
         f"out_dir={out}",
         f"tools.search.local.url={server}",

@@ -15,6 +15,7 @@ import pyarrow.parquet as pq
 import pytest
 
 from etagent import protocol
+from etagent.question_formats import read_questions
 from etagent.records import (
     JsonlAppender,
     Question,
@@ -27,7 +28,6 @@ from etagent.records import (
     input_identity,
     iter_jsonl,
     read_jsonl,
-    read_questions,
     read_records,
     write_jsonl,
     write_manifest,

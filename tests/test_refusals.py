@@ -14,7 +14,8 @@ from pathlib import Path
 
 import pytest
 
-from etagent.records import RLRow, read_questions, write_rl_parquet
+from etagent.question_formats import read_questions
+from etagent.records import RLRow, write_rl_parquet
 from tests.conftest import TOKEN
 
 ROOT = Path(__file__).resolve().parents[1]
@@ -41,7 +42,7 @@ def refused(result: subprocess.CompletedProcess, message: str, status: int = USE
 def rollout_args(model: Path, questions: Path, out: Path, server: str = "http://127.0.0.1:9", *extra: str) -> list[str]:
     return [
         "direct-rollout",
-        f"engine.model={model}",
+        f"model={model}",
         f"questions={questions}",
         f"out_dir={out}",
         f"tools.search.local.url={server}",
@@ -54,7 +55,7 @@ def rollout_args(model: Path, questions: Path, out: Path, server: str = "http://
 def evaluate_args(model: Path, questions: Path, out: Path, server: str = "http://127.0.0.1:9", *extra: str) -> list[str]:
     return [
         "evaluate",
-        f"engine.model={model}",
+        f"model={model}",
         f"files.toy={questions}",
         f"out_dir={out}",
         f"tools.search.local.url={server}",
@@ -82,7 +83,7 @@ def evaluate_args(model: Path, questions: Path, out: Path, server: str = "http:/
         ("+tools.python.timeout=5", "tools.python.timeout is not a setting of its group"),
         ("ray.workers=many", "Value 'many' of type 'str' could not be converted to Integer (key ray.workers)"),
         ("tools.max_failure_share=2", "setting tools.max_failure_share: must be a number >= 0.0 and <= 1.0, got 2"),
-        ("engine.model=runs/no/such/model", "setting engine.model: no model at 'runs/no/such/model'"),
+        ("model=runs/no/such/model", "setting model: no model at 'runs/no/such/model'"),
     ],
 )
 def test_direct_rollout_refuses_settings_out_of_range(toy, tmp_path, override, message):
@@ -98,7 +99,7 @@ def test_direct_rollout_refuses_settings_out_of_range(toy, tmp_path, override, m
         ("limit=0", "setting limit: must be an integer >= 1 or null, got 0"),
         ("limit=-1", "setting limit: must be an integer >= 1 or null, got -1"),
         ("batch_questions=0", "setting batch_questions: must be an integer >= 1, got 0"),
-        ("datasets=[nope]", "setting datasets: unknown benchmark 'nope'"),
+        ("datasets=[nope]", "setting datasets: 'nope' is not a known benchmark"),
         # the judge is a text model: its sampling typed at load, its engine checked at start
         ("+judge.sampling.temprature=0", "judge.sampling.temprature is not a setting of its group"),
         ("judge.enabled=true", "setting judge.engine.openai.urls: is empty: give the URL(s) serving judge"),
@@ -197,7 +198,7 @@ def test_empty_cut_off_and_blank_questions_are_refused(toy, tmp_path):
     refused(etagent(*rollout_args(model, cut, out)), "cut.jsonl:3: field '(line)': cut off")
     blank = write_questions(tmp_path / "blank.jsonl", [good[0], {**good[1], "question": " "}])
     refused(etagent(*rollout_args(model, blank, out)), "blank.jsonl:2: field 'question': Value error, empty question")
-    flywheel = ["flywheel", f"engine.model={model}", f"out_dir={out}"]
+    flywheel = ["flywheel", f"model={model}", f"out_dir={out}"]
     refused(etagent(*flywheel, f"questions={blank}"), "blank.jsonl:2: field 'question': Value error, empty question")
     refused(etagent(*flywheel, f"questions={empty}"), "no questions in the file")
     refused(etagent(*evaluate_args(model, empty, out)), "empty.jsonl: field '(file)': no questions for benchmark toy")

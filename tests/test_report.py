@@ -15,7 +15,8 @@ from pathlib import Path
 
 import pytest
 
-from etagent.records import RLRow, input_identity, read_questions, write_manifest, write_rl_parquet
+from etagent.question_formats import read_questions
+from etagent.records import RLRow, input_identity, write_manifest, write_rl_parquet
 from tests.browser import Browser, find_chromium
 from tests.conftest import TOKEN
 from tests.test_evaluation import eval_command

@@ -22,7 +22,7 @@ import httpx
 import pytest
 
 from etagent.config import build, load_config
-from etagent.records import read_questions
+from etagent.question_formats import read_questions
 from etagent.tools.search import RetrieverClient, SearchTool
 from retriever.config import RetrieverConfig
 from tests.conftest import TOKEN, build_index

@@ -11,7 +11,8 @@ from pathlib import Path
 import pytest
 import torch
 
-from etagent.records import RLRow, read_questions, write_rl_parquet
+from etagent.question_formats import read_questions
+from etagent.records import RLRow, write_rl_parquet
 from tests.conftest import TOKEN
 
 # The slow guard's threshold: half the rise measured on its own run (0.598 -> 0.744 on 2 CPU
@@ -217,10 +218,10 @@ def test_colocated_vllm_engine_follows_the_updates(sft_model_full, parquet, serv
 
 def test_vllm_engine_needs_torchrun(sft_model, parquet, tmp_path):
     """Without torchrun the vllm engine is refused with the way to launch it."""
-    from etagent.config import parse_stage_args
+    from etagent.stage_cli import stage_configs
     from rl.run import run
 
-    cfg = parse_stage_args("rl", rl_overrides(sft_model, parquet, "http://127.0.0.1:9", tmp_path / "x", "engine.kind=vllm"), prog="rl")
+    [cfg] = stage_configs("rl", rl_overrides(sft_model, parquet, "http://127.0.0.1:9", tmp_path / "x", "engine.kind=vllm"), prog="rl")
     with pytest.raises(ValueError, match="torchrun"):
         run(cfg)
 
@@ -352,8 +353,7 @@ def test_paper_preset_scaled_down_on_four_gloo_processes(sft_model_full, toy, se
         "tools.python.limits.timeout_s=10",
         # what the toy machine lacks: a GPU, vLLM (the hf engine samples with the policy), wandb
         "train.device=cpu",
-        "engine.kind=hf",
-        "engine.device=cpu",
+        "engine.kind=hf",  # engine.device follows train.device
         "wandb.enabled=false",
         "train.attn_implementation=sdpa",  # the preset's flash-attention (packed micro-batches) needs the flash-attn package
         # the shape, scaled down: 64 x 16 -> 16 x 4, mini-batches of 4 -> 2 prompts, tree 8 -> 2 roots

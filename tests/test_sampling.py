@@ -12,7 +12,7 @@ import torch
 from etagent import protocol
 from etagent.agent import AgentConfig, AgentLoop, SegmentEntropy
 from etagent.config import load_config
-from etagent.records import read_questions
+from etagent.question_formats import read_questions
 from etagent.tools.executor import build_executor
 from tests.conftest import TOKEN
 from tests.trajectories import mask_runs

@@ -15,7 +15,7 @@ import subprocess
 import sys
 
 import pytest
-from omegaconf import DictConfig, OmegaConf
+from omegaconf import DictConfig, OmegaConf, open_dict
 from omegaconf.errors import ValidationError as OmegaConfValidationError
 
 from etagent.config import SCHEMAS, check_composed, load_config, presets
@@ -45,7 +45,8 @@ def _set(cfg: DictConfig, key: str, container, value) -> str:
     if node is None:
         parent[leaf] = {name: value}
     else:
-        node[name] = value
+        with open_dict(node):  # a new key, as `+key.name=value` adds it on the command line
+            node[name] = value
     return f"{key}.{name}"
 
 

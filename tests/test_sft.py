@@ -252,7 +252,7 @@ def test_tiny_preset_answers_held_out_questions_with_the_right_tools(sft_model_f
         "direct_rollout",
         "tiny",
         [
-            f"engine.model={sft_model_full / 'model'}",
+            f"model={sft_model_full / 'model'}",
             f"questions={toy / 'questions' / 'test.jsonl'}",
             f"out_dir={out}",
             "n=1",

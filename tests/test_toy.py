@@ -16,7 +16,8 @@ from transformers import AutoModelForCausalLM, AutoTokenizer
 
 from etagent import protocol
 from etagent.config import load_config
-from etagent.records import SFTExample, TrajectoryGroup, read_jsonl, read_questions, read_records
+from etagent.question_formats import read_questions
+from etagent.records import SFTExample, TrajectoryGroup, read_jsonl, read_records
 from etagent.toy.build import run
 from etagent.toy.seeds import ToySearch
 

@@ -1,0 +1,137 @@
+"""Every stage's command line as Hydra users know it (etagent/stage_cli.py): ``--cfg job``,
+``--info``, ``-m`` sweeps into one output folder per run, ``--help`` listing every setting with
+its doc, and one name per value (an override of a key that only follows another is refused,
+naming the one to set)."""
+
+from __future__ import annotations
+
+import json
+import subprocess
+import sys
+
+import pytest
+import yaml
+from omegaconf import OmegaConf
+
+from etagent.config import SCHEMAS, config_dir, load_config, presets
+from etagent.errors import UserError
+from etagent.settings import settings_of
+from etagent.stage_cli import documented_file, settings_help, stage_configs, sweep, yaml_docs
+from tests.conftest import TOKEN
+
+STAGES = sorted(name for name, (_, package) in SCHEMAS.items() if package == "_global_" and presets(name))
+MODULES = {
+    "direct_rollout": "direct_rollout.run",
+    "evaluation": "evaluation.run",
+    "flywheel": "flywheel.run",
+    "pareto": "pareto.run",
+    "radar": "radar.run",
+    "retriever": "retriever.build",
+    "rl": "rl.run",
+    "sft": "sft.run",
+}
+
+
+def test_every_stage_has_a_command():
+    assert set(MODULES) == set(STAGES) - {"toy"}
+
+
+def test_cfg_job_prints_the_resolved_config():
+    done = subprocess.run([sys.executable, "-m", "rl.run", "--cfg", "job", "optim.lr=0.002"], capture_output=True, text=True, timeout=120)
+    assert done.returncode == 0, done.stderr
+    printed = yaml.safe_load(done.stdout)
+    expected = OmegaConf.to_container(load_config("rl", "tiny", ["optim.lr=0.002"]), resolve=True)
+    assert printed == expected and printed["optim"]["lr"] == 0.002
+    assert "${" not in done.stdout  # every interpolation resolved
+
+
+def test_info_says_where_the_config_comes_from_and_what_the_run_reads_and_writes():
+    done = subprocess.run([sys.executable, "-m", "evaluation.run", "--info", "model=runs/x/model"], capture_output=True, text=True, timeout=120)
+    assert done.returncode == 0, done.stderr
+    assert str(config_dir() / "evaluation" / "tiny.yaml") in done.stdout
+    assert "/engine@engine: tiny" in done.stdout and "overrides: model=runs/x/model" in done.stdout
+    assert "  model = runs/x/model (model)" in done.stdout and "  out_dir = " in done.stdout
+
+
+@pytest.mark.parametrize("stage", STAGES)
+def test_help_lists_every_setting_and_documents_every_top_level_key(stage):
+    listing = settings_help(stage)
+    lines = {line.split()[0]: line for line in listing.splitlines()[1:]}
+    keys = [s.key for s in settings_of(SCHEMAS[stage][0])]
+    assert set(lines) == set(keys)
+    # every key the stage's own _base.yaml documents has its doc in the listing
+    documented = yaml_docs(documented_file(stage))
+    for key in keys:
+        if key in documented:
+            assert len(lines[key].split(None, 1)[1]) > 25, key
+    undocumented = [key for key in keys if "." not in key and key not in documented]
+    assert not undocumented, f"configs/{stage}/_base.yaml documents no comment for {undocumented}"
+
+
+def test_help_on_the_command_line():
+    done = subprocess.run([sys.executable, "-m", "rl.run", "--help"], capture_output=True, text=True, timeout=120)
+    assert done.returncode == 0
+    assert "--cfg" in done.stdout and "-m, --multirun" in done.stdout
+    assert "optim.lr" in done.stdout and "engine.model" in done.stdout and "follows model" in done.stdout
+
+
+@pytest.mark.parametrize("stage", STAGES)
+def test_a_key_that_follows_another_is_refused_naming_the_one_to_set(stage):
+    """Walks every key whose value in a stage's _base.yaml is another key's (``engine.model:
+    ${model}``): overriding it would part the two names."""
+    aliases = {key: doc for key, doc in yaml_docs(documented_file(stage)).items() if doc.startswith("follows ")}
+    for key, doc in aliases.items():
+        source = doc.split()[1]
+        with pytest.raises(UserError, match=rf"setting {key}: is {source}'s value.*set {source}=\.\.\. instead"):
+            stage_configs(stage, [f"{key}=x"], prog=stage)
+    if stage in ("direct_rollout", "evaluation", "flywheel", "rl"):  # the model has one name in every stage that samples
+        assert aliases.get("engine.model") == "follows model (set that)"
+        assert load_config(stage, "tiny", ["model=elsewhere"]).engine.model == "elsewhere"
+
+
+def test_sweep_expands_like_hydra_and_names_each_run():
+    jobs = sweep(["seed=0,1", "n=2", "limit=range(1,3)"])
+    assert [line for line, _ in jobs] == [
+        ["seed=0", "n=2", "limit=1"],
+        ["seed=0", "n=2", "limit=2"],
+        ["seed=1", "n=2", "limit=1"],
+        ["seed=1", "n=2", "limit=2"],
+    ]
+    assert [name for _, name in jobs] == ["seed=0,limit=1", "seed=0,limit=2", "seed=1,limit=1", "seed=1,limit=2"]
+    with pytest.raises(UserError, match="no override sweeps anything"):
+        sweep(["seed=0"])
+    configs = stage_configs("evaluation", ["-m", "seed=0,1", "out_dir=/tmp/sweep"], prog="evaluation")
+    assert [(c.seed, c.out_dir) for c in configs] == [(0, "/tmp/sweep/seed=0"), (1, "/tmp/sweep/seed=1")]
+
+
+def test_a_sweep_runs_two_evaluations_into_two_folders(toy, server, tmp_path, monkeypatch):
+    monkeypatch.setenv("RETRIEVER_TOKEN", TOKEN)
+    out = tmp_path / "sweep"
+    done = subprocess.run(
+        [
+            sys.executable,
+            "-m",
+            "evaluation.run",
+            "-m",
+            "seed=0,1",
+            f"model={toy / 'model'}",
+            f"files.toy={toy / 'questions' / 'test.jsonl'}",
+            f"tools.search.local.url={server}",
+            "tools.search.local.token_env=RETRIEVER_TOKEN",
+            "agent.max_response_tokens=32",
+            "agent.max_segment_tokens=32",
+            "n=1",
+            "limit=2",
+            "bootstrap_rounds=10",
+            f"out_dir={out}",
+        ],
+        capture_output=True,
+        text=True,
+        timeout=600,
+    )
+    assert done.returncode == 0, done.stderr[-2000:]
+    for seed in (0, 1):
+        manifest = json.loads((out / f"seed={seed}" / "manifest.json").read_text())
+        assert manifest["status"] == "complete" and manifest["config"]["seed"] == seed
+        assert manifest["config"]["out_dir"] == str(out / f"seed={seed}")
+    assert sorted(p.name for p in out.iterdir()) == ["seed=0", "seed=1"]
