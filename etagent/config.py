@@ -32,12 +32,11 @@ T = TypeVar("T")
 
 
 def config_dir() -> Path:
-    """The ``configs/`` folder: ``$ETAGENT_CONFIG_DIR`` or the one beside the installed sources."""
-    path = Path(os.environ.get("ETAGENT_CONFIG_DIR", Path(__file__).resolve().parents[1] / "configs"))
+    """The ``configs/`` folder: ``$ETAGENT_CONFIG_DIR``, or the package's ``etagent/configs`` (in the
+    repository a link to its ``configs/``; in an installed wheel a copy of it)."""
+    path = Path(os.environ.get("ETAGENT_CONFIG_DIR", (Path(__file__).resolve().parent / "configs").resolve()))
     if not path.is_dir():
-        raise MissingInput(
-            f"no configs directory at {path}: install the toolkit from its repository (pip install -e .) or set ETAGENT_CONFIG_DIR"
-        )
+        raise MissingInput(f"no configs directory at {path}: reinstall the toolkit, or set ETAGENT_CONFIG_DIR to a configs folder")
     return path
 
 

@@ -1,0 +1,82 @@
+"""The toolkit as a user installs it: a wheel of this repository (``pip install .``, not
+editable) in a fresh virtual environment runs a stage with the presets it ships, and imports
+beside TRL's release. Offline: the wheel is installed without dependencies, which the fresh
+environment reads from the test environment's site-packages (a ``.pth`` line does not run the
+editable install's finder, so nothing of the repository is importable there)."""
+
+from __future__ import annotations
+
+import json
+import subprocess
+import sys
+import sysconfig
+from pathlib import Path
+
+import pytest
+
+from tests.conftest import TOKEN
+
+REPO = Path(__file__).resolve().parents[1]
+
+
+@pytest.mark.slow
+def test_a_non_editable_install_runs_evaluate_beside_trl(toy, server, tmp_path):
+    wheels = tmp_path / "wheels"
+    subprocess.run(
+        [sys.executable, "-m", "pip", "wheel", "--quiet", "--no-deps", "--no-build-isolation", "-w", str(wheels), str(REPO)],
+        check=True,
+        timeout=600,
+    )
+    (wheel,) = wheels.glob("etagent-*.whl")
+    venv = tmp_path / "venv"
+    subprocess.run([sys.executable, "-m", "venv", "--without-pip", str(venv)], check=True, timeout=120)
+    python = venv / "bin" / "python"
+    site = Path(
+        subprocess.run(
+            [python, "-c", "import sysconfig; print(sysconfig.get_paths()['purelib'])"], capture_output=True, text=True, check=True
+        ).stdout.strip()
+    )
+    (site / "dependencies.pth").write_text(sysconfig.get_paths()["purelib"] + "\n")
+    subprocess.run(
+        [sys.executable, "-m", "pip", "--python", str(python), "install", "--quiet", "--no-deps", str(wheel)], check=True, timeout=600
+    )
+
+    elsewhere = tmp_path / "elsewhere"  # not the repository: its folders must not be what is imported
+    elsewhere.mkdir()
+    where = subprocess.run(
+        [python, "-c", "import json, etagent, rl, trl, rl.trl_reward; print(json.dumps([etagent.__file__, rl.__file__, trl.__version__]))"],
+        cwd=elsewhere,
+        capture_output=True,
+        text=True,
+        timeout=300,
+    )
+    assert where.returncode == 0, where.stderr[-2000:]
+    etagent_file, rl_file, trl_version = json.loads(where.stdout)
+    assert etagent_file.startswith(str(site)) and rl_file.startswith(str(site)) and trl_version == "1.16.0"
+
+    out = tmp_path / "eval"
+    done = subprocess.run(
+        [
+            venv / "bin" / "etagent",
+            "evaluate",
+            f"model={toy / 'model'}",
+            f"files.toy={toy / 'questions' / 'test.jsonl'}",
+            f"tools.search.local.url={server}",
+            "tools.search.local.token_env=RETRIEVER_TOKEN",
+            "agent.max_response_tokens=32",
+            "agent.max_segment_tokens=32",
+            "n=1",
+            "limit=2",
+            "bootstrap_rounds=10",
+            f"out_dir={out}",
+        ],
+        cwd=elsewhere,
+        capture_output=True,
+        text=True,
+        timeout=600,
+        env={"PATH": "/usr/bin:/bin", "RETRIEVER_TOKEN": TOKEN, "HF_HUB_OFFLINE": "1", "WANDB_MODE": "offline", "OMP_NUM_THREADS": "1"},
+    )
+    assert done.returncode == 0, done.stderr[-2000:]
+    manifest = json.loads((out / "manifest.json").read_text())
+    assert manifest["status"] == "complete"
+    assert json.loads((out / "summary.json").read_text())["datasets"]["toy"]["samples"] == 2
