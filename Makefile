@@ -9,7 +9,7 @@ setup:
 
 # The demo needs neither the test tools nor vLLM's CPU build (517 MB): the toy runs on the hf engine.
 demo:
-	ETAGENT_EXTRAS=cpu bash scripts/setup.sh
+	ETAGENT_EXTRAS=all bash scripts/setup.sh
 	bash scripts/demo.sh
 
 test: setup

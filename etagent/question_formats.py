@@ -118,10 +118,8 @@ def is_datasets_folder(path: Path) -> bool:
 
 
 def _datasets_rows(where: str, split: str | None) -> list[dict]:
-    try:
-        import datasets
-    except ImportError:
-        raise SettingError("questions", f"{where} is a Hugging Face dataset; reading it needs `pip install datasets`") from None
+    import datasets  # the data extra; missing, it is one line naming the extra (etagent/errors.py)
+
     if is_hub_dataset(where):
         name = where[len(HUB_PREFIX) :]
         try:

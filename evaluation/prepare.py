@@ -1,6 +1,6 @@
 """Download benchmarks from the Hugging Face Hub into the formats evaluation/benchmarks.py reads.
 
-    pip install -e '.[prepare]'                       # the `datasets` library
+    pip install -e '.[data]'                          # the `datasets` library
     python -m evaluation.prepare --out data/benchmarks [--only aime24,math500] [--limit 500]
 
 Run it on a machine with internet; copy ``data/benchmarks`` to where you evaluate. Each dataset
@@ -128,7 +128,7 @@ def main(argv: list[str] | None = None) -> None:
     try:
         import datasets  # noqa: F401
     except ImportError:
-        raise SystemExit("needs the `datasets` library: pip install -e '.[prepare]'") from None
+        raise SystemExit("needs the `datasets` library: pip install -e '.[data]'") from None
     names = args.only.split(",") if args.only else list(SOURCES) + list(PARQUET_SOURCES)
     for name in names:
         if name in BRING_YOUR_OWN:

@@ -14,7 +14,7 @@ trap 'rm -rf "$work"' EXIT
 "$PYTHON" -m venv "$work/venv"
 "$work/venv/bin/python" -m pip install --quiet --disable-pip-version-check --upgrade pip
 "$work/venv/bin/python" -m pip install --disable-pip-version-check --dry-run --ignore-installed --quiet \
-  --report "$work/report.json" -c constraints/gpu.txt -e ".[gpu,cpu]"
+  --report "$work/report.json" -c constraints/gpu.txt -e ".[gpu,all]"
 "$work/venv/bin/python" - "$work/report.json" <<'PY'
 import json, sys
 report = json.load(open(sys.argv[1]))

