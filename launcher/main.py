@@ -10,7 +10,7 @@
     etagent rl [--preset P] [overrides]            GRPO with the efficiency reward (rl/run.py)
     etagent evaluate [--preset P] [overrides]      benchmarks and the paper's table (evaluation/run.py)
     etagent radar [--preset P] [overrides]         radar metrics and chart (radar/run.py)
-    etagent report RUN_DIR [--out FILE]            a run's report page, RUN_DIR/report.html (report/run.py)
+    etagent report RUN_DIR [--out FILE] [--max-trajectories N]  a run's report page (report/run.py)
     etagent score [FILE] [--judge-url URL ...]     score predictions, one JSON line each
     etagent reward [FILE]                          the RL efficiency reward of groups, one JSON line each (rl/reward.py)
     etagent tool python|search ...                 run one tool call, print its record

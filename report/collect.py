@@ -12,10 +12,16 @@ number, a manifest that is a list) all become a line in :attr:`Run.problems` nam
 the rest is read. Every value the page shows is normalised to the type it is shown as
 (:func:`trajectory_entry`); a number that is not finite is shown as text.
 
+A run at the paper's scale holds far more trajectories than a page can: the browser holds at most
+``max_trajectories`` of them, an even sample over the run's buckets (each RL step of each stage,
+each dataset of each evaluation; :func:`even_shares`, :func:`sample_positions`). A first pass
+counts every bucket's trajectories while it reads the curves; only the chosen ones are then read
+again and kept, so memory holds the sample, not the run.
+
 It reads only the run: a file or folder whose real path lies outside the run folder (a symbolic
 link out of it, an input a manifest names elsewhere) is listed as a problem and not read, so a
 page made to be shared carries nothing from outside the run. It does not draw anything (see
-``report/page.py``).
+``report/page.py`` and ``report/static/curves.js``).
 """
 
 from __future__ import annotations
@@ -23,6 +29,8 @@ from __future__ import annotations
 import json
 import math
 import os
+import random
+from collections.abc import Callable, Iterator
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
@@ -54,7 +62,19 @@ class Stage:
     inputs: list[str] = field(default_factory=list)
     outputs: list[str] = field(default_factory=list)  # the folder's files and folders, with sizes
     seed: int | None = None
-    git: str = ""
+    commit: str = ""  # the toolkit's git commit the stage ran, "" where the manifest has none
+    dirty: bool | None = None  # whether that checkout had uncommitted changes
+
+
+@dataclass
+class Bucket:
+    """The trajectories of one RL step of a stage, or of one dataset of an evaluation: where each
+    lies in its files (``positions``, counted on the first read), and ``read``, which reads the
+    ones at the positions given, in order, as browser entries."""
+
+    label: str  # the browser's stage: "rl/stage1 step 3", "eval (toy-sft) toy"
+    positions: list
+    read: Callable[[list], list[dict]]
 
 
 @dataclass
@@ -65,7 +85,9 @@ class Run:
     curves: dict[str, dict[str, list[tuple[float, float]]]] = field(default_factory=dict)
     evaluations: list[dict] = field(default_factory=list)  # {"folder", "run", "datasets": {name: metrics}}
     images: list[dict] = field(default_factory=list)  # {"title", "path"}
-    trajectories: list[dict] = field(default_factory=list)
+    trajectories: list[dict] = field(default_factory=list)  # the sample the browser holds
+    trajectories_found: int = 0  # in the whole run
+    buckets: list[Bucket] = field(default_factory=list)
     problems: list[str] = field(default_factory=list)
 
 
@@ -131,12 +153,19 @@ def read_json(run: Run, path: Path, kind: type = dict, quiet: bool = False) -> A
 def read_lines(run: Run, path: Path) -> list[dict]:
     """The JSON objects of a JSONL file of the run; a line that does not decode, or is not an
     object, is reported and skipped (a writer killed mid-line leaves one at the end)."""
-    rows, problems = [], run.problems
+    return [row for _, row in numbered_lines(run, path)]
+
+
+def numbered_lines(run: Run, path: Path, wanted: set[int] | None = None, quiet: bool = False) -> Iterator[tuple[int, dict]]:
+    """(line number, object) of each JSON object of a JSONL file, as :func:`read_lines`; only the
+    lines numbered in ``wanted`` (the others are not decoded) when it is given, and no problem
+    listed when ``quiet`` (a second read of a file already reported)."""
+    problems = [] if quiet else run.problems
     if not readable(run, path, problems):
-        return rows
+        return
     with path.open(errors="replace") as f:
         for number, line in enumerate(f, start=1):
-            if not line.strip():
+            if (wanted is not None and number not in wanted) or not line.strip():
                 continue
             try:
                 row = json.loads(line)
@@ -147,8 +176,7 @@ def read_lines(run: Run, path: Path) -> list[dict]:
             if not isinstance(row, dict):
                 problems.append(f"{path}:{number}: a JSON {type(row).__name__}, not an object; skipped")
                 continue
-            rows.append(row)
-    return rows
+            yield number, row
 
 
 def number(value) -> float | None:
@@ -198,9 +226,10 @@ def trajectory_entry(**fields) -> dict:
     }
 
 
-def collect(root: str | os.PathLike, tokenizer_for=None, max_trajectories: int = 20000) -> Run:
-    """Everything the report shows of the run in ``root``. ``tokenizer_for(model_path)`` returns a
-    tokenizer to split evaluation responses by token origin (None: by tags only)."""
+def collect(root: str | os.PathLike, max_trajectories: int, tokenizer_for=None) -> Run:
+    """Everything the report shows of the run in ``root``, with at most ``max_trajectories``
+    trajectories for the browser (an even sample when the run has more). ``tokenizer_for(model_path)``
+    returns a tokenizer to split evaluation responses by token origin (None: by tags only)."""
     run = Run(Path(root))
     if not run.root.is_dir():
         run.problems.append(f"{run.root}: no such directory")
@@ -211,12 +240,57 @@ def collect(root: str | os.PathLike, tokenizer_for=None, max_trajectories: int =
         except Exception as exc:  # a file of a shape no reader foresaw: listed, and the rest read
             run.problems.append(f"{folder}: could not be read ({type(exc).__name__}: {exc}); left out")
     run.stages.sort(key=lambda s: (s.started_at or "~", s.folder))
-    if len(run.trajectories) > max_trajectories:
-        run.problems.append(f"{len(run.trajectories)} trajectories; the browser holds the first {max_trajectories}")
-        del run.trajectories[max_trajectories:]
+    run.trajectories_found = sum(len(b.positions) for b in run.buckets)
+    shares = even_shares([len(b.positions) for b in run.buckets], max_trajectories)
+    for bucket, share in zip(run.buckets, shares, strict=True):
+        chosen = [bucket.positions[k] for k in sample_positions(bucket.label, len(bucket.positions), share)]
+        try:
+            run.trajectories += bucket.read(chosen)
+        except Exception as exc:  # as for a folder: listed, and the rest read
+            run.problems.append(f"{bucket.label}: its trajectories could not be read ({type(exc).__name__}: {exc}); left out")
     if not run.stages:
         run.problems.append(f"{run.root}: no stage output found (no manifest.json below it)")
     return run
+
+
+def even_shares(sizes: list[int], keep: int) -> list[int]:
+    """How many trajectories to keep of each bucket, given each bucket's size: ``keep`` in all
+    (every one when the buckets hold no more), the same share of each, where a bucket smaller than
+    its share keeps all it has and leaves the rest to the others. What does not divide evenly goes
+    one each to the first buckets; with fewer to keep than buckets, the last buckets keep none."""
+    shares = [0] * len(sizes)
+    left = min(keep, sum(sizes))
+    open_buckets = sorted(range(len(sizes)), key=lambda i: sizes[i])
+    while open_buckets and left:
+        share = left // len(open_buckets)
+        smallest = open_buckets[0]
+        if sizes[smallest] <= share:
+            shares[smallest] = sizes[smallest]
+            left -= sizes[smallest]
+            open_buckets.pop(0)
+            continue
+        remainder = left - share * len(open_buckets)
+        for rank, i in enumerate(sorted(open_buckets)):
+            shares[i] = share + (rank < remainder)
+        break
+    return shares
+
+
+def sample_positions(label: str, size: int, count: int) -> list[int]:
+    """``count`` of the indices ``0..size-1``, in order: all of them when ``count`` covers them,
+    else a random choice seeded by the bucket's label, so the same run gives the same page."""
+    if count >= size:
+        return list(range(size))
+    return sorted(random.Random(label).sample(range(size), count))
+
+
+def manifest_revision(value) -> tuple[str, bool | None]:
+    """(commit, dirty) from a manifest's ``git`` (etagent.records.git_revision: ``{"commit",
+    "dirty"}``; a text from another writer is taken as the commit)."""
+    if isinstance(value, dict):
+        dirty = value.get("dirty")
+        return text(value.get("commit")), dirty if isinstance(dirty, bool) else None
+    return text(value), None
 
 
 def collect_folder(run: Run, folder: Path, has_manifest: bool, tokenizer_for) -> None:
@@ -266,6 +340,7 @@ def guess_stage(folder: Path) -> str:
 
 
 def read_stage(folder: str, manifest: dict) -> Stage:
+    commit, dirty = manifest_revision(manifest.get("git"))
     return Stage(
         folder=folder,
         stage=str(manifest.get("stage", "unknown")),
@@ -275,7 +350,8 @@ def read_stage(folder: str, manifest: dict) -> Stage:
         counts=manifest.get("counts") or {},
         inputs=[i["path"] for i in manifest.get("inputs", []) if isinstance(i, dict) and "path" in i],
         seed=manifest.get("seed"),
-        git=str(manifest.get("git") or ""),
+        commit=commit,
+        dirty=dirty,
     )
 
 
@@ -322,32 +398,45 @@ def read_rl(run: Run, folder: Path, stage: Stage) -> None:
     questions = rl_questions(run, folder) if rollouts else {}
     for rollout_file in rollouts:
         step = int(rollout_file.stem.split("_")[1])
-        rows = read_lines(run, rollout_file)
         # the reward's terms, averaged over the step's rollouts (metrics.jsonl has their sum)
-        for term in ("f_tool", "f_length", "f_format"):
-            values = [r[term] for r in rows if number(r.get(term)) is not None]
-            if values:
-                run.curves.setdefault(f"rl/reward terms/{term}", {}).setdefault(name, []).append((step, sum(values) / len(values)))
-        for row in rows:
-            question = questions.get(row.get("index"), {}) if isinstance(row.get("index"), int) else {}
-            raw = number(row.get("raw"))
-            run.trajectories.append(
-                trajectory_entry(
-                    stage=f"{name} step {step}",
-                    id=row.get("id", ""),
-                    source=question.get("source", "?"),
-                    kind=question.get("kind", "?"),
-                    question=question.get("question", f"(prompt {row.get('index')})"),
-                    answer=question.get("answer", []),
-                    correct=None if raw is None else raw >= 1.0,
-                    reward=row.get("reward"),
-                    tool_calls=row.get("tool_calls"),
-                    terms={k: row[k] for k in ("reward", "raw", "f_tool", "f_length", "f_format", "length") if k in row},
-                    finish=row.get("finish_reason", ""),
-                    segments=row.get("segments"),
-                    text=row.get("text", ""),
-                )
-            )
+        sums = {"f_tool": [0.0, 0], "f_length": [0.0, 0], "f_format": [0.0, 0]}
+        lines = []
+        for line, row in numbered_lines(run, rollout_file):
+            lines.append(line)
+            for term, total in sums.items():
+                if number(row.get(term)) is not None:
+                    total[0] += row[term]
+                    total[1] += 1
+        for term, (total, count) in sums.items():
+            if count:
+                run.curves.setdefault(f"rl/reward terms/{term}", {}).setdefault(name, []).append((step, total / count))
+        label = f"{name} step {step}"
+
+        def read(chosen: list[int], path: Path = rollout_file, label: str = label) -> list[dict]:
+            return [rollout_entry(row, label, questions) for _, row in numbered_lines(run, path, set(chosen), quiet=True)]
+
+        run.buckets.append(Bucket(label, lines, read))
+
+
+def rollout_entry(row: dict, label: str, questions: dict[int, dict]) -> dict:
+    """One RL rollout (a line of ``rollouts/step_k.jsonl``) with its question, for the browser."""
+    question = questions.get(row.get("index"), {}) if isinstance(row.get("index"), int) else {}
+    raw = number(row.get("raw"))
+    return trajectory_entry(
+        stage=label,
+        id=row.get("id", ""),
+        source=question.get("source", "?"),
+        kind=question.get("kind", "?"),
+        question=question.get("question", f"(prompt {row.get('index')})"),
+        answer=question.get("answer", []),
+        correct=None if raw is None else raw >= 1.0,
+        reward=row.get("reward"),
+        tool_calls=row.get("tool_calls"),
+        terms={k: row[k] for k in ("reward", "raw", "f_tool", "f_length", "f_format", "length") if k in row},
+        finish=row.get("finish_reason", ""),
+        segments=row.get("segments"),
+        text=row.get("text", ""),
+    )
 
 
 def rl_questions(run: Run, folder: Path) -> dict[int, dict]:
@@ -395,30 +484,55 @@ def read_evaluation(run: Run, folder: Path, stage: Stage, tokenizer_for) -> None
     pass_mark = number(config.get("qa_pass_mark")) or 0.8
     tokenizer = tokenizer_for(model) if tokenizer_for and model else None
     for dataset in sorted(p for p in folder.iterdir() if (p / "trajectories.jsonl").exists()):
-        scored = {row.get("id"): row for row in read_lines(run, dataset / "scored.jsonl")} if (dataset / "scored.jsonl").exists() else {}
-        for group in read_lines(run, dataset / "trajectories.jsonl"):
-            row = scored.get(group.get("id"), {})
-            samples = row.get("samples") if isinstance(row.get("samples"), list) else []
-            for k, trajectory in enumerate(t for t in group.get("trajectories") or [] if isinstance(t, dict)):
-                metrics = samples[k] if k < len(samples) and isinstance(samples[k], dict) else {}
-                run.trajectories.append(
-                    trajectory_entry(
-                        stage=f"{stage.folder} ({name}) {dataset.name}",
-                        id=trajectory.get("id", ""),
-                        source=group.get("source", "?"),
-                        kind=group.get("kind", "?"),
-                        question=group.get("question", ""),
-                        answer=group.get("answer", []),
-                        correct=sample_correct(metrics, group.get("kind"), pass_mark),
-                        tool_calls=metrics.get("tool_calls", trajectory.get("tool_calls_executed")),
-                        redundant=metrics.get("redundant_calls"),
-                        insufficient=metrics.get("insufficient_calls"),
-                        terms=metrics,
-                        finish=trajectory.get("finish_reason", ""),
-                        segments=response_segments(trajectory, tokenizer),
-                        judgement=trajectory.get("judgement"),
-                    )
-                )
+        path = dataset / "trajectories.jsonl"
+        # a trajectory's position: its group's line, and its place among the group's trajectories
+        positions = [(line, k) for line, group in numbered_lines(run, path) for k in range(len(group_trajectories(group)))]
+        label = f"{stage.folder} ({name}) {dataset.name}"
+
+        def read(chosen: list[tuple[int, int]], dataset: Path = dataset, label: str = label) -> list[dict]:
+            scored = (
+                {row.get("id"): row for row in read_lines(run, dataset / "scored.jsonl")} if (dataset / "scored.jsonl").exists() else {}
+            )
+            wanted = {line: set() for line, _ in chosen}
+            for line, k in chosen:
+                wanted[line].add(k)
+            entries = []
+            for line, group in numbered_lines(run, dataset / "trajectories.jsonl", set(wanted), quiet=True):
+                row = scored.get(group.get("id"), {})
+                samples = row.get("samples") if isinstance(row.get("samples"), list) else []
+                for k, trajectory in enumerate(group_trajectories(group)):
+                    if k in wanted[line]:
+                        metrics = samples[k] if k < len(samples) and isinstance(samples[k], dict) else {}
+                        entries.append(evaluation_entry(group, trajectory, metrics, label, pass_mark, tokenizer))
+            return entries
+
+        run.buckets.append(Bucket(label, positions, read))
+
+
+def group_trajectories(group: dict) -> list[dict]:
+    """The trajectories of an evaluation's question group (a line of ``trajectories.jsonl``)."""
+    trajectories = group.get("trajectories")
+    return [t for t in trajectories if isinstance(t, dict)] if isinstance(trajectories, list) else []
+
+
+def evaluation_entry(group: dict, trajectory: dict, metrics: dict, label: str, pass_mark: float, tokenizer) -> dict:
+    """One evaluation sample with its question and its scores, for the browser."""
+    return trajectory_entry(
+        stage=label,
+        id=trajectory.get("id", ""),
+        source=group.get("source", "?"),
+        kind=group.get("kind", "?"),
+        question=group.get("question", ""),
+        answer=group.get("answer", []),
+        correct=sample_correct(metrics, group.get("kind"), pass_mark),
+        tool_calls=metrics.get("tool_calls", trajectory.get("tool_calls_executed")),
+        redundant=metrics.get("redundant_calls"),
+        insufficient=metrics.get("insufficient_calls"),
+        terms=metrics,
+        finish=trajectory.get("finish_reason", ""),
+        segments=response_segments(trajectory, tokenizer),
+        judgement=trajectory.get("judgement"),
+    )
 
 
 def sample_correct(metrics: dict, kind: str | None, pass_mark: float) -> bool | None:

@@ -1,11 +1,17 @@
-"""The report page of one run: a single self-contained HTML file (styles, script, charts and data
+"""The report page of one run: a single self-contained HTML file (styles, scripts, charts and data
 inside it; no server, no network), from what ``report/collect.py`` read.
 
-Curves are drawn here as inline SVG (one small chart per metric, one line per stage folder), the
-radar and Pareto charts are embedded as the PNGs their stages drew. The trajectory browser's data
-sits in the page in chunks of ``CHUNK`` trajectories, each a JSON script element the browser
-parses only when a page of the list needs it: the list is filtered over a small index, and a
-page of thousands of trajectories renders 50 at a time.
+The page reads from the results down: the evaluation tables first, then the curves, the charts,
+the trajectory browser, and last the pipeline's table (one row per stage folder, folded: at the
+paper's scale it is dozens of rows). A metric that never changes within a stage folder is one
+line of text (name = value), not a panel; the others are drawn in the reader's browser by
+``static/curves.js`` from the points this module writes into the page (smoothing, log scale,
+values under the pointer). The radar and Pareto charts are embedded as the PNGs their stages
+drew. The trajectory browser's data sits in the page in chunks of ``CHUNK`` trajectories, each a
+JSON script element the browser parses only when a page of the list needs it: the list is
+filtered over a small index, and a page of thousands of trajectories renders 50 at a time.
+
+It draws nothing itself and reads no file but the page's own static parts and the run's charts.
 """
 
 from __future__ import annotations
@@ -13,6 +19,7 @@ from __future__ import annotations
 import base64
 import json
 import math
+from collections import Counter
 from html import escape
 from pathlib import Path
 
@@ -20,7 +27,6 @@ from report.collect import Run
 
 CHUNK = 200
 STATIC = Path(__file__).parent / "static"
-COLOURS = ("#1f77b4", "#d62728", "#2ca02c", "#9467bd", "#ff7f0e", "#17becf", "#8c564b", "#e377c2")
 # The curves in the order a reader looks at them; any other metric follows, alphabetically.
 CURVE_ORDER = (
     "sft/loss",
@@ -43,13 +49,15 @@ TABLE_COLUMNS = ("correctness", "efficiency", "llm_judge", "f1", "em", "pass@1",
 BEHAVIOUR_COLUMNS = ("questions", "correctness", "tool_calls", "redundant_rate", "insufficient_rate", "redundant_when_solved")
 
 
-def render(run: Run) -> str:
+def render(run: Run, max_trajectories: int) -> str:
+    """The page; ``max_trajectories`` is the cap the browser's sample was drawn under, which the
+    page names when the run had more."""
     sections = [
-        ("pipeline", "Pipeline", pipeline_section(run)),
-        ("curves", "Curves", curves_section(run)),
         ("evaluation", "Evaluation", evaluation_section(run)),
+        ("curves", "Curves", curves_section(run)),
         ("charts", "Charts", charts_section(run)),
-        ("trajectories", "Trajectories", browser_section(run)),
+        ("trajectories", "Trajectories", browser_section(run, max_trajectories)),
+        ("pipeline", "Pipeline", pipeline_section(run)),
     ]
     nav = " ".join(f'<a href="#{key}">{title}</a>' for key, title, _ in sections)
     body = "\n".join(f'<section id="{key}"><h2>{title}</h2>\n{html}\n</section>' for key, title, html in sections)
@@ -63,6 +71,7 @@ def render(run: Run) -> str:
 {problems_box(run)}
 {body}
 {trajectory_data(run)}
+<script>{(STATIC / "curves.js").read_text()}</script>
 <script>{(STATIC / "browser.js").read_text()}</script>
 </body></html>
 """
@@ -76,9 +85,10 @@ def problems_box(run: Run) -> str:
 
 
 def table(header: list[str], rows: list[list[str]], css: str = "") -> str:
+    """A table in a box that scrolls sideways when the table is wider than the page."""
     head = "".join(f"<th>{escape(h)}</th>" for h in header)
     body = "".join("<tr>" + "".join(f"<td>{cell}</td>" for cell in row) + "</tr>" for row in rows)
-    return f'<table class="{css}"><thead><tr>{head}</tr></thead><tbody>{body}</tbody></table>'
+    return f'<div class="wide"><table class="{css}"><thead><tr>{head}</tr></thead><tbody>{body}</tbody></table></div>'
 
 
 def number(value) -> str:
@@ -95,24 +105,42 @@ def pipeline_section(run: Run) -> str:
     rows = []
     for s in run.stages:
         counts = ", ".join(f"{escape(str(k))}: {number(v)}" for k, v in s.counts.items() if not isinstance(v, dict | list))
-        inputs = listed([f"<code>{escape(short(i, run.root))}</code>" for i in s.inputs])
+        inputs = listed([f"<code>{breakable(short(i, run.root))}</code>" for i in s.inputs])
         outputs = listed([escape(o) for o in s.outputs], separator=" · ", most=12)
         status = f'<span class="status-{escape(s.status.replace(" ", "-"))}">{escape(s.status)}</span>'
         rows.append(
             [
                 escape(s.stage),
-                f"<code>{escape(s.folder)}</code>",
+                f"<code>{breakable(s.folder)}</code>",
                 status,
                 escape(s.started_at.replace("T", " ")[:19]),
                 duration(s.seconds),
                 counts,
                 number(s.seed),
-                f"<code>{escape(s.git[:10])}</code>",
+                revision(s.commit, s.dirty),
                 inputs,
                 outputs,
             ]
         )
-    return table(["stage", "output folder", "status", "started", "took", "counts", "seed", "git", "inputs", "outputs"], rows, "pipeline")
+    statuses = Counter(s.status for s in run.stages)
+    summary = f"{len(run.stages)} stage folders: " + ", ".join(f"{n} {status}" for status, n in statuses.most_common())
+    header = ["stage", "output folder", "status", "started", "took", "counts", "seed", "git", "inputs", "outputs"]
+    return f"<details><summary>{escape(summary)} (the table)</summary>{table(header, rows, 'pipeline')}</details>"
+
+
+def breakable(path: str) -> str:
+    """A path, escaped, that may wrap after each slash (a browser does not break it there
+    itself, and a long path would widen its column past the page)."""
+    return "/<wbr>".join(escape(part) for part in path.split("/"))
+
+
+def revision(commit: str, dirty: bool | None) -> str:
+    """The toolkit's commit a stage ran, as git shortens it, marked when its checkout had
+    uncommitted changes; the whole commit on hover."""
+    if not commit:
+        return "–"
+    mark = ' <span class="dirty" title="the checkout had uncommitted changes">dirty</span>' if dirty else ""
+    return f'<code title="{escape(commit)}">{escape(commit[:7])}</code>{mark}'
 
 
 def duration(seconds: float | None) -> str:
@@ -135,55 +163,45 @@ def short(path: str, root: Path) -> str:
 
 
 def curves_section(run: Run) -> str:
+    """The controls, the constant metrics in one line, and a panel per other metric, grouped by
+    the metric's prefix (``rl/actor``, ``sft``); ``static/curves.js`` draws the panels from the
+    points in the ``curve-data`` script element."""
     if not run.curves:
         return "<p>No curves: no SFT loss history and no RL metrics.jsonl in this run.</p>"
     order = {name: k for k, name in enumerate(CURVE_ORDER)}
-    names = sorted(run.curves, key=lambda n: (n.split("/")[0], order.get(n, len(order)), n))
-    charts = "".join(line_chart(name, run.curves[name]) for name in names)
-    return f'<div class="charts">{charts}</div>'
-
-
-def line_chart(title: str, series: dict[str, list[tuple[float, float]]], width: int = 310, height: int = 170) -> str:
-    """One metric by step, a line per stage folder, as inline SVG with its axes' ranges written."""
-    points = [p for values in series.values() for p in values]
-    xs, ys = [x for x, _ in points], [y for _, y in points]
-    x0, x1 = min(xs), max(xs)
-    y0, y1 = min(ys), max(ys)
-    if x1 == x0:
-        x1 = x0 + 1
-    if y1 == y0:
-        y0, y1 = y0 - 0.5, y1 + 0.5
-    left, right, top, bottom = 58, 8, 22, 30
-    plot_w, plot_h = width - left - right, height - top - bottom
-
-    def at(x: float, y: float) -> str:
-        return f"{left + (x - x0) / (x1 - x0) * plot_w:.1f},{top + (1 - (y - y0) / (y1 - y0)) * plot_h:.1f}"
-
-    lines, legend = [], []
-    for k, (name, values) in enumerate(series.items()):
-        colour = COLOURS[k % len(COLOURS)]
-        path = " ".join(at(x, y) for x, y in values)
-        dots = (
-            "".join(
-                f'<circle cx="{at(x, y).split(",")[0]}" cy="{at(x, y).split(",")[1]}" r="2" fill="{colour}"><title>{escape(name)} step {number(x)}: {number(y)}</title></circle>'
-                for x, y in values
-            )
-            if len(values) <= 60
-            else ""
+    names = sorted(run.curves, key=lambda n: (order.get(n, len(order)), n))
+    constant = {name: value for name in names if (value := constant_value(run.curves[name])) is not None}
+    groups: dict[str, list[str]] = {}
+    for name in names:
+        if name not in constant:
+            groups.setdefault(name.rsplit("/", 1)[0] if "/" in name else name, []).append(name)
+    parts = [
+        '<p id="curve-controls"><label>smoothing <input id="smoothing" type="range" min="0" max="0.99" step="0.01" value="0.6"> '
+        '<output id="smoothing-value">0.6</output></label> <span class="hint">an exponential moving average, as TensorBoard\'s; '
+        "the raw values are drawn faintly behind it. Each panel has its own log scale; hover a panel for its values.</span></p>"
+    ]
+    if constant:
+        items = " · ".join(f"<code>{escape(name)}</code> = {value}" for name, value in constant.items())
+        parts.append(f'<p id="constant-curves">Constant at every step, not drawn: {items}</p>')
+    for group, members in groups.items():
+        panels = "".join(f'<figure class="chart" data-curve="{escape(name)}"></figure>' for name in members)
+        parts.append(
+            f'<details class="curve-group" open><summary>{escape(group)} ({len(members)})</summary><div class="charts">{panels}</div></details>'
         )
-        lines.append(f'<polyline fill="none" stroke="{colour}" stroke-width="1.5" points="{path}"/>{dots}')
-        legend.append(f'<span style="color:{colour}">&#9632; {escape(name)}</span>')
-    svg = (
-        f'<svg class="curve" width="{width}" height="{height}" viewBox="0 0 {width} {height}" role="img" aria-label="{escape(title)}">'
-        f'<text x="{left}" y="14" class="title">{escape(title)}</text>'
-        f'<rect x="{left}" y="{top}" width="{plot_w}" height="{plot_h}" class="frame"/>'
-        f'<text x="{left - 4}" y="{top + 8}" class="tick" text-anchor="end">{number(y1)}</text>'
-        f'<text x="{left - 4}" y="{top + plot_h}" class="tick" text-anchor="end">{number(y0)}</text>'
-        f'<text x="{left}" y="{height - 14}" class="tick">{number(x0)}</text>'
-        f'<text x="{left + plot_w}" y="{height - 14}" class="tick" text-anchor="end">{number(x1)}</text>'
-        f'<text x="{left + plot_w / 2}" y="{height - 3}" class="tick" text-anchor="middle">step</text>' + "".join(lines) + "</svg>"
-    )
-    return f'<figure class="chart">{svg}<figcaption>{" ".join(legend)}</figcaption></figure>'
+    data = {name: [[series, sorted(points)] for series, points in run.curves[name].items()] for name in names if name not in constant}
+    parts.append(f'<script type="application/json" id="curve-data">{script_json(data)}</script>')
+    return "\n".join(parts)
+
+
+def constant_value(series: dict[str, list[tuple[float, float]]]) -> str | None:
+    """A metric's value as the page writes it when it never changes within any stage folder
+    (``0``, or ``32 (rl/stage1), 16 (rl/stage2)`` where the folders differ); None when it does."""
+    values = {name: {value for _, value in points} for name, points in series.items()}
+    if any(len(v) != 1 for v in values.values()):
+        return None
+    if len({v for vs in values.values() for v in vs}) == 1:
+        return number(next(iter(next(iter(values.values())))))
+    return ", ".join(f"{number(next(iter(v)))} ({escape(name)})" for name, v in values.items())
 
 
 def evaluation_section(run: Run) -> str:
@@ -223,10 +241,19 @@ def charts_section(run: Run) -> str:
     return f'<div class="images">{"".join(figures)}</div>'
 
 
-def browser_section(run: Run) -> str:
+def browser_section(run: Run, max_trajectories: int) -> str:
     if not run.trajectories:
         return "<p>No trajectories: no evaluation samples and no RL rollouts in this run.</p>"
-    return """<div id="filters">
+    sample = ""
+    if run.trajectories_found > len(run.trajectories):
+        sample = (
+            f'<p id="sample">The browser holds {len(run.trajectories):,} of the run\'s {run.trajectories_found:,} trajectories: '
+            f"the same share of each of its {len(run.buckets):,} RL steps and evaluation datasets (chosen at random, the same "
+            f"each time the report is written), at most {max_trajectories:,} in all (<code>--max-trajectories</code>).</p>\n"
+        )
+    return (
+        sample
+        + """<div id="filters">
 <label>stage <select id="f-stage"><option value="">all</option></select></label>
 <label>kind <select id="f-kind"><option value="">all</option></select></label>
 <label>answer <select id="f-correct"><option value="">all</option><option value="1">correct</option><option value="0">wrong</option></select></label>
@@ -240,6 +267,7 @@ def browser_section(run: Run) -> str:
 <p id="pager"><button id="prev">previous</button> <span id="page"></span> <button id="next">next</button></p>
 <p class="legend">Token origin: <span class="origin-sampled">sampled by the policy</span> <span class="origin-given">given (a prefix, a hint, an edit)</span>
 <span class="origin-tool">inserted tool output</span> <span class="origin-unknown">not recorded</span></p>"""
+    )
 
 
 def trajectory_data(run: Run) -> str:

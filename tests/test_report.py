@@ -75,29 +75,42 @@ def test_the_report_of_a_small_run_in_chromium(small_run, browser, tmp_path):
 
     browser.open(page)
     assert browser.errors() == []
-    # the pipeline: the SFT, the evaluation and the RL stage, complete
+    # the first screen (1400 x 1000) shows the evaluation table: its first row is in view
+    summary = json.loads((small_run / "eval" / "summary.json").read_text())["datasets"]["toy"]
+    top, bottom = browser.evaluate(
+        "(() => { const r = document.querySelector('#evaluation table.numbers tbody tr').getBoundingClientRect(); return [r.top, r.bottom]; })()"
+    )
+    assert 0 < top and bottom < browser.evaluate("window.innerHeight")
+    row = browser.evaluate("[...document.querySelector('#evaluation table.numbers tbody tr').cells].map(c => c.textContent)")
+    assert row[0] == "toy-sft" and float(row[2]) == pytest.approx(summary["correctness"], abs=0.01)
+    # the pipeline, folded at the end: the SFT, the evaluation and the RL stage, complete, each
+    # with the commit it ran
+    assert browser.evaluate("document.querySelector('#pipeline details').open") is False
     stages = browser.evaluate(
         "[...document.querySelectorAll('table.pipeline tbody tr')].map(r => r.cells[0].textContent + ' ' + r.cells[2].textContent)"
     )
     assert {"sft complete", "evaluation complete", "rl/stage1 complete"} <= set(stages)
-    # curves: SFT loss and the RL step metrics, each drawn with a line
-    curves = browser.evaluate(
-        "[...document.querySelectorAll('svg.curve')].map(s => [s.getAttribute('aria-label'), s.querySelectorAll('polyline').length])"
+    git = json.loads((small_run / "sft" / "manifest.json").read_text())["git"]
+    sft_git = browser.evaluate(
+        "[...document.querySelectorAll('table.pipeline tbody tr')].find(r => r.cells[0].textContent === 'sft').cells[7].textContent"
     )
-    drawn = {name for name, lines in curves if lines >= 1}
-    assert {
-        "sft/loss",
-        "rl/reward/mean",
-        "rl/rollout/tool_calls",
-        "rl/rollout/length",
-        "rl/actor/entropy",
-        "rl/actor/grad_norm",
-        "rl/timing_s/generate",
-    } <= drawn
-    # the evaluation table and the behaviour table per kind of question
-    summary = json.loads((small_run / "eval" / "summary.json").read_text())["datasets"]["toy"]
-    row = browser.evaluate("[...document.querySelector('#evaluation table.numbers tbody tr').cells].map(c => c.textContent)")
-    assert row[0] == "toy-sft" and float(row[2]) == pytest.approx(summary["correctness"], abs=0.01)
+    assert sft_git == ("–" if git["commit"] is None else git["commit"][:7] + (" dirty" if git["dirty"] else ""))
+    # curves: every RL metric of metrics.jsonl and the SFT loss, a panel each, or in the line of
+    # constant ones; the SFT loss and the step timings change, so are drawn
+    panels = browser.evaluate(
+        "[...document.querySelectorAll('svg.curve')].map(s => [s.getAttribute('aria-label'), s.querySelectorAll('polyline.smoothed').length])"
+    )
+    drawn = {name for name, lines in panels if lines >= 1}
+    assert {"sft/loss", "rl/timing_s/generate", "rl/timing_s/step"} <= drawn
+    constant = browser.evaluate("document.getElementById('constant-curves')?.textContent ?? ''")
+    metrics = {
+        key
+        for line in (small_run / "rl" / "stage1" / "metrics.jsonl").read_text().splitlines()
+        for key, value in json.loads(line).items()
+        if key != "step" and isinstance(value, int | float) and not isinstance(value, bool)
+    }
+    for metric in metrics:
+        assert (f"rl/{metric}" in drawn) != (f"rl/{metric} = " in constant), metric
     kinds = browser.evaluate("[...document.querySelectorAll('#evaluation table.behaviour tbody tr')].map(r => r.cells[1].textContent)")
     assert set(kinds) == set(summary["behaviour"])
 
@@ -237,9 +250,8 @@ def test_a_run_cut_short_gives_a_report_that_says_what_is_missing(tmp_path, brow
     assert len(problems) == len(expected)  # each once: the unreadable manifest is not also "no manifest"
     # what is there is still shown: the one complete RL step and its rollout
     assert browser.evaluate("document.getElementById('count').textContent") == "1 of 1 trajectories match"
-    assert (
-        browser.evaluate("document.querySelector('svg.curve[aria-label=\"rl/reward/mean\"] circle').textContent") == "rl/stage1 step 1: 0.5"
-    )
+    # one step: its metrics are constant, one line
+    assert "rl/reward/mean = 0.5" in browser.evaluate("document.getElementById('constant-curves').textContent")
 
 
 def test_a_run_folder_that_is_not_there_is_one_line(tmp_path):
