@@ -30,12 +30,14 @@ import logging
 from collections.abc import Sequence
 from functools import partial
 
-from omegaconf import DictConfig
+from omegaconf import DictConfig, OmegaConf
 
+from direct_rollout.config import DirectRolloutConfig
 from etagent import scoring
 from etagent.errors import DegradedRun, exit_on_user_error
 from etagent.records import Judgement
 from etagent.sampling import run_sampling
+from etagent.settings import check_paths
 from etagent.tools.executor import describe_failures
 
 log = logging.getLogger("direct_rollout")
@@ -54,6 +56,8 @@ def chain_judgement(prediction: str, golds: Sequence[str], kind: str, qa_pass_ma
 def run(cfg: DictConfig) -> dict:
     """Roll out every question not yet in cfg.out_dir; return the summary metrics."""
     stage = f"direct_rollout/stage{cfg.rl_stage}"
+    # the stage's own inputs first, so a missing policy is named as the user set it (model)
+    check_paths(DirectRolloutConfig, OmegaConf.to_container(cfg, resolve=True))
     return run_sampling(cfg, stage, judge=partial(chain_judgement, qa_pass_mark=cfg.qa_pass_mark), token_arrays=False)
 
 

@@ -172,6 +172,16 @@ def _get(row: dict, dotted: str) -> Any:
     return value
 
 
+def _has(row: dict, dotted: str) -> bool:
+    """The row has the column, whatever it holds (null included)."""
+    value: Any = row
+    for part in dotted.split("."):
+        if not isinstance(value, dict) or part not in value:
+            return False
+        value = value[part]
+    return True
+
+
 def _present(value: Any) -> bool:
     """A column is there when it holds anything but null; a blank value is read, and refused by
     the question's own checks (an empty question, an empty gold answer), not passed over."""
@@ -262,7 +272,9 @@ def to_question_row(row: Any, number: int, path: str, fmt: str, settings: Questi
     for name in ("question", "answer"):
         columns = (mapped[name],) if name in mapped else CANDIDATES[name][fmt]
         value, column = _first_present(row, columns)
-        if value is None:
+        if value is None:  # a column given as null is refused by the question's own check, saying so
+            column = next((c for c in columns if _has(row, c)), None)
+        if column is None:
             raise RecordError(
                 path, number, name, "missing" if fmt == "etagent" else f"missing (looked for {', '.join(columns)} in this {fmt} row)"
             )

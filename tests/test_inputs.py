@@ -302,7 +302,12 @@ def test_a_kill_during_an_sft_save_is_resumed_from_the_last_whole_checkpoint(toy
     args += ["train.max_steps=6", "train.save_steps=2", "train.logging_steps=1"]
     first = etagent(*args)
     assert first.returncode == 0, first.stderr[-3000:]
-    (out / "checkpoints" / "checkpoint-6" / "trainer_state.json").unlink()  # the kill came before the save's last file
+    # the kill came before the save's last file, so before the final model and the manifest's
+    # "complete" (a finished run is left as it is on a rerun)
+    (out / "checkpoints" / "checkpoint-6" / "trainer_state.json").unlink()
+    shutil.rmtree(out / "model")
+    manifest = json.loads((out / "manifest.json").read_text())
+    (out / "manifest.json").write_text(json.dumps({**manifest, "status": "running"}))
     again = etagent(*args)
     assert again.returncode == 0, again.stderr[-3000:]
     assert f"resuming from {out / 'checkpoints' / 'checkpoint-4'}" in again.stderr
