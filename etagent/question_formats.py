@@ -163,23 +163,18 @@ def iter_rows(where: str | os.PathLike, split: str | None = None, partial_ok: bo
 # Formats
 
 
+def _lookup(row: dict, dotted: str) -> tuple[bool, Any]:
+    """(whether the row has the column, its value): a dotted name reads a nested column."""
+    value: Any = row
+    for part in dotted.split("."):
+        if not isinstance(value, dict) or part not in value:
+            return False, None
+        value = value[part]
+    return True, value
+
+
 def _get(row: dict, dotted: str) -> Any:
-    value: Any = row
-    for part in dotted.split("."):
-        if not isinstance(value, dict) or part not in value:
-            return None
-        value = value[part]
-    return value
-
-
-def _has(row: dict, dotted: str) -> bool:
-    """The row has the column, whatever it holds (null included)."""
-    value: Any = row
-    for part in dotted.split("."):
-        if not isinstance(value, dict) or part not in value:
-            return False
-        value = value[part]
-    return True
+    return _lookup(row, dotted)[1]
 
 
 def _present(value: Any) -> bool:
@@ -273,7 +268,7 @@ def to_question_row(row: Any, number: int, path: str, fmt: str, settings: Questi
         columns = (mapped[name],) if name in mapped else CANDIDATES[name][fmt]
         value, column = _first_present(row, columns)
         if value is None:  # a column given as null is refused by the question's own check, saying so
-            column = next((c for c in columns if _has(row, c)), None)
+            column = next((c for c in columns if _lookup(row, c)[0]), None)
         if column is None:
             raise RecordError(
                 path, number, name, "missing" if fmt == "etagent" else f"missing (looked for {', '.join(columns)} in this {fmt} row)"
