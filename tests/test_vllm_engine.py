@@ -150,7 +150,7 @@ def async_engine(toy):
     from etagent.config import load_config
     from etagent.llm import make_engine
 
-    overrides = [f"model={toy / 'model'}", "engine.kind=vllm", "engine.vllm.max_model_len=2048", "engine.vllm.enforce_eager=true"]
+    overrides = [f"engine.model={toy / 'model'}", "engine.kind=vllm", "engine.vllm.max_model_len=2048", "engine.vllm.enforce_eager=true"]
     engine = make_engine(load_config("engine", "tiny", overrides + ["engine.vllm.cpu_kv_cache_gb=0.5"]).engine)
     yield engine
     engine.shutdown()
