@@ -89,7 +89,7 @@ def test_a_key_that_follows_another_is_refused_naming_the_one_to_set(stage):
         assert load_config(stage, "tiny", ["model=elsewhere"]).engine.model == "elsewhere"
 
 
-def test_sweep_expands_like_hydra_and_names_each_run():
+def test_sweep_expands_like_hydra_and_names_each_run(tmp_path):
     jobs = sweep(["seed=0,1", "n=2", "limit=range(1,3)"])
     assert [line for line, _ in jobs] == [
         ["seed=0", "n=2", "limit=1"],
@@ -100,8 +100,9 @@ def test_sweep_expands_like_hydra_and_names_each_run():
     assert [name for _, name in jobs] == ["seed=0,limit=1", "seed=0,limit=2", "seed=1,limit=1", "seed=1,limit=2"]
     with pytest.raises(UserError, match="no override sweeps anything"):
         sweep(["seed=0"])
-    configs = stage_configs("evaluation", ["-m", "seed=0,1", "out_dir=/tmp/sweep"], prog="evaluation")
-    assert [(c.seed, c.out_dir) for c in configs] == [(0, "/tmp/sweep/seed=0"), (1, "/tmp/sweep/seed=1")]
+    out = tmp_path / "sweep"
+    configs = stage_configs("evaluation", ["-m", "seed=0,1", f"out_dir={out}"], prog="evaluation")
+    assert [(c.seed, c.out_dir) for c in configs] == [(0, str(out / "seed=0")), (1, str(out / "seed=1"))]
 
 
 def test_a_sweep_runs_two_evaluations_into_two_folders(toy, server, tmp_path, monkeypatch):
