@@ -24,8 +24,7 @@ import argparse
 import time
 
 import numpy as np
-
-from pareto.selection import Chains, mixed_outcome, objectives, pareto_ranks, select
+from etagent.pareto.selection import Chains, mixed_outcome, objectives, pareto_ranks, select
 
 
 def synthetic_chains(questions: int, chains: int, seed: int) -> tuple[Chains, np.ndarray]:

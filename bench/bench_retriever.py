@@ -4,7 +4,7 @@
                                     [--concurrency 1,8,32,64] [--rounds 1] [--at COMMIT ...]
 
 Serving: builds a toy index (the default encoder, all-MiniLM-L6-v2, Flat), then serves it twice
-on 127.0.0.1, one server at a time: ours (retriever.server: micro-batched encoding and search in
+on 127.0.0.1, one server at a time: ours (etagent.retriever.server: micro-batched encoding and search in
 a worker thread) and the peers' design (FlashRAG's and Search-R1's servers: each request encodes
 its own queries and searches inside the request handler, blocking the event loop; see
 bench/one_at_a_time_server.py). Same encoder, same index, same queries, same torch threads.
@@ -13,7 +13,7 @@ serves our server as it was at that commit too (from a git worktree), side by si
 run: the old way against the new. ``--rounds`` repeats every server's measurement, the servers
 taking turns, so that drift in the machine's speed falls on all of them.
 
-Building: wall time and peak memory of `python -m retriever.build` for synthetic corpora of the
+Building: wall time and peak memory of `python -m etagent.retriever.build` for synthetic corpora of the
 given sizes (toy-world passages).
 
 Printed, never asserted.
@@ -115,7 +115,7 @@ def measure_build(corpus: Path, index_dir: Path) -> tuple[float, float]:
     start = time.perf_counter()
     before = resource.getrusage(resource.RUSAGE_CHILDREN).ru_maxrss
     subprocess.run(
-        [sys.executable, "-m", "retriever.build", f"corpus={corpus}", f"index_dir={index_dir}"],
+        [sys.executable, "-m", "etagent.retriever.build", f"corpus={corpus}", f"index_dir={index_dir}"],
         check=True,
         cwd=ROOT,
         stdout=subprocess.DEVNULL,
@@ -140,13 +140,16 @@ def main() -> None:
     os.environ.update(HF_HUB_OFFLINE="1", OMP_NUM_THREADS=str(args.threads))
     work = Path(tempfile.mkdtemp(prefix="etagent-bench-"))
     subprocess.run(
-        [sys.executable, "-m", "launcher", "toy", "build", "--out", str(work / "toy")], check=True, cwd=ROOT, stdout=subprocess.DEVNULL
+        [sys.executable, "-m", "etagent.launcher", "toy", "build", "--out", str(work / "toy")],
+        check=True,
+        cwd=ROOT,
+        stdout=subprocess.DEVNULL,
     )
     subprocess.run(
         [
             sys.executable,
             "-m",
-            "retriever.build",
+            "etagent.retriever.build",
             f"corpus={work / 'toy' / 'corpus.jsonl'}",
             f"index_dir={work / 'index'}",
             *args.overrides,
@@ -164,7 +167,7 @@ def main() -> None:
     ours = [
         sys.executable,
         "-m",
-        "retriever.server",
+        "etagent.retriever.server",
         f"index_dir={work / 'index'}",
         f"serve.port={port}",
         f"serve.torch_threads={args.threads}",

@@ -105,9 +105,9 @@ def run_ours(args, work: Path, engine: str) -> dict:
         "optim.lr=1e-4",
         "tools.search.local.url=http://127.0.0.1:9",  # never called: the tool budget is 0
     ]
-    launcher = [sys.executable, "-m", "rl.run"]
+    launcher = [sys.executable, "-m", "etagent.rl.run"]
     if engine == "vllm":  # one colocated vLLM engine in the trainer's process, as on GPUs
-        launcher = [sys.executable, "-m", "torch.distributed.run", "--standalone", "--nproc_per_node=1", "-m", "rl.run"]
+        launcher = [sys.executable, "-m", "torch.distributed.run", "--standalone", "--nproc_per_node=1", "-m", "etagent.rl.run"]
         overrides += ["engine.kind=vllm", "engine.vllm.enforce_eager=true", "engine.vllm.cpu_kv_cache_gb=0.5"]
     subprocess.run([*launcher, *overrides], check=True, cwd=ROOT, stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL)
     metrics = [json.loads(line) for line in (out / "metrics.jsonl").read_text().splitlines()]
@@ -319,10 +319,10 @@ def main() -> None:
             f"one RL step: {args.prompts} prompts x {args.n} rollouts, up to {args.new_tokens} new tokens, "
             f"{args.prompts // args.mini} optimizer steps, {args.threads} threads; median of steps 2..{args.steps}"
         )
-        rows = [("etagent rl.run, hf engine", run_ours(args, work, "hf"))]
+        rows = [("etagent.rl.run, hf engine", run_ours(args, work, "hf"))]
         (work / "lengths.json").write_text(json.dumps(rows[0][1]["lengths"]))
         if importlib.util.find_spec("vllm") is not None:
-            rows.append(("etagent rl.run, vllm engine", run_ours(args, work, "vllm")))
+            rows.append(("etagent.rl.run, vllm engine", run_ours(args, work, "vllm")))
         trl = run_side(args, "trl")
         floor = run_side(args, "floor", "--lengths", str(work / "lengths.json"))
 

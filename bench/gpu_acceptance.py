@@ -94,7 +94,7 @@ def sft(work: Path, smoke: bool) -> None:
         overrides.append("attn_implementation=sdpa")
     if smoke and not torch.cuda.is_available():
         overrides += ["train.bf16=false", "model_dtype=float32"]
-    proc = run(torchrun("sft.run", "--preset", "paper", *overrides), work / "sft.log", 1200)
+    proc = run(torchrun("etagent.sft.run", "--preset", "paper", *overrides), work / "sft.log", 1200)
     setting = f"ZeRO-3 {'on' if zero3 else 'NOT RUN (deepspeed not installed)'}, flash-attention {'on' if flash else 'off (sdpa)'}"
     if proc.returncode != 0:
         return result("sft", False, f"exit {proc.returncode}, see {work / 'sft.log'} ({setting})", smoke)
@@ -150,7 +150,7 @@ def rl(work: Path, smoke: bool, engine: str) -> None:
     if not on_gpu:
         overrides += ["train.device=cpu", "engine.dtype=float32"]  # engine.device follows train.device
     for steps in (2, 3):
-        proc = run(torchrun("rl.run", *overrides, f"train.max_steps={steps}"), work / f"{item}-{steps}.log", 1200)
+        proc = run(torchrun("etagent.rl.run", *overrides, f"train.max_steps={steps}"), work / f"{item}-{steps}.log", 1200)
         if proc.returncode != 0:
             return result(item, False, f"exit {proc.returncode} at max_steps={steps}, see {work / f'{item}-{steps}.log'}", smoke)
     history = [json.loads(line) for line in (out / "metrics.jsonl").read_text().splitlines()]
@@ -176,12 +176,12 @@ def memory(work: Path) -> None:
     if not torch.cuda.is_available():
         return result("memory", None, "no CUDA GPU")
     sys.path.insert(0, str(ROOT / "bench"))
+    from etagent.rl.distributed import init_distributed
+    from etagent.rl.policy import load_policy, response_logprobs
     from memory_plan import build_model, update_parts
     from transformers import AutoModelForCausalLM, AutoTokenizer
 
     from etagent.config import load_config
-    from rl.distributed import init_distributed
-    from rl.policy import load_policy, response_logprobs
 
     cfg = load_config("rl", "paper")
     tokens, chunk = int(cfg.train.micro_batch_tokens), int(cfg.train.logprob_chunk_tokens)

@@ -44,8 +44,8 @@ import json
 import math
 from dataclasses import dataclass
 
-import rl  # noqa: F401  (registers configs/rl's schema, which load_config needs)
-import sft  # noqa: F401  (the same for configs/sft)
+import etagent.rl  # noqa: F401  (registers configs/rl's schema, which load_config needs)
+import etagent.sft  # noqa: F401  (the same for configs/sft)
 
 GIB = 2**30
 

@@ -28,12 +28,12 @@ def toy_policy(work: Path, toy: str | None, model: str | None) -> tuple[Path, st
     os.environ.update(HF_HUB_OFFLINE="1", TOKENIZERS_PARALLELISM="false")
     toy_dir = Path(toy) if toy else work / "toy"
     if not toy:
-        _run(sys.executable, "-m", "launcher", "toy", "build", "--out", str(toy_dir))
+        _run(sys.executable, "-m", "etagent.launcher", "toy", "build", "--out", str(toy_dir))
     if model is None:
         _run(
             sys.executable,
             "-m",
-            "sft.run",
+            "etagent.sft.run",
             f"model={toy_dir / 'model'}",
             f"data.path={toy_dir / 'sft.jsonl'}",
             f"out_dir={work / 'sft'}",
@@ -49,10 +49,10 @@ def toy_tools(work: Path, toy: Path) -> Iterator:
     runs for the duration."""
     from etagent.config import load_config
 
-    _run(sys.executable, "-m", "retriever.build", f"corpus={toy / 'corpus.jsonl'}", f"index_dir={work / 'index'}")
+    _run(sys.executable, "-m", "etagent.retriever.build", f"corpus={toy / 'corpus.jsonl'}", f"index_dir={work / 'index'}")
     port = 18500 + os.getpid() % 1000
     server = subprocess.Popen(
-        [sys.executable, "-m", "retriever.server", f"index_dir={work / 'index'}", f"serve.port={port}"],
+        [sys.executable, "-m", "etagent.retriever.server", f"index_dir={work / 'index'}", f"serve.port={port}"],
         cwd=ROOT,
         stdout=subprocess.DEVNULL,
         stderr=subprocess.DEVNULL,

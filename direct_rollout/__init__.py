@@ -1,6 +1,7 @@
-"""Direct rollout: K chains per RL-pool question with the stage's starting policy (entry: direct_rollout.run)."""
+"""Direct rollout: K chains per RL-pool question with the stage's starting policy (entry: etagent.direct_rollout.run)."""
 
-from direct_rollout.config import DirectRolloutConfig
+from etagent.direct_rollout.config import DirectRolloutConfig
+
 from etagent.config import register_stage_schema
 
 # configs/direct_rollout/ is typed by DirectRolloutConfig (each preset starts from it: defaults [_schema, ...])

@@ -1,6 +1,6 @@
 """Direct rollout: K chains per question with the current policy, judged for Pareto selection.
 
-    python -m direct_rollout.run [--preset tiny|paper] [overrides]    # or: etagent direct-rollout ...
+    python -m etagent.direct_rollout.run [--preset tiny|paper] [overrides]    # or: etagent direct-rollout ...
     bash scripts/prepare_rl_stage.sh MODEL STAGE                      # with Pareto, for RL stage k
 
 Before RL stage k the paper samples 8 chains per question with policy k-1 (the SFT model for
@@ -30,9 +30,9 @@ import logging
 from collections.abc import Sequence
 from functools import partial
 
+from etagent.direct_rollout.config import DirectRolloutConfig
 from omegaconf import DictConfig, OmegaConf
 
-from direct_rollout.config import DirectRolloutConfig
 from etagent import scoring
 from etagent.errors import DegradedRun, exit_on_user_error
 from etagent.records import Judgement
@@ -67,7 +67,7 @@ def main(argv: list[str] | None = None) -> None:
 
     logging.basicConfig(level=logging.INFO, format="%(asctime)s %(name)s %(message)s")
     logging.getLogger("httpx").setLevel(logging.WARNING)  # one line per tool request is noise
-    for cfg in stage_configs("direct_rollout", argv, prog="python -m direct_rollout.run", doc=__doc__):
+    for cfg in stage_configs("direct_rollout", argv, prog="python -m etagent.direct_rollout.run", doc=__doc__):
         m = run(cfg)
         kinds = ", ".join(f"{kind} {s['mean_score']:.3f}" for kind, s in m["per_kind"].items())
         print(

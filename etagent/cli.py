@@ -1,5 +1,5 @@
 """The core's own commands, ``etagent score``, ``etagent tool`` and ``etagent convert`` (the
-``etagent`` command itself, which also reaches every stage, is :mod:`launcher.main`, outside the
+``etagent`` command itself, which also reaches every stage, is :mod:`etagent.launcher.main`, outside the
 core): scoring predictions given as JSON lines, one tool call through the configured tool, and
 questions from another project's format written in ours."""
 

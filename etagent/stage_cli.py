@@ -1,10 +1,10 @@
 """The command line every stage shares, with the flags Hydra users know:
 
-    python -m rl.run [--preset NAME] [--restart] [key=value ...]   run (resuming where it stopped)
-    python -m rl.run --cfg job [key=value ...]                     print the config, resolved, and exit
-    python -m rl.run --info [key=value ...]                        where the config comes from, what it reads and writes
-    python -m rl.run -m seed=0,1 lr=1e-3,1e-4                      a sweep: one run per combination
-    python -m rl.run --help                                        these flags, and every setting with its doc
+    python -m etagent.rl.run [--preset NAME] [--restart] [key=value ...]   run (resuming where it stopped)
+    python -m etagent.rl.run --cfg job [key=value ...]                     print the config, resolved, and exit
+    python -m etagent.rl.run --info [key=value ...]                        where the config comes from, what it reads and writes
+    python -m etagent.rl.run -m seed=0,1 lr=1e-3,1e-4                      a sweep: one run per combination
+    python -m etagent.rl.run --help                                        these flags, and every setting with its doc
 
 Overrides are Hydra's (``key=value``, ``+new_key=value``, ``~key``); with ``-m`` a value may be a
 sweep (``a,b``, ``range(0,3)``, ``choice(a,b)``) and every combination runs in turn, as Hydra's

@@ -1,6 +1,6 @@
 """The ablation table: variants of the pipeline side by side, mean and std over seeds.
 
-    python -m evaluation.ablations RUN_DIR/ablations --seeds 3 --variants full no-efficiency ...
+    python -m etagent.evaluation.ablations RUN_DIR/ablations --seeds 3 --variants full no-efficiency ...
 
 Reads, per seed s and variant v (and reference: a starting policy, evaluated only),
 ``seed{s}/{v}/eval/summary.json`` (the held-out evaluation) and
@@ -135,7 +135,7 @@ def ablation_table(root: Path, seeds: int, variants: list[str], references: list
 
 @exit_on_user_error
 def main(argv: list[str] | None = None) -> None:
-    parser = argparse.ArgumentParser(prog="python -m evaluation.ablations", description=__doc__.split("\n\n")[0])
+    parser = argparse.ArgumentParser(prog="python -m etagent.evaluation.ablations", description=__doc__.split("\n\n")[0])
     parser.add_argument("root", help="the ablations directory (RUN_DIR/ablations)")
     parser.add_argument("--seeds", type=int, required=True)
     parser.add_argument("--variants", nargs="+", required=True)

@@ -1,7 +1,7 @@
 """Download benchmarks from the Hugging Face Hub into the formats evaluation/benchmarks.py reads.
 
     pip install -e '.[data]'                          # the `datasets` library
-    python -m evaluation.prepare --out data/benchmarks [--only aime24,math500] [--limit 500]
+    python -m etagent.evaluation.prepare --out data/benchmarks [--only aime24,math500] [--limit 500]
 
 Run it on a machine with internet; copy ``data/benchmarks`` to where you evaluate. Each dataset
 is written to ``{out}/{name}/test.jsonl`` with the fields the paper's files have. Hub ids change
@@ -119,7 +119,7 @@ def prepare(name: str, out: Path, limit: int | None) -> int:
 @exit_on_user_error
 def main(argv: list[str] | None = None) -> None:
     parser = argparse.ArgumentParser(
-        prog="python -m evaluation.prepare", description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter
+        prog="python -m etagent.evaluation.prepare", description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter
     )
     parser.add_argument("--out", default="data/benchmarks")
     parser.add_argument("--only", help="comma-separated names (default: all available)")

@@ -1,7 +1,7 @@
 """Evaluate a policy on benchmarks: rollouts with the tools, metrics, and the paper's table.
 
-    python -m evaluation.run [--preset tiny|paper] [overrides]         # or: etagent evaluate ...
-    python -m evaluation.run --preset paper engine.kind=openai engine.openai.urls=[http://127.0.0.1:8011/v1] ...
+    python -m etagent.evaluation.run [--preset tiny|paper] [overrides]         # or: etagent evaluate ...
+    python -m etagent.evaluation.run --preset paper engine.kind=openai engine.openai.urls=[http://127.0.0.1:8011/v1] ...
 
 For each dataset in ``datasets`` (files under ``data_dir``, formats in evaluation/benchmarks.py):
 
@@ -16,7 +16,7 @@ For each dataset in ``datasets`` (files under ``data_dir``, formats in evaluatio
    pass@k, bootstrap 95% intervals, ...).
 
 Then ``{out_dir}/summary.{json,md,csv}``: one row shaped like the paper's main table (cells are
-correctness/efficiency x100). Put several runs side by side with ``python -m evaluation.table``.
+correctness/efficiency x100). Put several runs side by side with ``python -m etagent.evaluation.table``.
 
 Every step resumes: rollouts skip questions already sampled, scoring skips questions already
 scored (so no sample is judged twice), and a rerun of a finished evaluation recomputes only the
@@ -32,6 +32,10 @@ import time
 from functools import partial
 from pathlib import Path
 
+from etagent.evaluation.benchmarks import BENCHMARKS, benchmark_file, load_benchmark
+from etagent.evaluation.config import EvaluationConfig, EvaluationJudge
+from etagent.evaluation.metrics import aggregate, behaviour
+from etagent.evaluation.table import summary_rows, write_table
 from omegaconf import DictConfig, OmegaConf
 
 from etagent.config import build
@@ -44,10 +48,6 @@ from etagent.sampling import SamplingConfig, run_sampling
 from etagent.scoring import rule_judgement, sample_metrics
 from etagent.settings import check_paths
 from etagent.tools.executor import degraded, describe_failures
-from evaluation.benchmarks import BENCHMARKS, benchmark_file, load_benchmark
-from evaluation.config import EvaluationConfig, EvaluationJudge
-from evaluation.metrics import aggregate, behaviour
-from evaluation.table import summary_rows, write_table
 
 log = logging.getLogger("evaluation")
 
@@ -275,7 +275,7 @@ def main(argv: list[str] | None = None) -> None:
 
     logging.basicConfig(level=logging.INFO, format="%(asctime)s %(name)s %(message)s")
     logging.getLogger("httpx").setLevel(logging.WARNING)
-    for cfg in stage_configs("evaluation", argv, prog="python -m evaluation.run", doc=__doc__):
+    for cfg in stage_configs("evaluation", argv, prog="python -m etagent.evaluation.run", doc=__doc__):
         run(cfg)
 
 

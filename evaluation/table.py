@@ -1,6 +1,6 @@
 """The paper's main table from evaluation runs, several runs side by side.
 
-    python -m evaluation.table runs/eval-sft runs/eval-rl [--out runs/table]
+    python -m etagent.evaluation.table runs/eval-sft runs/eval-rl [--out runs/table]
 
 Rows are runs, columns datasets (the paper's six first, in its order), each cell
 ``correctness / efficiency`` (x100: LLM judge or math equivalence for math, F1 for QA), then the
@@ -20,8 +20,9 @@ import csv
 import json
 from pathlib import Path
 
+from etagent.evaluation.benchmarks import PAPER_TABLE
+
 from etagent.errors import MissingInput, exit_on_user_error
-from evaluation.benchmarks import PAPER_TABLE
 
 
 def summary_rows(run_dirs: list[Path]) -> list[dict]:
@@ -110,7 +111,7 @@ def write_table(rows: list[dict], out: Path) -> tuple[Path, Path]:
 @exit_on_user_error
 def main(argv: list[str] | None = None) -> None:
     parser = argparse.ArgumentParser(
-        prog="python -m evaluation.table", description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter
+        prog="python -m etagent.evaluation.table", description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter
     )
     parser.add_argument("runs", nargs="+", help="evaluation output directories (each with summary.json)")
     parser.add_argument("--out", default="runs/table", help="output path without extension")

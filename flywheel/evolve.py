@@ -40,8 +40,8 @@ without an answer keeps its steps, the log is kept per trajectory (provenance) a
 (outcome, reply), every random choice is seeded, and a question that hits its time limit keeps
 what it made.
 
-What this module does not do: read or write files (``flywheel.run``), or filter trajectories for
-SFT (``flywheel.export``).
+What this module does not do: read or write files (``etagent.flywheel.run``), or filter trajectories for
+SFT (``etagent.flywheel.export``).
 """
 
 from __future__ import annotations
@@ -54,16 +54,8 @@ from collections import Counter, defaultdict
 from dataclasses import dataclass, field
 from typing import Annotated
 
-from omegaconf import MISSING
-
-from etagent import protocol, scoring
-from etagent.agent import AgentLoop, Budgets
-from etagent.llm.text import TextModel
-from etagent.net import ExternalCallError
-from etagent.records import Judgement, Question, Trajectory
-from etagent.settings import FREE, Fraction, NonNegativeInt, PositiveFloat, PositiveInt, Seed, group
-from flywheel import prompts
-from flywheel.steps import (
+from etagent.flywheel import prompts
+from etagent.flywheel.steps import (
     EditorReplyError,
     clean_step,
     format_steps,
@@ -76,6 +68,14 @@ from flywheel.steps import (
     step_hint_prefix,
     think_blocks,
 )
+from omegaconf import MISSING
+
+from etagent import protocol, scoring
+from etagent.agent import AgentLoop, Budgets
+from etagent.llm.text import TextModel
+from etagent.net import ExternalCallError
+from etagent.records import Judgement, Question, Trajectory
+from etagent.settings import FREE, Fraction, NonNegativeInt, PositiveFloat, PositiveInt, Seed, group
 
 log = logging.getLogger("flywheel")
 

@@ -1,6 +1,6 @@
 """The flywheel's trajectories as SFT data, with a report of what was kept and why the rest was not.
 
-    python -m flywheel.export [--preset tiny|paper] [overrides]     # or: etagent flywheel export ...
+    python -m etagent.flywheel.export [--preset tiny|paper] [overrides]     # or: etagent flywheel export ...
 
 Reads ``out_dir/trajectories.jsonl`` (``flywheel/run.py``), or each file of
 ``export.trajectories`` (several runs exported together: one per world version on the toy
@@ -37,15 +37,15 @@ import statistics
 from collections import Counter
 from pathlib import Path
 
+from etagent.flywheel.config import ExportSettings
 from omegaconf import DictConfig, OmegaConf
 
 from etagent import protocol
 from etagent.errors import UserError, exit_on_user_error
 from etagent.records import SFTExample, Trajectory, TrajectoryGroup, export_llamafactory, read_jsonl, read_records, write_jsonl
 from etagent.settings import check_paths
-from flywheel.config import ExportSettings
 
-log = logging.getLogger("flywheel.export")
+log = logging.getLogger("etagent.flywheel.export")
 
 
 def drop_reason(t: Trajectory, require_tool_success: bool) -> str | None:
@@ -168,7 +168,7 @@ def main(argv: list[str] | None = None) -> None:
     from etagent.stage_cli import stage_configs
 
     logging.basicConfig(level=logging.INFO, format="%(asctime)s %(name)s %(message)s")
-    for cfg in stage_configs("flywheel", argv, prog="python -m flywheel.export", doc=__doc__, resumes=False):
+    for cfg in stage_configs("flywheel", argv, prog="python -m etagent.flywheel.export", doc=__doc__, resumes=False):
         r = export(cfg)
         x = r["export"]
         print(

@@ -1,11 +1,11 @@
 """The self-evolving data flywheel: evolve seed questions into many judged trajectories each.
 
-    python -m flywheel.run [--preset tiny|paper] [overrides]     # or: etagent flywheel ...
-    python -m flywheel.export [--preset tiny|paper] [overrides]  # or: etagent flywheel export ...
+    python -m etagent.flywheel.run [--preset tiny|paper] [overrides]     # or: etagent flywheel ...
+    python -m etagent.flywheel.export [--preset tiny|paper] [overrides]  # or: etagent flywheel export ...
     bash scripts/flywheel.sh SFT_MODEL [RUN_DIR]                  # the toy world, retriever included
 
 For every question of ``questions`` not yet in ``out_dir``: an initial rollout by the policy, then
-up to ``flywheel.rounds`` rounds of evolution (:mod:`flywheel.evolve`: re-rollout, redundancy
+up to ``flywheel.rounds`` rounds of evolution (:mod:`etagent.flywheel.evolve`: re-rollout, redundancy
 fix and rewrite of correct trajectories; flaw location, new step, step hint and trajectory hint
 for wrong ones), every trajectory judged and kept with its operation, parent and round.
 ``flywheel.concurrency`` questions are evolved at once (an in-process policy batches their
@@ -37,6 +37,9 @@ import time
 from collections import Counter
 from pathlib import Path
 
+from etagent.flywheel import prompts
+from etagent.flywheel.config import FlywheelConfig
+from etagent.flywheel.evolve import OPERATIONS, STAT_FIELDS, Flywheel, FlywheelSettings, QuestionRun, derived_seed
 from omegaconf import DictConfig, OmegaConf
 
 from etagent import scoring
@@ -52,9 +55,6 @@ from etagent.rundir import claim_output
 from etagent.settings import check_paths
 from etagent.tools import ToolOutput
 from etagent.tools.executor import build_executor, degraded, describe_failures, failure_counts
-from flywheel import prompts
-from flywheel.config import FlywheelConfig
-from flywheel.evolve import OPERATIONS, STAT_FIELDS, Flywheel, FlywheelSettings, QuestionRun, derived_seed
 
 log = logging.getLogger("flywheel")
 
@@ -211,7 +211,7 @@ def main(argv: list[str] | None = None) -> None:
 
     logging.basicConfig(level=logging.INFO, format="%(asctime)s %(name)s %(message)s")
     logging.getLogger("httpx").setLevel(logging.WARNING)
-    for cfg in stage_configs("flywheel", argv, prog="python -m flywheel.run", doc=__doc__):
+    for cfg in stage_configs("flywheel", argv, prog="python -m etagent.flywheel.run", doc=__doc__):
         m = run(cfg)
         print(
             f"flywheel: {m['trajectories']} trajectories of {m['questions']} questions in {cfg.out_dir}\n"

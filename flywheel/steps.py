@@ -13,7 +13,7 @@ edit, so that every cut point can be tested by hand:
   first tool call or answer, nothing it wrote as a ``<result>`` kept, ``<think>`` opened and
   closed. The reference trusted this text as it came (§8.19).
 
-What this module does not do: call models, run tools or judge (``flywheel.evolve``).
+What this module does not do: call models, run tools or judge (``etagent.flywheel.evolve``).
 """
 
 from __future__ import annotations

@@ -1,3 +1,3 @@
-"""The ``etagent`` command (:mod:`launcher.main`): the one place that knows every stage by name.
+"""The ``etagent`` command (:mod:`etagent.launcher.main`): the one place that knows every stage by name.
 It sits outside the core, which imports no stage, and beside the stages, which import no other
 stage."""

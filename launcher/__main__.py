@@ -1,7 +1,7 @@
-"""``python -m launcher ...``: the ``etagent`` command without its console script."""
+"""``python -m etagent.launcher ...``: the ``etagent`` command without its console script."""
 
 import sys
 
-from launcher.main import main
+from etagent.launcher.main import main
 
 sys.exit(main())

@@ -35,15 +35,16 @@ from collections.abc import Callable
 def register_stage_schemas() -> None:
     """Every stage's config schema (its package registers it when imported; the shared groups'
     are registered by the modules that read them, which the stages import), for ``etagent configs``."""
-    import direct_rollout  # noqa: F401
+    import etagent.direct_rollout  # noqa: F401
+    import etagent.evaluation  # noqa: F401
+    import etagent.flywheel  # noqa: F401
+    import etagent.pareto  # noqa: F401
+    import etagent.radar  # noqa: F401
+    import etagent.retriever  # noqa: F401
+    import etagent.rl  # noqa: F401
+    import etagent.sft  # noqa: F401
+
     import etagent.toy.config  # noqa: F401
-    import evaluation  # noqa: F401
-    import flywheel  # noqa: F401
-    import pareto  # noqa: F401
-    import radar  # noqa: F401
-    import retriever  # noqa: F401
-    import rl  # noqa: F401
-    import sft  # noqa: F401
 
 
 def toy(argv: list[str]) -> None:
@@ -53,73 +54,73 @@ def toy(argv: list[str]) -> None:
 
 
 def retriever_build(argv: list[str]) -> None:
-    from retriever.build import main
+    from etagent.retriever.build import main
 
     main(argv)
 
 
 def retriever_serve(argv: list[str]) -> None:
-    from retriever.server import main
+    from etagent.retriever.server import main
 
     main(argv)
 
 
 def flywheel_export(argv: list[str]) -> None:
-    from flywheel.export import main
+    from etagent.flywheel.export import main
 
     main(argv)
 
 
 def flywheel(argv: list[str]) -> None:
-    from flywheel.run import main
+    from etagent.flywheel.run import main
 
     main(argv)
 
 
 def direct_rollout(argv: list[str]) -> None:
-    from direct_rollout.run import main
+    from etagent.direct_rollout.run import main
 
     main(argv)
 
 
 def pareto(argv: list[str]) -> None:
-    from pareto.run import main
+    from etagent.pareto.run import main
 
     main(argv)
 
 
 def sft(argv: list[str]) -> None:
-    from sft.run import main
+    from etagent.sft.run import main
 
     main(argv)
 
 
 def rl(argv: list[str]) -> None:
-    from rl.run import main
+    from etagent.rl.run import main
 
     main(argv)
 
 
 def evaluate(argv: list[str]) -> None:
-    from evaluation.run import main
+    from etagent.evaluation.run import main
 
     main(argv)
 
 
 def reward(argv: list[str]) -> None:
-    from rl.reward import main
+    from etagent.rl.reward import main
 
     main(argv)
 
 
 def radar(argv: list[str]) -> None:
-    from radar.run import main
+    from etagent.radar.run import main
 
     main(argv)
 
 
 def report(argv: list[str]) -> None:
-    from report.run import main
+    from etagent.report.run import main
 
     main(argv)
 

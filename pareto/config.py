@@ -7,10 +7,10 @@ from __future__ import annotations
 from dataclasses import field
 from typing import Annotated
 
+from etagent.pareto.selection import OBJECTIVES
 from omegaconf import MISSING
 
 from etagent.settings import Fraction, InputFileOrFolder, OneOf, OutputFolder, PositiveInt, Seed, group
-from pareto.selection import OBJECTIVES
 
 
 @group

@@ -1,6 +1,6 @@
 """Group-wise Pareto sampling: choose the RL questions of a curriculum stage from its rollouts.
 
-    python -m pareto.run [--preset tiny|paper] [overrides]      # or: etagent pareto ...
+    python -m etagent.pareto.run [--preset tiny|paper] [overrides]      # or: etagent pareto ...
     bash scripts/prepare_rl_stage.sh MODEL STAGE                # direct rollout, then this
 
 Reads the direct rollout of stage k (``rollouts``: trajectories.jsonl, one line per question with
@@ -43,6 +43,8 @@ from collections import Counter
 from pathlib import Path
 
 import numpy as np
+from etagent.pareto.config import ParetoConfig
+from etagent.pareto.selection import Chains, mixed_outcome, objectives, select
 from omegaconf import DictConfig, OmegaConf
 
 from etagent.errors import MissingInput, SettingError, UserError, exit_on_user_error
@@ -59,8 +61,6 @@ from etagent.records import (
 )
 from etagent.rundir import claim_output
 from etagent.settings import check_paths
-from pareto.config import ParetoConfig
-from pareto.selection import Chains, mixed_outcome, objectives, select
 
 log = logging.getLogger("pareto")
 
@@ -334,7 +334,7 @@ def main(argv: list[str] | None = None) -> None:
     from etagent.stage_cli import stage_configs
 
     logging.basicConfig(level=logging.INFO, format="%(asctime)s %(name)s %(message)s")
-    for cfg in stage_configs("pareto", argv, prog="python -m pareto.run", doc=__doc__):
+    for cfg in stage_configs("pareto", argv, prog="python -m etagent.pareto.run", doc=__doc__):
         report = run(cfg)
         c, f = report["counts"], report["fronts"]
         dropped = ", ".join(f"{k} {v}" for k, v in sorted(report["dropped"].items()))

@@ -1,7 +1,8 @@
-"""Radar metrics (conciseness, successful execution, reasoning length) and the chart (entry: radar.run)."""
+"""Radar metrics (conciseness, successful execution, reasoning length) and the chart (entry: etagent.radar.run)."""
+
+from etagent.radar.config import RadarConfig
 
 from etagent.config import register_stage_schema
-from radar.config import RadarConfig
 
 # configs/radar/ is typed by RadarConfig (each preset starts from it: defaults [_schema, ...])
 register_stage_schema("radar", RadarConfig)

@@ -1,6 +1,6 @@
 """The radar: five axes per evaluation run, and the chart with several runs overlaid.
 
-    python -m radar.run runs=[runs/eval-sft,runs/eval-rl] [--preset tiny|paper] [overrides]
+    python -m etagent.radar.run runs=[runs/eval-sft,runs/eval-rl] [--preset tiny|paper] [overrides]
 
 Reads evaluation runs (evaluation/run.py output: per dataset its trajectories, scored samples
 and metrics) and computes, per run and dataset, the metrics of radar/metrics.py; then averages
@@ -29,6 +29,9 @@ import logging
 import time
 from pathlib import Path
 
+from etagent.radar.chart import AXES, draw
+from etagent.radar.config import RadarConfig, RadarJudge
+from etagent.radar.metrics import REDUNDANCY_PROMPT, execution, majority_redundant, parse_redundancy, reasoning_tokens, toy_redundant
 from omegaconf import DictConfig, OmegaConf
 
 from etagent.config import build
@@ -40,9 +43,6 @@ from etagent.records import JsonlAppender, RecordError, TrajectoryGroup, iter_js
 from etagent.rundir import claim_output
 from etagent.scoring import correctness
 from etagent.settings import check_paths
-from radar.chart import AXES, draw
-from radar.config import RadarConfig, RadarJudge
-from radar.metrics import REDUNDANCY_PROMPT, execution, majority_redundant, parse_redundancy, reasoning_tokens, toy_redundant
 
 log = logging.getLogger("radar")
 
@@ -179,7 +179,8 @@ def check_settings(cfg: DictConfig) -> dict:
     for i, run_dir in enumerate(cfg.runs):
         if not (Path(run_dir) / "summary.json").is_file():
             raise SettingError(
-                f"runs[{i}]", f"{run_dir} has no summary.json: not a finished evaluation (python -m evaluation.run out_dir={run_dir})"
+                f"runs[{i}]",
+                f"{run_dir} has no summary.json: not a finished evaluation (python -m etagent.evaluation.run out_dir={run_dir})",
             )
     if cfg.labels and len(cfg.labels) != len(cfg.runs):
         raise SettingError("labels", f"{len(cfg.labels)} labels for {len(cfg.runs)} runs")
@@ -239,7 +240,7 @@ def main(argv: list[str] | None = None) -> None:
 
     logging.basicConfig(level=logging.INFO, format="%(asctime)s %(name)s %(message)s")
     logging.getLogger("httpx").setLevel(logging.WARNING)
-    for cfg in stage_configs("radar", argv, prog="python -m radar.run", doc=__doc__):
+    for cfg in stage_configs("radar", argv, prog="python -m etagent.radar.run", doc=__doc__):
         run(cfg)
 
 

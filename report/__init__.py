@@ -1,1 +1,1 @@
-"""One self-contained HTML page per run: pipeline, curves, tables, charts and a trajectory browser (entry: report.run)."""
+"""One self-contained HTML page per run: pipeline, curves, tables, charts and a trajectory browser (entry: etagent.report.run)."""

@@ -23,7 +23,7 @@ from collections import Counter
 from html import escape
 from pathlib import Path
 
-from report.collect import Run
+from etagent.report.collect import Run
 
 CHUNK = 200
 STATIC = Path(__file__).parent / "static"

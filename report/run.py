@@ -1,6 +1,6 @@
 """``etagent report RUN_DIR``: the run's report page, ``RUN_DIR/report.html`` (or ``--out FILE``).
 
-    python -m report.run runs/demo [--max-trajectories N]
+    python -m etagent.report.run runs/demo [--max-trajectories N]
 
 One HTML file that opens from disk, with no server and no network: the evaluation tables side by
 side with the behaviour table per kind of question, the SFT and RL curves by step, the radar chart
@@ -27,10 +27,11 @@ import time
 from functools import cache
 from pathlib import Path
 
+from etagent.report.collect import collect
+from etagent.report.page import render
+
 from etagent.errors import MissingInput, UserError, exit_on_user_error
 from etagent.settings import PositiveInt, group, validate
-from report.collect import collect
-from report.page import render
 
 
 @group

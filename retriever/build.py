@@ -1,7 +1,7 @@
 """Build a retrieval index from a corpus: dense (faiss) and lexical (BM25).
 
-    python -m retriever.build [--preset tiny|paper] [overrides]       # or: etagent retriever build
-    python -m retriever.build corpus=data/wiki-18.jsonl index_dir=data/wiki-18-e5 --preset paper
+    python -m etagent.retriever.build [--preset tiny|paper] [overrides]       # or: etagent retriever build
+    python -m etagent.retriever.build corpus=data/wiki-18.jsonl index_dir=data/wiki-18-e5 --preset paper
 
 Reads a corpus in the FlashRAG/Search-R1 JSONL format (``id``, ``contents``, optional
 ``title``), streaming it in chunks of ``build.chunk_size`` passages. For each chunk it encodes the
@@ -29,16 +29,16 @@ from dataclasses import asdict
 from pathlib import Path
 
 import numpy as np
+from etagent.retriever.config import EncoderSettings, IndexBuildSettings, RetrieverConfig
+from etagent.retriever.encoder import resolve_model
 
 from etagent.errors import UserError, exit_on_user_error
 from etagent.progress import Progress
 from etagent.records import RecordError, input_identity, iter_jsonl, write_manifest
 from etagent.rundir import changed_settings
 from etagent.settings import check_paths, free_keys
-from retriever.config import EncoderSettings, IndexBuildSettings, RetrieverConfig
-from retriever.encoder import resolve_model
 
-log = logging.getLogger("retriever.build")
+log = logging.getLogger("etagent.retriever.build")
 
 SCHEMA = """
 CREATE TABLE IF NOT EXISTS docs (position INTEGER PRIMARY KEY, id TEXT NOT NULL, title TEXT, contents TEXT NOT NULL);
@@ -75,7 +75,7 @@ def open_store(path: Path) -> sqlite3.Connection:
 
 def encode_corpus(corpus: Path, chunk_size: int, settings: EncoderSettings, out: Path, db: sqlite3.Connection) -> int:
     """Encode every chunk not yet done; return the number of passages."""
-    from retriever.encoder import Encoder
+    from etagent.retriever.encoder import Encoder
 
     done = {chunk for (chunk,) in db.execute("SELECT chunk FROM chunks")}
     parts = out / "embeddings"
@@ -230,7 +230,7 @@ def build_index(cfg: RetrieverConfig) -> dict:
     }
     write_manifest(
         out,
-        stage="retriever.build",
+        stage="etagent.retriever.build",
         config=asdict(cfg),
         inputs=[corpus_input],
         counts={"passages": n},
@@ -251,7 +251,7 @@ def main(argv: list[str] | None = None) -> None:
 
     logging.basicConfig(level=logging.INFO, format="%(asctime)s %(name)s %(message)s")
     logging.getLogger("faiss.loader").setLevel(logging.WARNING)  # its CPU-feature probing is noise
-    for cfg in stage_configs("retriever", argv, prog="python -m retriever.build", doc=__doc__):
+    for cfg in stage_configs("retriever", argv, prog="python -m etagent.retriever.build", doc=__doc__):
         build_index(build(RetrieverConfig, cfg))
 
 

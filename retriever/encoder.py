@@ -12,10 +12,10 @@ from collections.abc import Sequence
 from pathlib import Path
 
 import numpy as np
+from etagent.retriever.config import EncoderSettings
 
 from etagent.errors import SettingError
 from etagent.settings import is_hub_id
-from retriever.config import EncoderSettings
 
 
 def resolve_model(name: str) -> str:

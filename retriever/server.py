@@ -1,7 +1,7 @@
-"""The retrieval service: FastAPI over an index built by retriever.build.
+"""The retrieval service: FastAPI over an index built by etagent.retriever.build.
 
-    python -m retriever.server [--preset tiny|paper] [overrides]     # or: etagent retriever serve
-    python -m retriever.server index_dir=runs/toy/index serve.port=8000
+    python -m etagent.retriever.server [--preset tiny|paper] [overrides]     # or: etagent retriever serve
+    python -m etagent.retriever.server index_dir=runs/toy/index serve.port=8000
 
 Routes (both contracts users already have clients for):
 
@@ -61,6 +61,7 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Annotated, Literal
 
+from etagent.retriever.config import EncoderSettings, RetrieverConfig, ServeConfig
 from fastapi import FastAPI, HTTPException, Request
 from fastapi.exceptions import RequestValidationError
 from fastapi.responses import JSONResponse, Response
@@ -69,9 +70,8 @@ from pydantic import AfterValidator, BaseModel, ConfigDict
 
 from etagent.config import build
 from etagent.errors import MissingInput, SettingError, UserError, exit_on_user_error
-from retriever.config import EncoderSettings, RetrieverConfig, ServeConfig
 
-log = logging.getLogger("retriever.server")
+log = logging.getLogger("etagent.retriever.server")
 RRF_K = 60
 
 
@@ -79,13 +79,13 @@ class Index:
     """The loaded index: faiss, BM25 (if built), the document store and the encoder."""
 
     def __init__(self, index_dir: Path, serve: ServeConfig, encoder: EncoderSettings):
-        from retriever.build import import_faiss
+        from etagent.retriever.build import import_faiss
 
         faiss = import_faiss()
 
         self.dir = Path(index_dir)
         if not (self.dir / "index.faiss").exists():
-            raise MissingInput(f"{self.dir}: no index.faiss (build it first: python -m retriever.build index_dir={self.dir})")
+            raise MissingInput(f"{self.dir}: no index.faiss (build it first: python -m etagent.retriever.build index_dir={self.dir})")
         self.faiss = faiss.read_index(str(self.dir / "index.faiss"))
         self.index_type = type(self.faiss).__name__
         if isinstance(self.faiss, faiss.IndexIVF):
@@ -101,7 +101,7 @@ class Index:
             from etagent.tools.search import BM25Index
 
             self.bm25 = BM25Index.load(self.dir / "bm25")
-        from retriever.encoder import Encoder
+        from etagent.retriever.encoder import Encoder
 
         self.encoder = Encoder(encoder)
         self.size = self.faiss.ntotal
@@ -524,7 +524,7 @@ def main(argv: list[str] | None = None) -> None:
 
     logging.basicConfig(level=logging.INFO, format="%(asctime)s %(name)s %(message)s")
     logging.getLogger("faiss.loader").setLevel(logging.WARNING)  # its CPU-feature probing is noise
-    [cfg] = stage_configs("retriever", argv, prog="python -m retriever.server", doc=__doc__, resumes=False)
+    [cfg] = stage_configs("retriever", argv, prog="python -m etagent.retriever.server", doc=__doc__, resumes=False)
     log.info("config:\n%s", OmegaConf.to_yaml(cfg))
     settings = build(RetrieverConfig, cfg)
     serve = settings.serve
@@ -536,7 +536,8 @@ def main(argv: list[str] | None = None) -> None:
     index_dir = Path(settings.index_dir)
     if not index_dir.is_dir():
         raise SettingError(
-            "index_dir", f"{str(index_dir)!r} is not a folder (build the index first: python -m retriever.build index_dir={index_dir})"
+            "index_dir",
+            f"{str(index_dir)!r} is not a folder (build the index first: python -m etagent.retriever.build index_dir={index_dir})",
         )
     sock = bind(serve.host, serve.port)
     index = Index(index_dir, serve, settings.encoder)

@@ -15,13 +15,13 @@ import math
 
 import torch
 import torch.distributed as dist
+from etagent.rl.algorithm import entropy_aware_advantages, kl_estimate, masked_sum, policy_loss, truncated_importance_weights
+from etagent.rl.batch import Batch, BatchPlan, micro_batches, token_logprobs
+from etagent.rl.distributed import max_all, sum_all
+from etagent.rl.policy import Policy
 from omegaconf import DictConfig
 
 from etagent.divergence import non_finite_values
-from rl.algorithm import entropy_aware_advantages, kl_estimate, masked_sum, policy_loss, truncated_importance_weights
-from rl.batch import Batch, BatchPlan, micro_batches, token_logprobs
-from rl.distributed import max_all, sum_all
-from rl.policy import Policy
 
 
 class NonFiniteUpdate(RuntimeError):
@@ -80,7 +80,7 @@ def update(
 
     ``tis_cap``: the rollouts came from another engine, whose log-probabilities are in
     ``batch.rollout_logprobs``; each token's loss is weighted by truncated importance sampling
-    (:func:`rl.algorithm.truncated_importance_weights`, ``old`` over the rollout's, capped), and
+    (:func:`etagent.rl.algorithm.truncated_importance_weights`, ``old`` over the rollout's, capped), and
     the metrics say how large the ratios were and how many were cut."""
     from torch.distributed.tensor import DTensor
 

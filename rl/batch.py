@@ -159,7 +159,7 @@ class MicroBatch:
 
 def token_logprobs(policy, micro: MicroBatch, with_entropy: bool = False) -> tuple[torch.Tensor, torch.Tensor | None]:
     """Log-probabilities of every response token of ``micro``'s rows under ``policy`` (an
-    rl.policy.Policy) (rows, R), and the entropy of the distribution each was drawn from when
+    etagent.rl.policy.Policy) (rows, R), and the entropy of the distribution each was drawn from when
     asked. Positions past a row's response hold junk: mask them."""
     return policy(micro.input_ids, micro.attention_mask, micro.position_ids, micro.scored, with_entropy)
 

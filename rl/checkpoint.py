@@ -24,8 +24,7 @@ from pathlib import Path
 
 import torch
 import torch.distributed as dist
-
-from rl.weights import stream_weights
+from etagent.rl.weights import stream_weights
 
 
 def latest_checkpoint(out: Path) -> Path | None:

@@ -1,5 +1,5 @@
 """How the paper's released RL reward reads an answer, behaviour for behaviour: the ``paper`` mode
-of :mod:`rl.reward`, and the paper's validation score.
+of :mod:`etagent.rl.reward`, and the paper's validation score.
 
 The released code (ET-Agent's ``verl/utils/reward_score/``: ``efficiency.compute_score`` for
 training, ``default_compute_score`` for validation; paper_rl.md §4.3-4.4) reads answers in ways
@@ -24,7 +24,7 @@ The format check (:func:`etagent.protocol.validate_format`) and the tool-call co
 (:func:`etagent.protocol.count_tool_calls`) are the released ones too; they live in ``etagent``,
 where the flywheel uses them as well.
 
-What this module does not do: the group terms (f_tool, f_length, f_format: :mod:`rl.reward`), or
+What this module does not do: the group terms (f_tool, f_length, f_format: :mod:`etagent.rl.reward`), or
 choose the text it reads. The released code scores the response decoded without special tokens,
 tool results included, and so does RL in its paper mode. Where the released code stops with an
 exception (a group with no gold answer), this module returns 0 instead.

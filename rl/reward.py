@@ -14,7 +14,7 @@ calls as the paper does (:func:`etagent.protocol.count_tool_calls`: paired tags 
 
 Two modes, named as such (paper_rl.md §4.3):
 
-- ``paper``: the released code, behaviour for behaviour (:mod:`rl.paper_reward` reads the answer
+- ``paper``: the released code, behaviour for behaviour (:mod:`etagent.rl.paper_reward` reads the answer
   as it did). It scores the whole decoded response, tool results included (an answer block a
   tool printed counts as the policy's: the released code's loophole, kept in this mode). Math:
   0 without an ``<answer>...</answer>``, else the last box of the *whole* response against the
@@ -31,7 +31,7 @@ Two modes, named as such (paper_rl.md §4.3):
   the token F1 with SQuAD normalisation, max over the gold answers; lengths count generated
   tokens only (again, the caller passes them).
 
-:func:`rl.paper_reward.validation_score` is the paper's validation score, which differs from the
+:func:`etagent.rl.paper_reward.validation_score` is the paper's validation score, which differs from the
 training reward.
 
 What this module does not do: group rollouts (the caller passes one group), put the reward on a
@@ -49,10 +49,10 @@ from dataclasses import asdict, dataclass
 from typing import IO
 
 import numpy as np
+from etagent.rl import paper_reward
 
 from etagent import protocol, scoring
 from etagent.errors import MissingInput, exit_on_user_error
-from rl import paper_reward
 
 MODES = ("paper", "default")
 DATA_SOURCES = {"math_effi_rl": "math", "qa_effi_rl": "qa"}
@@ -187,9 +187,10 @@ def group_problems(group: dict) -> dict[str, str]:
     sigmas are RL's reward settings and are checked by their declaration (rl/config.py
     RewardSettings: the sigmas finite and >= 0, 0 being the end of a stage's decay; a negative
     sigma rewards the longer answer with more tool calls, the opposite of the reward's purpose)."""
+    from etagent.rl.config import RewardSettings
+
     from etagent.errors import SettingError
     from etagent.settings import validate
-    from rl.config import RewardSettings
 
     lengths, responses = group["lengths"], group["responses"]
     problems = {

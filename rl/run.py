@@ -1,7 +1,7 @@
 """RL: GRPO with the efficiency reward on a Pareto-selected parquet, one readable step.
 
-    python -m rl.run [--preset tiny|paper] [overrides]           # or: etagent rl ...
-    torchrun --nproc_per_node=2 -m rl.run ...                    # FSDP2 across processes
+    python -m etagent.rl.run [--preset tiny|paper] [overrides]           # or: etagent rl ...
+    torchrun --nproc_per_node=2 -m etagent.rl.run ...                    # FSDP2 across processes
     bash scripts/rl.sh ...                                       # the same, with launchers
 
 Reads the RL parquet of a curriculum stage (``data.train``, as ``pareto/`` writes it) and a
@@ -74,6 +74,17 @@ from pathlib import Path
 import numpy as np
 import torch
 import torch.distributed as dist
+from etagent.rl.actor import NonFiniteUpdate, response_logprobs, update
+from etagent.rl.algorithm import grpo_advantages, logprob_mismatch
+from etagent.rl.batch import TRUNCATED, Batch, BatchPlan, balanced_partition, batch_plan, pack, tempered_rollouts
+from etagent.rl.checkpoint import export_model, latest_checkpoint, load_checkpoint, save_checkpoint
+from etagent.rl.config import RewardSettings, RLConfig, RolloutSettings
+from etagent.rl.distributed import gather_objects, init_distributed, sum_all, training_device
+from etagent.rl.paper_reward import validation_score
+from etagent.rl.policy import Policy, gathered, load_policy
+from etagent.rl.reward import efficiency_reward, kind_of, raw_correctness, sigma_factor
+from etagent.rl.rollout import Prompt, make_rollout, read_prompts, rollout_metrics
+from etagent.rl.weights import sync_engine
 from omegaconf import DictConfig, OmegaConf
 
 from etagent.agent import AgentConfig, AgentLoop, SegmentEntropy, TrajectoryState
@@ -86,17 +97,6 @@ from etagent.rundir import claim_output
 from etagent.settings import check_paths
 from etagent.timing import phase
 from etagent.tools.executor import degraded, describe_failures, failure_counts, merge_failure_counts
-from rl.actor import NonFiniteUpdate, response_logprobs, update
-from rl.algorithm import grpo_advantages, logprob_mismatch
-from rl.batch import TRUNCATED, Batch, BatchPlan, balanced_partition, batch_plan, pack, tempered_rollouts
-from rl.checkpoint import export_model, latest_checkpoint, load_checkpoint, save_checkpoint
-from rl.config import RewardSettings, RLConfig, RolloutSettings
-from rl.distributed import gather_objects, init_distributed, sum_all, training_device
-from rl.paper_reward import validation_score
-from rl.policy import Policy, gathered, load_policy
-from rl.reward import efficiency_reward, kind_of, raw_correctness, sigma_factor
-from rl.rollout import Prompt, make_rollout, read_prompts, rollout_metrics
-from rl.weights import sync_engine
 
 log = logging.getLogger("rl")
 
@@ -149,7 +149,9 @@ def check_settings(cfg: DictConfig) -> None:
                 f"every request; set it <= {MAX_LOGPROBS} (ARPO: 10)",
             )
     if cfg.engine.kind == "vllm" and "RANK" not in os.environ:
-        raise SettingError("engine.kind", "vllm runs one engine per rank under torchrun: launch with scripts/rl.sh or torchrun -m rl.run")
+        raise SettingError(
+            "engine.kind", "vllm runs one engine per rank under torchrun: launch with scripts/rl.sh or torchrun -m etagent.rl.run"
+        )
     if cfg.train.attn_implementation == "flash_attention_2" and importlib.util.find_spec("flash_attn") is None:
         raise SettingError(
             "train.attn_implementation",
@@ -711,7 +713,7 @@ def main(argv: list[str] | None = None) -> None:
 
     logging.basicConfig(level=logging.INFO, format="%(asctime)s %(name)s %(message)s")
     logging.getLogger("httpx").setLevel(logging.WARNING)
-    for cfg in stage_configs("rl", argv, prog="python -m rl.run", doc=__doc__):
+    for cfg in stage_configs("rl", argv, prog="python -m etagent.rl.run", doc=__doc__):
         try:
             run(cfg)
         finally:

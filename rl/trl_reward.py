@@ -2,7 +2,7 @@
 signature, and our questions as a TRL prompt dataset in the tag protocol.
 
     from trl import GRPOConfig, GRPOTrainer
-    from rl.trl_reward import EfficiencyReward, prompt_dataset
+    from etagent.rl.trl_reward import EfficiencyReward, prompt_dataset
 
     dataset = prompt_dataset(questions)  # prompt: our system prompt + the question; answer, kind, id
     reward = EfficiencyReward(num_generations=8, sigma_tool=0.2, sigma_length=0.5)  # mode="paper" for the paper's
@@ -13,7 +13,7 @@ arguments ``prompts``, ``completions`` (the decoded text, or one assistant messa
 prompts are chat messages), ``completion_ids`` (the sampled ids, cut after EOS), every dataset
 column (one value per completion), ``trainer_state``, ``log_metric`` and ``log_extra``. Its
 sampler puts the ``num_generations`` completions of a prompt next to each other, so each run of
-``num_generations`` is one prompt's group, and :func:`rl.reward.efficiency_reward` runs on it:
+``num_generations`` is one prompt's group, and :func:`etagent.rl.reward.efficiency_reward` runs on it:
 T from the paired tags in the completion's text, the lengths from ``completion_ids``, the gold
 answers from the ``answer`` column (a list of strings, as our questions have, or one string), the
 kind (math or qa) from the ``kind`` column or, for every row, ``kind=``. The group is why
@@ -48,10 +48,10 @@ from collections.abc import Sequence
 from dataclasses import dataclass
 
 import numpy as np
+from etagent.rl.reward import DATA_SOURCES, efficiency_reward
 
 from etagent import protocol
 from etagent.records import Question
-from rl.reward import DATA_SOURCES, efficiency_reward
 
 DATA_SOURCE_OF_KIND = {kind: source for source, kind in DATA_SOURCES.items()}
 

@@ -30,7 +30,7 @@ extra_infos=, **reward_kwargs)`` once per batch (every rollout of every prompt, 
 ``trainer.balance_batch`` left them) and takes one dict per response, ``score`` and the terms.
 Responses are grouped by ``extra_info["index"]``, which our RL parquet makes unique per question
 (the paper's own manager grouped the same way; verl's GRPO ``uid`` is not passed to the reward),
-and :func:`rl.reward.efficiency_reward` runs on each group. From verl 0.7.1 on (0.9.1 included)
+and :func:`etagent.rl.reward.efficiency_reward` runs on each group. From verl 0.7.1 on (0.9.1 included)
 rewards are computed one response at a time in verl's reward loop, the batch manager is no longer
 reachable from the config, and only ``compute_score`` applies.
 
@@ -63,7 +63,7 @@ from __future__ import annotations
 
 from functools import lru_cache
 
-from rl.reward import efficiency_reward
+from etagent.rl.reward import efficiency_reward
 
 
 def gold_answers(ground_truth) -> list[str]:

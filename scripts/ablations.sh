@@ -47,10 +47,10 @@ OUT=$RUN/ablations
 mkdir -p "$OUT"
 VARIANTS=(full no-flywheel no-pareto no-efficiency no-arpo no-curriculum)
 # The demo's stage length: its Pareto count over the prompts per step, times the epochs.
-COUNT=$(python -c "import pareto; from etagent.config import load_config; print(load_config('pareto', 'tiny', []).count)")
+COUNT=$(python -c "import etagent.pareto; from etagent.config import load_config; print(load_config('pareto', 'tiny', []).count)")
 STEPS=${STEPS:-$(python - "$COUNT" <<'PY'
 import sys
-import rl as _  # registers configs/rl's schema
+import etagent.rl as _  # registers configs/rl's schema
 from etagent.config import load_config
 rl = load_config("rl", "tiny", ["model=x", "data.train=x", "out_dir=x"])
 print(int(sys.argv[1]) // rl.data.prompts_per_step * rl.data.epochs)
@@ -63,10 +63,10 @@ echo "ablations: ${#VARIANTS[@]} variants x $SEEDS seeds, $STAGES stages of $STE
 # (SEED_LIST) take turns here: one builds, the others wait and find it built.
 exec 9> "$OUT/.shared.lock"
 flock 9
-python -m retriever.build corpus="$RUN/toy/rl_world/corpus.jsonl" index_dir="$RUN/rl_index" > /dev/null
+python -m etagent.retriever.build corpus="$RUN/toy/rl_world/corpus.jsonl" index_dir="$RUN/rl_index" > /dev/null
 if [ ! -f "$OUT/sft-seed-data/model/config.json" ]; then
   echo "== the no-flywheel start: SFT of $RUN/sft/model on $RUN/flywheel/sft/seed_sft.jsonl -> $OUT/sft-seed-data"
-  python -m sft.run --preset tiny_flywheel model="$RUN/sft/model" data.path="$RUN/flywheel/sft/seed_sft.jsonl" \
+  python -m etagent.sft.run --preset tiny_flywheel model="$RUN/sft/model" data.path="$RUN/flywheel/sft/seed_sft.jsonl" \
     out_dir="$OUT/sft-seed-data" train.progress_bar=false
 fi
 flock -u 9
@@ -85,14 +85,14 @@ done_already() { [ -f "$1/manifest.json" ] && grep -q '"status": "complete"' "$1
 rollout() {
   local model=$1 dir=$2 seed=$3 k=$4
   done_already "$dir" && return 0
-  python -m direct_rollout.run model="$model" questions="$RUN/toy/questions/rl.jsonl" rl_stage="$k" out_dir="$dir" \
+  python -m etagent.direct_rollout.run model="$model" questions="$RUN/toy/questions/rl.jsonl" rl_stage="$k" out_dir="$dir" \
     tools.search.local.url="$RL_URL" agent.seed="$seed"
 }
 
 # the held-out evaluation of MODEL into DIR/eval, under SEED
 evaluate() {
   local model=$1 dir=$2 name=$3 seed=$4
-  python -m evaluation.run model="$model" files.toy="$RUN/toy/questions/test.jsonl" out_dir="$dir/eval" \
+  python -m etagent.evaluation.run model="$model" files.toy="$RUN/toy/questions/test.jsonl" out_dir="$dir/eval" \
     run_name="$name" n=2 agent.seed="$seed" tools.search.local.url="$EVAL_URL" > "$dir/eval.log"
 }
 
@@ -132,11 +132,11 @@ for seed in $SEED_LIST; do
         echo "-- stage $k/$stages: direct rollout of the pool with $model -> $rollouts"
         rollout "$model" "$rollouts" "$seed" "$k"
         echo "-- stage $k/$stages: selection ($method) -> $dir/stage$k/data"
-        python -m pareto.run rl_stage="$k" rollouts="$rollouts" out_dir="$dir/stage$k/data" method="$method" seed="$seed" > "$dir/stage$k/pareto.log"
+        python -m etagent.pareto.run rl_stage="$k" rollouts="$rollouts" out_dir="$dir/stage$k/data" method="$method" seed="$seed" > "$dir/stage$k/pareto.log"
         grep -m 1 "^pareto for" "$dir/stage$k/pareto.log"
         echo "-- stage $k/$stages: RL ($steps steps) -> $dir/stage$k/rl"
         # shellcheck disable=SC2086
-        python -m rl.run rl_stage="$k" model="$model" data.train="$dir/stage$k/data/rl.parquet" out_dir="$dir/stage$k/rl" \
+        python -m etagent.rl.run rl_stage="$k" model="$model" data.train="$dir/stage$k/data/rl.parquet" out_dir="$dir/stage$k/rl" \
           tools.search.local.url="$RL_URL" "${rl_args[@]}" ${RL_ARGS:-}
         model=$dir/stage$k/rl/model
       done
@@ -152,5 +152,5 @@ for seed in $SEED_LIST; do
   done
 done
 
-python -m evaluation.ablations "$OUT" --seeds "$SEEDS" --references seed-sft seed-data-sft flywheel-sft --variants "${VARIANTS[@]}"
-python -m report.run "$OUT"
+python -m etagent.evaluation.ablations "$OUT" --seeds "$SEEDS" --references seed-sft seed-data-sft flywheel-sft --variants "${VARIANTS[@]}"
+python -m etagent.report.run "$OUT"

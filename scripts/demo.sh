@@ -11,7 +11,7 @@ export PATH="$VENV/bin:$PATH" HF_HUB_OFFLINE=1 TRANSFORMERS_OFFLINE=1 WANDB_MODE
 evaluate_on_held_out() {
   local model=$1 out=$2 name=$3
   source scripts/serve_retriever.sh "$RUN/index" "$RUN/retriever.log"
-  python -m evaluation.run model="$model" files.toy="$RUN/toy/questions/test.jsonl" out_dir="$out" \
+  python -m etagent.evaluation.run model="$model" files.toy="$RUN/toy/questions/test.jsonl" out_dir="$out" \
     run_name="$name" n=2 tools.search.local.url="$RETRIEVER_URL"
   stop_retriever
 }
@@ -21,11 +21,11 @@ etagent toy build --out "$RUN/toy"
 
 echo
 echo "== 2/10 retriever index over the toy corpus -> $RUN/index"
-python -m retriever.build corpus="$RUN/toy/corpus.jsonl" index_dir="$RUN/index"
+python -m etagent.retriever.build corpus="$RUN/toy/corpus.jsonl" index_dir="$RUN/index"
 
 echo
 echo "== 3/10 SFT of the tiny model on the seed trajectories, tool results masked -> $RUN/sft (about 6.5 minutes)"
-python -m sft.run model="$RUN/toy/model" data.path="$RUN/toy/sft.jsonl" out_dir="$RUN/sft" train.progress_bar=false
+python -m etagent.sft.run model="$RUN/toy/model" data.path="$RUN/toy/sft.jsonl" out_dir="$RUN/sft" train.progress_bar=false
 
 echo
 echo "== 4/10 evaluation of the SFT policy on the held-out questions, with the real tools -> $RUN/eval"
@@ -53,7 +53,7 @@ PER_KIND=24 bash scripts/flywheel.sh "$RUN/sft/model" "$RUN"
 echo
 echo "== 6/10 SFT of the SFT policy on the flywheel's data, evaluated on the held-out questions -> $RUN/sft-flywheel,"
 echo "   $RUN/eval-flywheel (about 1 minute)"
-python -m sft.run --preset tiny_flywheel model="$RUN/sft/model" data.path="$RUN/flywheel/sft/sft.jsonl" \
+python -m etagent.sft.run --preset tiny_flywheel model="$RUN/sft/model" data.path="$RUN/flywheel/sft/sft.jsonl" \
   out_dir="$RUN/sft-flywheel" train.progress_bar=false
 evaluate_on_held_out "$RUN/sft-flywheel/model" "$RUN/eval-flywheel" toy-sft+flywheel
 
@@ -66,17 +66,17 @@ bash scripts/rl_curriculum.sh "$RUN/sft-flywheel/model" 2 "$RUN"
 
 echo
 echo "== 8/10 the SFT policies against the RL stages on the held-out questions -> $RUN/table"
-python -m evaluation.table "$RUN/eval" "$RUN/eval-flywheel" "$RUN/eval-rl-stage1" "$RUN/eval-rl-stage2" --out "$RUN/table"
+python -m etagent.evaluation.table "$RUN/eval" "$RUN/eval-flywheel" "$RUN/eval-rl-stage1" "$RUN/eval-rl-stage2" --out "$RUN/table"
 
 echo
 echo "== 9/10 radar metrics and chart, the SFT policies against the RL stages -> $RUN/radar"
-python -m radar.run runs="[$RUN/eval,$RUN/eval-flywheel,$RUN/eval-rl-stage1,$RUN/eval-rl-stage2]" \
+python -m etagent.radar.run runs="[$RUN/eval,$RUN/eval-flywheel,$RUN/eval-rl-stage1,$RUN/eval-rl-stage2]" \
   labels="[SFT,SFT+flywheel,RL-1,RL-2]" tokenizer="$RUN/sft/model" out_dir="$RUN/radar"
 
 echo
 echo "== 10/10 the run's report: every stage, the curves, the tables and charts, and a browser over the"
 echo "   trajectories, in one page that opens from disk -> $RUN/report.html"
-python -m report.run "$RUN"
+python -m etagent.report.run "$RUN"
 
 echo
 echo "demo finished: outputs in $RUN, the report in $RUN/report.html"

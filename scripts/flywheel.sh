@@ -35,7 +35,7 @@ EXPORT=()
 
 run_flywheel() {  # QUESTIONS SEARCH_URL OUT_DIR
   echo "-- flywheel over $1 with $MODEL -> $3"
-  python -m flywheel.run --preset "$PRESET" model="$MODEL" questions="$1" out_dir="$3" \
+  python -m etagent.flywheel.run --preset "$PRESET" model="$MODEL" questions="$1" out_dir="$3" \
     tools.search.local.url="$2" ${FLYWHEEL_ARGS:-}
 }
 
@@ -63,7 +63,7 @@ for line in open(source):
 open(target, "w").writelines(lines)
 print(f"-- world version {version}: the first {per_kind} training questions of each kind: {len(lines)} {dict(taken)}")
 PY
-    python -m retriever.build corpus="$RUN/toy/training_worlds/$version.jsonl" index_dir="$RUN/flywheel_index/v$version"
+    python -m etagent.retriever.build corpus="$RUN/toy/training_worlds/$version.jsonl" index_dir="$RUN/flywheel_index/v$version"
     source scripts/serve_retriever.sh "$RUN/flywheel_index/v$version" "$RUN/flywheel_index/v$version.log"
     run_flywheel "$questions" "$RETRIEVER_URL" "$OUT/v$version"
     stop_retriever
@@ -73,4 +73,4 @@ PY
 fi
 
 echo "-- export to SFT data -> $OUT/sft"
-python -m flywheel.export --preset "$PRESET" out_dir="$OUT" "${EXPORT[@]}" ${EXPORT_ARGS:-}
+python -m etagent.flywheel.export --preset "$PRESET" out_dir="$OUT" "${EXPORT[@]}" ${EXPORT_ARGS:-}

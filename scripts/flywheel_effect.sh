@@ -25,15 +25,15 @@ for arm in flywheel seed; do
   [ "$arm" = seed ] && data=$RUN/flywheel/sft/seed_sft.jsonl  # the export's seed examples of the same questions
   if [ ! -f "$RUN/sft-$arm/model/config.json" ]; then
     echo "-- SFT of $RUN/sft/model on $data -> $RUN/sft-$arm"
-    python -m sft.run --preset tiny_flywheel model="$RUN/sft/model" data.path="$data" out_dir="$RUN/sft-$arm" train.progress_bar=false
+    python -m etagent.sft.run --preset tiny_flywheel model="$RUN/sft/model" data.path="$data" out_dir="$RUN/sft-$arm" train.progress_bar=false
   fi
   if [ ! -f "$RUN/eval-$arm/summary.md" ]; then
     echo "-- evaluation of $RUN/sft-$arm on the held-out questions -> $RUN/eval-$arm"
-    python -m evaluation.run model="$RUN/sft-$arm/model" files.toy="$RUN/toy/questions/test.jsonl" out_dir="$RUN/eval-$arm" \
+    python -m etagent.evaluation.run model="$RUN/sft-$arm/model" files.toy="$RUN/toy/questions/test.jsonl" out_dir="$RUN/eval-$arm" \
       run_name="toy-sft+$arm" n=2 tools.search.local.url="$RETRIEVER_URL"
   fi
 done
 stop_retriever
 
-python -m evaluation.table "$RUN/eval" "$RUN/eval-seed" "$RUN/eval-flywheel" --out "$RUN/flywheel_effect"
+python -m etagent.evaluation.table "$RUN/eval" "$RUN/eval-seed" "$RUN/eval-flywheel" --out "$RUN/flywheel_effect"
 echo "tables: $RUN/flywheel_effect.md, $RUN/flywheel_effect_behaviour.md"

@@ -38,15 +38,15 @@ if [ -z "${SEARCH_URL:-}" ]; then
   CORPUS=${CORPUS:-$RUN/toy/rl_world/corpus.jsonl}
   INDEX=${INDEX:-$RUN/rl_index}
   echo "-- retriever over $CORPUS -> $INDEX"
-  python -m retriever.build corpus="$CORPUS" index_dir="$INDEX"
+  python -m etagent.retriever.build corpus="$CORPUS" index_dir="$INDEX"
   source scripts/serve_retriever.sh "$INDEX" "$RUN/rollouts/retriever-stage$STAGE.log"
   SEARCH_URL=$RETRIEVER_URL
 fi
 
 echo "-- direct rollout of $QUESTIONS with $MODEL -> $ROLLOUTS"
-python -m direct_rollout.run --preset "$PRESET" model="$MODEL" questions="$QUESTIONS" rl_stage="$STAGE" \
+python -m etagent.direct_rollout.run --preset "$PRESET" model="$MODEL" questions="$QUESTIONS" rl_stage="$STAGE" \
   out_dir="$ROLLOUTS" tools.search.local.url="$SEARCH_URL" ${ROLLOUT_ARGS:-}
 if [ -n "${RETRIEVER_PID:-}" ]; then stop_retriever; fi
 
 echo "-- Pareto selection -> $OUT/rl.parquet"
-python -m pareto.run --preset "$PRESET" rl_stage="$STAGE" rollouts="$ROLLOUTS" out_dir="$OUT" ${PARETO_ARGS:-}
+python -m etagent.pareto.run --preset "$PRESET" rl_stage="$STAGE" rollouts="$ROLLOUTS" out_dir="$OUT" ${PARETO_ARGS:-}

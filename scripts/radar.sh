@@ -10,4 +10,4 @@ set -euo pipefail
 cd "$(dirname "$0")/.."
 VENV=$(realpath "${ETAGENT_VENV:-.venv}")
 export PATH="$VENV/bin:$PATH" HF_HUB_OFFLINE=${HF_HUB_OFFLINE:-1} TOKENIZERS_PARALLELISM=false
-exec python -m radar.run --preset "${PRESET:-tiny}" "$@"
+exec python -m etagent.radar.run --preset "${PRESET:-tiny}" "$@"

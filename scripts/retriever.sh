@@ -15,11 +15,11 @@ export PATH="$VENV/bin:$PATH" HF_HUB_OFFLINE=${HF_HUB_OFFLINE:-1} TOKENIZERS_PAR
 command=${1:-up}
 shift || true
 case "$command" in
-  build) python -m retriever.build --preset "$PRESET" "$@" ;;
-  serve) exec python -m retriever.server --preset "$PRESET" "$@" ;;
+  build) python -m etagent.retriever.build --preset "$PRESET" "$@" ;;
+  serve) exec python -m etagent.retriever.server --preset "$PRESET" "$@" ;;
   up)
-    python -m retriever.build --preset "$PRESET" "$@"
-    exec python -m retriever.server --preset "$PRESET" "$@"
+    python -m etagent.retriever.build --preset "$PRESET" "$@"
+    exec python -m etagent.retriever.server --preset "$PRESET" "$@"
     ;;
   *) echo "usage: $0 build|serve|up [overrides]" >&2; exit 2 ;;
 esac

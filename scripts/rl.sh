@@ -22,9 +22,9 @@ uses_vllm() {
 if [ "$NNODES" -gt 1 ]; then
   : "${NODE_RANK:?set NODE_RANK (0..NNODES-1) on every node}" "${MASTER_ADDR:?set MASTER_ADDR to the address of node 0}"
   exec torchrun --nnodes "$NNODES" --node_rank "$NODE_RANK" --master_addr "$MASTER_ADDR" --master_port "${MASTER_PORT:-29500}" \
-    --nproc_per_node "$NPROC" -m rl.run "$@"
+    --nproc_per_node "$NPROC" -m etagent.rl.run "$@"
 elif [ "$NPROC" -gt 1 ] || uses_vllm "$@"; then
-  exec torchrun --standalone --nproc_per_node "$NPROC" -m rl.run "$@"
+  exec torchrun --standalone --nproc_per_node "$NPROC" -m etagent.rl.run "$@"
 else
-  exec python -m rl.run "$@"
+  exec python -m etagent.rl.run "$@"
 fi

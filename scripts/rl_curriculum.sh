@@ -62,10 +62,10 @@ for k in $(seq 1 "$STAGES"); do
     toy_files=(files.toy="$RUN/toy/questions/test.jsonl" n=2)
   fi
   # shellcheck disable=SC2086
-  python -m evaluation.run --preset "$PRESET" model="$model" out_dir="$RUN/eval-rl-stage$k" run_name="rl-stage$k" \
+  python -m etagent.evaluation.run --preset "$PRESET" model="$model" out_dir="$RUN/eval-rl-stage$k" run_name="rl-stage$k" \
     "${toy_files[@]}" tools.search.local.url="$eval_url" ${EVAL_ARGS:-}
   if [ -n "${RETRIEVER_PID:-}" ]; then stop_retriever; fi
 done
 echo
-python -m report.run "$RUN"
+python -m etagent.report.run "$RUN"
 echo "curriculum finished: the last stage's model is $model; the run's report is $RUN/report.html"

@@ -6,7 +6,7 @@
 serve_retriever() {
   local index=$1 log=$2 port
   port=$(python -c 'import socket; s = socket.socket(); s.bind(("127.0.0.1", 0)); print(s.getsockname()[1])')
-  python -m retriever.server index_dir="$index" serve.port="$port" > "$log" 2>&1 &
+  python -m etagent.retriever.server index_dir="$index" serve.port="$port" > "$log" 2>&1 &
   RETRIEVER_PID=$!
   trap stop_retriever EXIT
   RETRIEVER_URL="http://127.0.0.1:$port"

@@ -14,9 +14,9 @@ export PATH="$VENV/bin:$PATH" TOKENIZERS_PARALLELISM=false WANDB_MODE=${WANDB_MO
 NPROC=${NPROC:-1}
 LAUNCHER=${LAUNCHER:-torchrun}
 if [ "$NPROC" -le 1 ]; then
-  exec python -m sft.run "$@"
+  exec python -m etagent.sft.run "$@"
 elif [ "$LAUNCHER" = accelerate ]; then
-  exec accelerate launch --num_processes "$NPROC" ${ACCELERATE_ARGS:-} -m sft.run "$@"
+  exec accelerate launch --num_processes "$NPROC" ${ACCELERATE_ARGS:-} -m etagent.sft.run "$@"
 else
-  exec torchrun --nproc_per_node "$NPROC" ${TORCHRUN_ARGS:-} -m sft.run "$@"
+  exec torchrun --nproc_per_node "$NPROC" ${TORCHRUN_ARGS:-} -m etagent.sft.run "$@"
 fi

@@ -1,7 +1,7 @@
 """SFT: fine-tune the policy on tool-integrated trajectories, training only on what it writes.
 
-    python -m sft.run [--preset tiny|paper] [overrides]             # or: etagent sft ...
-    torchrun --nproc_per_node=4 -m sft.run --preset paper            # multi-GPU (ZeRO-3)
+    python -m etagent.sft.run [--preset tiny|paper] [overrides]             # or: etagent sft ...
+    torchrun --nproc_per_node=4 -m etagent.sft.run --preset paper            # multi-GPU (ZeRO-3)
     bash scripts/sft.sh ...                                          # the same, with launchers
 
 Reads SFT data (``data.path``: our JSONL from ``flywheel export`` or the toy builder, or
@@ -30,6 +30,8 @@ import time
 from pathlib import Path
 
 import torch
+from etagent.sft.config import LoraSettings, SFTConfig, SFTTrainSettings
+from etagent.sft.data import IGNORE, build_dataset, load_examples
 from omegaconf import DictConfig, OmegaConf
 
 from etagent.config import WandbConfig, build
@@ -39,8 +41,6 @@ from etagent.progress import Progress
 from etagent.records import write_manifest
 from etagent.rundir import claim_output, completed, restore_manifest
 from etagent.settings import check_paths
-from sft.config import LoraSettings, SFTConfig, SFTTrainSettings
-from sft.data import IGNORE, build_dataset, load_examples
 
 log = logging.getLogger("sft")
 
@@ -315,7 +315,7 @@ def main(argv: list[str] | None = None) -> None:
     from etagent.stage_cli import stage_configs
 
     logging.basicConfig(level=logging.INFO, format="%(asctime)s %(name)s %(message)s")
-    for cfg in stage_configs("sft", argv, prog="python -m sft.run", doc=__doc__):
+    for cfg in stage_configs("sft", argv, prog="python -m etagent.sft.run", doc=__doc__):
         run(cfg)
 
 

@@ -10,10 +10,10 @@ import sys
 from pathlib import Path
 
 import pytest
+from etagent.launcher.main import register_stage_schemas
 
 from etagent.config import load_config
 from etagent.toy.build import run
-from launcher.main import register_stage_schemas
 from tests.servers import free_port, wait_until_healthy
 
 # every stage's config schema, so that a test may load any stage's config (etagent/config.py)
@@ -32,7 +32,7 @@ TOKEN = "test-token-123"
 
 
 def build_index(corpus: Path, index_dir: Path, *overrides: str, check=True) -> subprocess.CompletedProcess:
-    args = [sys.executable, "-m", "retriever.build", f"corpus={corpus}", f"index_dir={index_dir}", *overrides]
+    args = [sys.executable, "-m", "etagent.retriever.build", f"corpus={corpus}", f"index_dir={index_dir}", *overrides]
     return subprocess.run(args, capture_output=True, text=True, timeout=600, check=check)
 
 
@@ -58,14 +58,14 @@ def rl_server(toy, tmp_path_factory):
 
 
 def serve_index(index_dir: Path):
-    """Start retriever.server on a free port (token TOKEN), yield its URL until the session ends."""
+    """Start etagent.retriever.server on a free port (token TOKEN), yield its URL until the session ends."""
     port = free_port()
     env = dict(os.environ, RETRIEVER_TOKEN=TOKEN)
     proc = subprocess.Popen(
         [
             sys.executable,
             "-m",
-            "retriever.server",
+            "etagent.retriever.server",
             f"index_dir={index_dir}",
             f"serve.port={port}",
             "serve.token_env=RETRIEVER_TOKEN",
@@ -117,7 +117,7 @@ def sft_command(toy: Path, out: Path, *overrides: str) -> list[str]:
     return [
         sys.executable,
         "-m",
-        "sft.run",
+        "etagent.sft.run",
         f"model={toy / 'model'}",
         f"data.path={toy / 'sft.jsonl'}",
         f"out_dir={out}",

@@ -1,4 +1,4 @@
-"""rl.run, killed with SIGKILL in the middle of saving a checkpoint: after every rank has written
+"""etagent.rl.run, killed with SIGKILL in the middle of saving a checkpoint: after every rank has written
 its shards and state.json into ``checkpoints/step_{k}.tmp``, before the folder is renamed (what a
 kill during a save leaves). Run by tests/test_rl.py as ``python -m tests.rl_killed_in_save STEP
 [overrides]``; a test double of the crash only, the trainer is the real one."""
@@ -9,10 +9,10 @@ import os
 import signal
 import sys
 
-import rl.checkpoint
-import rl.run
+import etagent.rl.checkpoint
+import etagent.rl.run
 
-real_commit = rl.checkpoint.commit
+real_commit = etagent.rl.checkpoint.commit
 
 
 def commit_or_die(tmp, folder, step=int(sys.argv[1])):
@@ -21,5 +21,5 @@ def commit_or_die(tmp, folder, step=int(sys.argv[1])):
     real_commit(tmp, folder)
 
 
-rl.checkpoint.commit = commit_or_die
-rl.run.main(sys.argv[2:])
+etagent.rl.checkpoint.commit = commit_or_die
+etagent.rl.run.main(sys.argv[2:])

@@ -9,8 +9,7 @@ import subprocess
 import sys
 
 import pytest
-
-from evaluation.ablations import ablation_table
+from etagent.evaluation.ablations import ablation_table
 
 
 def write_eval(directory, correctness, redundant):
@@ -73,13 +72,13 @@ def test_the_first_stage_table_reads_each_stage_evaluation_and_its_own_rl(tmp_pa
 def test_the_command_writes_both_files_and_refuses_a_missing_directory(tmp_path):
     write_run(tmp_path, 0, "full", 80.0, 10.0, [[10]])
     out = subprocess.run(
-        [sys.executable, "-m", "evaluation.ablations", str(tmp_path), "--seeds", "1", "--variants", "full"],
+        [sys.executable, "-m", "etagent.evaluation.ablations", str(tmp_path), "--seeds", "1", "--variants", "full"],
         capture_output=True, text=True, check=True,
     )  # fmt: skip
     assert (tmp_path / "ablations.md").read_text() in out.stdout
     assert json.loads((tmp_path / "ablations.json").read_text())["full"]["seed0"]["correctness"] == pytest.approx(80.0)
     missing = subprocess.run(
-        [sys.executable, "-m", "evaluation.ablations", str(tmp_path / "nope"), "--seeds", "1", "--variants", "full"],
+        [sys.executable, "-m", "etagent.evaluation.ablations", str(tmp_path / "nope"), "--seeds", "1", "--variants", "full"],
         capture_output=True, text=True,
     )  # fmt: skip
     assert missing.returncode == 2 and "no such directory" in missing.stderr

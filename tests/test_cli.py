@@ -10,7 +10,7 @@ import pytest
 
 
 def etagent(*args, stdin: str | None = None):
-    return subprocess.run([sys.executable, "-m", "launcher", *args], input=stdin, capture_output=True, text=True, timeout=120)
+    return subprocess.run([sys.executable, "-m", "etagent.launcher", *args], input=stdin, capture_output=True, text=True, timeout=120)
 
 
 def test_help_lists_the_commands():

@@ -20,7 +20,7 @@ ROOT = Path(__file__).parents[1]
 
 
 def test_the_committed_resolved_presets_are_current():
-    result = subprocess.run([sys.executable, "-m", "launcher", "configs", "--check"], capture_output=True, text=True, cwd=ROOT)
+    result = subprocess.run([sys.executable, "-m", "etagent.launcher", "configs", "--check"], capture_output=True, text=True, cwd=ROOT)
     assert result.returncode == 0, result.stdout + result.stderr
 
 
@@ -72,16 +72,17 @@ def test_a_preset_that_leaves_a_value_open_is_refused_naming_it(tmp_path, monkey
     monkeypatch.setenv("ETAGENT_CONFIG_DIR", str(configs))
     with pytest.raises(UserError, match=r"sft/forgetful.yaml leaves train.epochs unset"):
         load_config("sft", "forgetful")
-    result = subprocess.run([sys.executable, "-m", "sft.run", "--preset", "forgetful"], capture_output=True, text=True, cwd=ROOT)
+    result = subprocess.run([sys.executable, "-m", "etagent.sft.run", "--preset", "forgetful"], capture_output=True, text=True, cwd=ROOT)
     assert result.returncode != 0 and "leaves train.epochs unset" in result.stderr
 
 
 def test_sft_paper_preset_has_the_papers_numbers():
     """3 epochs (max_steps -1: the tiny preset's 4800-step cap once leaked into it), lr 5e-6,
     cosine with warm-up 0.1, 1 x 8 accumulation per GPU, cutoff 10000, bf16, ZeRO-3."""
+    from etagent.sft.config import SFTTrainSettings
+    from etagent.sft.run import training_arguments
+
     from etagent.config import WandbConfig, build
-    from sft.config import SFTTrainSettings
-    from sft.run import training_arguments
 
     cfg = load_config("sft", "paper")
     t = cfg.train

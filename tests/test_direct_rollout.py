@@ -13,13 +13,13 @@ import time
 from pathlib import Path
 
 import pytest
+from etagent.direct_rollout.run import chain_judgement
+from etagent.direct_rollout.run import run as run_direct_rollout
+from etagent.pareto.run import run as run_pareto
 
-from direct_rollout.run import chain_judgement
-from direct_rollout.run import run as run_direct_rollout
 from etagent.config import load_config
 from etagent.question_formats import read_questions
 from etagent.records import TrajectoryGroup, read_jsonl
-from pareto.run import run as run_pareto
 from tests.conftest import TOKEN
 
 
@@ -104,7 +104,7 @@ def test_kill_9_mid_rollout_then_resume_gives_the_identical_parquet(sft_model, t
     run_direct_rollout(load_config("direct_rollout", "tiny", rollout_overrides(sft_model, toy, server, straight, f"limit={questions}")))
 
     killed = tmp_path / "killed"
-    command = [sys.executable, "-m", "direct_rollout.run", *rollout_overrides(sft_model, toy, server, killed, f"limit={questions}")]
+    command = [sys.executable, "-m", "etagent.direct_rollout.run", *rollout_overrides(sft_model, toy, server, killed, f"limit={questions}")]
     proc = subprocess.Popen(command, stdout=subprocess.DEVNULL, stderr=subprocess.PIPE, env=dict(os.environ))
     lines = killed / "trajectories.jsonl"
     deadline = time.monotonic() + 300

@@ -12,17 +12,17 @@ import time
 from pathlib import Path
 
 import pytest
+from etagent.evaluation.benchmarks import BENCHMARKS, benchmark_file, load_benchmark
+from etagent.evaluation.config import EvaluationJudge
+from etagent.evaluation.metrics import aggregate, behaviour
+from etagent.radar.config import RadarJudge
+from etagent.radar.metrics import execution, majority_redundant, paper_result_ok, parse_redundancy
 from fastapi import FastAPI, Request
 from fastapi.responses import JSONResponse
 
 from etagent.config import build, load_config
 from etagent.records import Question, ToolCallRecord, Trajectory
 from etagent.scoring import call_behaviour, correctness, sample_metrics
-from evaluation.benchmarks import BENCHMARKS, benchmark_file, load_benchmark
-from evaluation.config import EvaluationJudge
-from evaluation.metrics import aggregate, behaviour
-from radar.config import RadarJudge
-from radar.metrics import execution, majority_redundant, paper_result_ok, parse_redundancy
 from tests.conftest import TOKEN
 from tests.servers import serve
 
@@ -231,9 +231,8 @@ def test_the_radar_chart_has_no_text_over_text_and_none_cut_off(count, tmp_path)
     from itertools import combinations
 
     import matplotlib.image
+    from etagent.radar.chart import AXES, draw, figure
     from matplotlib.text import Text
-
-    from radar.chart import AXES, draw, figure
 
     runs = {f"stage {k} of a long-named curriculum run": {axis: 95.0 - 9 * k for axis in AXES} for k in range(count)}
     behaviour = {label: (12.5, 3.25) for label in runs}
@@ -262,8 +261,9 @@ def test_radar_llm_judge_votes_through_a_served_text_model(tmp_path):
     of one OpenAI-compatible server, asked judge.rounds times per trajectory with the judge's
     sampling and token cap, the majority cached in conciseness.jsonl. The server is scripted by
     the trajectory text (a control-flow stand-in for the 72B judge)."""
+    from etagent.radar.run import conciseness
+
     from etagent.records import TrajectoryGroup
-    from radar.run import conciseness
 
     app, bodies = FastAPI(), []
 
@@ -318,8 +318,9 @@ def fake_judge():
 
 
 def scored_eval(tmp_path, judge_url):
+    from etagent.evaluation.run import score
+
     from etagent.records import Question, ToolCallRecord, Trajectory, TrajectoryGroup, write_jsonl
-    from evaluation.run import score
 
     out = tmp_path / "ds"
     out.mkdir()
@@ -347,7 +348,7 @@ def scored_eval(tmp_path, judge_url):
             "judge.attempts=2",
         ],
     )
-    from evaluation.run import make_judge
+    from etagent.evaluation.run import make_judge
 
     settings = build(EvaluationJudge, cfg.judge)
     score(out, settings, make_judge(settings))
@@ -373,7 +374,7 @@ def eval_command(sft_model, toy, server, out, *extra):
     return [
         sys.executable,
         "-m",
-        "evaluation.run",
+        "etagent.evaluation.run",
         f"model={sft_model / 'model'}",
         f"files.toy={toy / 'questions' / 'test.jsonl'}",
         f"out_dir={out}",
@@ -416,7 +417,7 @@ def test_toy_evaluation_end_to_end_resumes_after_a_kill_and_draws_the_radar(sft_
     assert "toy P/Effi" in table and f"{a['correctness']:.1f} / {a['efficiency']:.1f}" in table
     # the runs side by side, and how they use tools per kind of toy question
     printed = subprocess.run(
-        [sys.executable, "-m", "evaluation.table", str(whole), str(killed), "--out", str(tmp_path / "table")],
+        [sys.executable, "-m", "etagent.evaluation.table", str(whole), str(killed), "--out", str(tmp_path / "table")],
         check=True,
         capture_output=True,
         text=True,
@@ -436,7 +437,7 @@ def test_toy_evaluation_end_to_end_resumes_after_a_kill_and_draws_the_radar(sft_
         [
             sys.executable,
             "-m",
-            "radar.run",
+            "etagent.radar.run",
             f"runs=[{whole},{killed}]",
             "labels=[first,resumed]",
             f"tokenizer={sft_model / 'model'}",

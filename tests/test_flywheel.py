@@ -12,18 +12,9 @@ import asyncio
 from collections.abc import Callable
 
 import pytest
-from transformers import AutoTokenizer
-
-from etagent import protocol
-from etagent.agent import AgentConfig, AgentLoop
-from etagent.config import load_config
-from etagent.llm import GREEDY, Sample, Sampling, SharedBatches
-from etagent.llm.text import TextModel
-from etagent.records import Question, TokenOrigin
-from etagent.tools.executor import build_executor
-from flywheel import prompts
-from flywheel.evolve import Flywheel, FlywheelSettings, QuestionRun, select_parent
-from flywheel.steps import (
+from etagent.flywheel import prompts
+from etagent.flywheel.evolve import Flywheel, FlywheelSettings, QuestionRun, select_parent
+from etagent.flywheel.steps import (
     EditorReplyError,
     clean_step,
     parse_flaw_reply,
@@ -35,6 +26,15 @@ from flywheel.steps import (
     tool_steps,
     without_reasoning,
 )
+from transformers import AutoTokenizer
+
+from etagent import protocol
+from etagent.agent import AgentConfig, AgentLoop
+from etagent.config import load_config
+from etagent.llm import GREEDY, Sample, Sampling, SharedBatches
+from etagent.llm.text import TextModel
+from etagent.records import Question, TokenOrigin
+from etagent.tools.executor import build_executor
 from tests.trajectories import mask_runs
 
 ANSWER = "<answer>The final answer is \\[ \\boxed{{{}}} \\]</answer>"
@@ -328,10 +328,11 @@ def test_later_rounds_evolve_the_best_trajectory_not_yet_evolved(tokenizer, exec
 
 
 def test_export_keeps_correct_distinct_trajectories_fewest_calls_first(tokenizer, executor, tmp_path):
+    from etagent.flywheel.export import export
+    from etagent.flywheel.run import question_record
+    from etagent.sft.data import IGNORE, tokenize_example
+
     from etagent.records import JsonlAppender, SFTExample, read_records
-    from flywheel.export import export
-    from flywheel.run import question_record
-    from sft.data import IGNORE, tokenize_example
 
     reply = "Step: 2\nAnalysis: repeats.\nCorrected Step: <think>Python gave 612.</think>" + ANSWER.format(612)
     right = evolve(make_flywheel(tokenizer, executor, redundancy=reply), RIGHT)
@@ -385,8 +386,9 @@ def test_the_llm_judge_is_asked_only_when_the_rule_says_wrong(tokenizer, executo
 def test_search_results_are_summarised_by_the_summariser(tokenizer, toy, server, monkeypatch):
     import json
 
+    from etagent.flywheel.run import SummarisedSearch
+
     from etagent.protocol import ToolCall
-    from flywheel.run import SummarisedSearch
     from tests.conftest import TOKEN
 
     monkeypatch.setenv("RETRIEVER_TOKEN", TOKEN)

@@ -25,7 +25,7 @@ def flywheel_command(model: Path, questions: Path, out: Path, server: str, *extr
     return [
         sys.executable,
         "-m",
-        "flywheel.run",
+        "etagent.flywheel.run",
         f"model={model}",
         f"questions={questions}",
         f"out_dir={out}",
@@ -100,7 +100,7 @@ def test_the_toy_flywheel_end_to_end_and_its_data_feeds_sft(toy, sft_model_full,
     # sft/ reads the export unchanged, on the trajectories' own token ids
     out = tmp_path / "sft"
     subprocess.run(
-        [sys.executable, "-m", "sft.run", f"model={sft_model_full / 'model'}", f"data.path={run / 'flywheel' / 'sft' / 'sft.jsonl'}",
+        [sys.executable, "-m", "etagent.sft.run", f"model={sft_model_full / 'model'}", f"data.path={run / 'flywheel' / 'sft' / 'sft.jsonl'}",
          f"out_dir={out}", "train.max_steps=4", "train.progress_bar=false", "threads=2"],
         check=True, capture_output=True, timeout=600,
     )  # fmt: skip

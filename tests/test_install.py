@@ -10,6 +10,7 @@ import json
 import subprocess
 import sys
 import sysconfig
+import zipfile
 from pathlib import Path
 
 import pytest
@@ -28,6 +29,10 @@ def test_a_non_editable_install_runs_evaluate_beside_trl(toy, server, tmp_path):
         timeout=600,
     )
     (wheel,) = wheels.glob("etagent-*.whl")
+    # one top-level name, so nothing of ours can shadow another project's module (a `report` or an `rl`)
+    with zipfile.ZipFile(wheel) as archive:
+        top_level = {name.split("/")[0] for name in archive.namelist()}
+    assert top_level == {"etagent", "etagent-0.1.0.dist-info"}, top_level
     venv = tmp_path / "venv"
     subprocess.run([sys.executable, "-m", "venv", "--without-pip", str(venv)], check=True, timeout=120)
     python = venv / "bin" / "python"
@@ -44,15 +49,21 @@ def test_a_non_editable_install_runs_evaluate_beside_trl(toy, server, tmp_path):
     elsewhere = tmp_path / "elsewhere"  # not the repository: its folders must not be what is imported
     elsewhere.mkdir()
     where = subprocess.run(
-        [python, "-c", "import json, etagent, rl, trl, rl.trl_reward; print(json.dumps([etagent.__file__, rl.__file__, trl.__version__]))"],
+        [
+            python,
+            "-c",
+            "import importlib.util, json, etagent, etagent.rl.run, etagent.rl.trl_reward, trl\n"
+            "print(json.dumps([etagent.__file__, etagent.rl.run.__file__, trl.__version__, importlib.util.find_spec('rl')]))",
+        ],
         cwd=elsewhere,
         capture_output=True,
         text=True,
         timeout=300,
     )
     assert where.returncode == 0, where.stderr[-2000:]
-    etagent_file, rl_file, trl_version = json.loads(where.stdout)
+    etagent_file, rl_file, trl_version, top_level_rl = json.loads(where.stdout)
     assert etagent_file.startswith(str(site)) and rl_file.startswith(str(site)) and trl_version == "1.16.0"
+    assert top_level_rl is None
 
     out = tmp_path / "eval"
     done = subprocess.run(
@@ -129,7 +140,7 @@ def test_a_stage_without_its_extra_exits_2_naming_it(tmp_path):
         [
             sys.executable,
             "-c",
-            "from etagent.errors import exit_on_user_error\nfrom radar.chart import figure\nexit_on_user_error(figure)({'run': {}})",
+            "from etagent.errors import exit_on_user_error\nfrom etagent.radar.chart import figure\nexit_on_user_error(figure)({'run': {}})",
         ],
         capture_output=True,
         text=True,

@@ -12,6 +12,7 @@ import time
 from pathlib import Path
 
 import pytest
+import tomllib
 
 from etagent.timing import phase
 
@@ -19,21 +20,31 @@ ROOT = Path(__file__).resolve().parents[1]
 STAGES = ("flywheel", "direct_rollout", "pareto", "sft", "rl", "retriever", "evaluation", "radar", "report")
 
 
+def owner(module: str) -> str | None:
+    """The folder a module's code lives in: a stage's (``etagent.rl.run`` is rl/'s), the core's
+    (``etagent.records`` is etagent/'s), or None for another project's module."""
+    parts = module.split(".")
+    if parts[0] != "etagent":
+        return None
+    return parts[1] if len(parts) > 1 and parts[1] in STAGES + ("launcher",) else "etagent"
+
+
 def imported_packages(path: Path) -> set[str]:
+    """The folders of this repository that a file imports from (inside functions too)."""
     tree = ast.parse(path.read_text(), filename=str(path))
     names = set()
     for node in ast.walk(tree):
         if isinstance(node, ast.Import):
-            names |= {alias.name.split(".")[0] for alias in node.names}
+            names |= {alias.name for alias in node.names}
         elif isinstance(node, ast.ImportFrom) and node.level == 0 and node.module:
-            names.add(node.module.split(".")[0])
-    return names
+            names.add(node.module)
+    return {owner(name) for name in names} - {None}
 
 
 @pytest.mark.parametrize("package", STAGES + ("etagent",))
 def test_no_stage_imports_another_stage(package):
     files = sorted((ROOT / package).rglob("*.py"))
-    assert files or package in ("flywheel", "direct_rollout", "pareto", "rl"), f"{package}/ has no Python files"
+    assert files, f"{package}/ has no Python files"
     offences = [
         f"{path.relative_to(ROOT)} imports {name}"
         for path in files
@@ -45,12 +56,12 @@ def test_no_stage_imports_another_stage(package):
 
 def module_names_in_strings(path: Path) -> set[str]:
     """String constants that name a module of a stage that exists in this repository
-    ("rl.run", "evaluation.metrics"; not "rl.parquet" or "sft.jsonl")."""
-    pattern = re.compile(rf"^({'|'.join(STAGES)})(\.[A-Za-z_]\w*)+$")
+    ("etagent.rl.run", "etagent.evaluation.metrics"; not "rl.parquet" or "sft.jsonl")."""
+    pattern = re.compile(rf"^etagent\.({'|'.join(STAGES)})(\.[A-Za-z_]\w*)+$")
     names = set()
     for node in ast.walk(ast.parse(path.read_text(), filename=str(path))):
         if isinstance(node, ast.Constant) and isinstance(node.value, str) and pattern.match(node.value):
-            module = ROOT.joinpath(*node.value.split("."))
+            module = ROOT.joinpath(*node.value.split(".")[1:])
             if module.with_suffix(".py").is_file() or (module / "__init__.py").is_file():
                 names.add(node.value)
     return names
@@ -62,15 +73,17 @@ def test_no_module_of_another_stage_is_named_in_a_string(package):
         f"{path.relative_to(ROOT)} names {name}"
         for path in sorted((ROOT / package).rglob("*.py"))
         for name in sorted(module_names_in_strings(path))
-        if name.split(".")[0] != package
+        if owner(name) != package
     ]
     assert not offences, "a module name in a string is an import the rule above cannot see:\n" + "\n".join(offences)
 
 
 def test_the_string_rule_sees_module_names_and_not_file_names(tmp_path):
     module = tmp_path / "m.py"
-    module.write_text('import importlib\nimportlib.import_module("rl.run")\nARGS = ["-m", "evaluation.run"]\nOUT = "rl.parquet"\n')
-    assert module_names_in_strings(module) == {"rl.run", "evaluation.run"}
+    module.write_text(
+        'import importlib\nimportlib.import_module("etagent.rl.run")\nARGS = ["-m", "etagent.evaluation.run"]\nOUT = "rl.parquet"\n'
+    )
+    assert module_names_in_strings(module) == {"etagent.rl.run", "etagent.evaluation.run"}
 
 
 def test_the_launcher_reaches_every_stage():
@@ -79,8 +92,63 @@ def test_the_launcher_reaches_every_stage():
 
 def test_the_rule_sees_imports_inside_functions(tmp_path):
     module = tmp_path / "m.py"
-    module.write_text("def f():\n    from evaluation.metrics import aggregate\n    import radar.chart\n")
+    module.write_text("def f():\n    from etagent.evaluation.metrics import aggregate\n    import etagent.radar.chart\n")
     assert imported_packages(module) >= {"evaluation", "radar"}
+
+
+FOLDERS = STAGES + ("launcher",)
+
+
+def test_every_stage_installs_under_the_etagent_package():
+    """pyproject.toml maps each stage's folder to ``etagent.<folder>`` and lists every package the
+    wheel holds, so no generic top-level name (``rl``, ``report``) is installed beside another
+    project's, and no folder with code is left out of the wheel."""
+    setuptools = tomllib.loads((ROOT / "pyproject.toml").read_text())["tool"]["setuptools"]
+    folders_with_code = {
+        str(init.parent.relative_to(ROOT))
+        for init in ROOT.glob("*/**/__init__.py")
+        if init.parts[len(ROOT.parts)] in FOLDERS + ("etagent",)
+    }
+    mapped = {name: folder for name, folder in setuptools["package-dir"].items()}
+    installed_folders = {
+        str(Path(mapped[name.rsplit(".", 1)[0]]) / name.rsplit(".", 1)[1]) if name not in mapped else mapped[name]
+        for name in setuptools["packages"]
+    }
+    assert all(name == "etagent" or name.startswith("etagent.") for name in setuptools["packages"])
+    assert {f"etagent.{folder}": folder for folder in FOLDERS}.items() <= mapped.items()
+    assert installed_folders == folders_with_code
+
+
+_FOLDER = "|".join(FOLDERS)
+# a module named by its folder alone: run (-m rl.run), imported (from rl.reward import, import rl),
+# or written as a string ("rl.run"; a file like "rl.parquet" is told apart by the folder's files)
+OLD_NAMES = [
+    re.compile(rf"(?<![\w.])-m ((?:{_FOLDER})(?:\.\w+)*)"),
+    re.compile(rf"[\"']-m[\"'],\s*[\"']((?:{_FOLDER})(?:\.\w+)*)[\"']"),
+    re.compile(rf"(?:^|[;\"'])\s*from ((?:{_FOLDER})(?:\.\w+)*) import "),
+    re.compile(rf"(?:^|[;\"'])\s*import ((?:{_FOLDER})(?:\.\w+)*)\b"),
+    re.compile(rf"[\"'`]((?:{_FOLDER})(?:\.\w+)+)[\"'`]"),
+]
+
+
+def is_module(name: str) -> bool:
+    path = ROOT.joinpath(*name.split("."))
+    return path.with_suffix(".py").is_file() or (path / "__init__.py").is_file()
+
+
+def test_no_file_names_a_stage_module_by_its_folder_alone():
+    """Installed, ``rl.run`` does not exist: code, scripts and docs name ``etagent.rl.run``
+    (``python -m etagent.rl.run``, ``from etagent.rl.reward import ...``)."""
+    offences = []
+    for path in sorted(ROOT.glob("**/*")):
+        if path.suffix not in {".py", ".sh", ".md", ".yaml", ".toml"} or path.is_symlink() or not path.is_file() or path == Path(__file__):
+            continue
+        if {".venv", "runs", ".git", "resolved"} & set(path.relative_to(ROOT).parts) or path.name.endswith(".egg-info"):
+            continue
+        for number, line in enumerate(path.read_text().splitlines(), 1):
+            if any(is_module(match.group(1)) for pattern in OLD_NAMES for match in pattern.finditer(line)):
+                offences.append(f"{path.relative_to(ROOT)}:{number}: {line.strip()}")
+    assert not offences, "name stage modules as etagent.<stage>.<module>:\n" + "\n".join(offences)
 
 
 def test_phases_add_up_and_survive_errors():

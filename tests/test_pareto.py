@@ -4,10 +4,9 @@ from __future__ import annotations
 
 import numpy as np
 import pytest
+from etagent.pareto.selection import Chains, crowding_distance, mixed_outcome, objectives, pareto_ranks, select
 from hypothesis import given, settings
 from hypothesis import strategies as st
-
-from pareto.selection import Chains, crowding_distance, mixed_outcome, objectives, pareto_ranks, select
 
 
 def brute_force_ranks(points: np.ndarray) -> np.ndarray:
@@ -204,8 +203,9 @@ def test_pareto_stage_on_a_hand_made_rollout_file(tmp_path):
     out, exactly `count` selected, and the same files again on a rerun."""
     import json
 
+    from etagent.pareto.run import run
+
     from etagent.config import load_config
-    from pareto.run import run
 
     lines = [
         rollout_line("a", "math", [(1, 0), (0, 2), (1, 1), (0, 3)]),
@@ -248,8 +248,9 @@ def test_pareto_stage_on_a_hand_made_rollout_file(tmp_path):
 def test_pareto_names_the_file_line_and_field_of_bad_input(tmp_path):
     import json
 
+    from etagent.pareto.run import read_rollouts
+
     from etagent.records import RecordError
-    from pareto.run import read_rollouts
 
     line = rollout_line("a", "math", [(1, 0), (0, 1)])
     del line["trajectories"][1]["tool_calls_executed"]

@@ -14,14 +14,14 @@ from pathlib import Path
 
 import datasets
 import pytest
+from etagent.direct_rollout.run import run as run_direct_rollout
+from etagent.evaluation.run import run as run_evaluation
+from etagent.rl.rollout import read_prompts
 
-from direct_rollout.run import run as run_direct_rollout
 from etagent import protocol
 from etagent.config import load_config
 from etagent.question_formats import QuestionFormat, read_question_rows, read_questions
 from etagent.records import Question, RecordError, RLRow, read_jsonl, write_rl_parquet
-from evaluation.run import run as run_evaluation
-from rl.rollout import read_prompts
 from tests.conftest import TOKEN
 
 # Search-R1's prompt template (scripts/data_process/nq_search.py, template_type base), as its
@@ -206,9 +206,9 @@ def test_convert_writes_our_schema_and_says_what_it_mapped(formats, toy_question
         out = tmp_path / f"{name}.jsonl"
         extra = ["--split", "test"] if name == "datasets_dict" else []
         done = subprocess.run(
-            [sys.executable, "-m", "launcher", "convert", str(formats[name]), str(out), "--field", "kind=kind", *extra]
+            [sys.executable, "-m", "etagent.launcher", "convert", str(formats[name]), str(out), "--field", "kind=kind", *extra]
             if name == "datasets_dict"
-            else [sys.executable, "-m", "launcher", "convert", str(formats[name]), str(out)],
+            else [sys.executable, "-m", "etagent.launcher", "convert", str(formats[name]), str(out)],
             capture_output=True,
             text=True,
             timeout=120,
@@ -222,7 +222,7 @@ def test_convert_writes_our_schema_and_says_what_it_mapped(formats, toy_question
     source = formats["flashrag"]
     before = source.read_bytes()
     refused = subprocess.run(
-        [sys.executable, "-m", "launcher", "convert", str(source), str(source)], capture_output=True, text=True, timeout=120
+        [sys.executable, "-m", "etagent.launcher", "convert", str(source), str(source)], capture_output=True, text=True, timeout=120
     )
     assert refused.returncode == 2 and refused.stderr.count("\n") == 1 and "never overwrite" in refused.stderr
     assert source.read_bytes() == before
@@ -279,7 +279,7 @@ def test_evaluation_and_direct_rollout_run_on_every_format(formats, toy_question
 def test_evaluation_names_the_setting_for_a_dataset_of_ones_own(toy, server, tmp_path):
     """A name that is not a benchmark and has no file: one line naming files.NAME, exit 2."""
     done = subprocess.run(
-        [sys.executable, "-m", "evaluation.run", *tiny_agent(toy, server), "datasets=[myqa]", f"out_dir={tmp_path / 'e'}"],
+        [sys.executable, "-m", "etagent.evaluation.run", *tiny_agent(toy, server), "datasets=[myqa]", f"out_dir={tmp_path / 'e'}"],
         capture_output=True,
         text=True,
         timeout=120,

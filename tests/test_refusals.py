@@ -25,7 +25,9 @@ USER_ERROR, DEGRADED = 2, 3
 def etagent(*args: str, stdin: bytes | None = None, timeout: float = 300) -> subprocess.CompletedProcess:
     """``etagent ARGS`` as a user types it; stdout and stderr as text."""
     env = dict(os.environ, RETRIEVER_TOKEN=TOKEN, HF_HUB_OFFLINE="1", TRANSFORMERS_OFFLINE="1")
-    result = subprocess.run([sys.executable, "-m", "launcher", *args], input=stdin, capture_output=True, cwd=ROOT, env=env, timeout=timeout)
+    result = subprocess.run(
+        [sys.executable, "-m", "etagent.launcher", *args], input=stdin, capture_output=True, cwd=ROOT, env=env, timeout=timeout
+    )
     return subprocess.CompletedProcess(
         result.args, result.returncode, result.stdout.decode(errors="replace"), result.stderr.decode(errors="replace")
     )

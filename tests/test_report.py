@@ -56,13 +56,15 @@ def small_run(sft_model, toy, server, tmp_path_factory) -> Path:
     questions = [q for q in read_questions(toy / "questions" / "test.jsonl") if q.source in ("toy_python", "toy_both", "toy_search")]
     parquet = write_rl_parquet([RLRow.for_question(q, i, "train") for i, q in enumerate(questions[::10][:8])], run / "rl.parquet")
     overrides = rl_overrides(sft_model, parquet, server, run / "rl" / "stage1", "train.max_steps=2")
-    result = subprocess.run([sys.executable, "-m", "rl.run", *overrides], env=env, capture_output=True, text=True, timeout=900)
+    result = subprocess.run([sys.executable, "-m", "etagent.rl.run", *overrides], env=env, capture_output=True, text=True, timeout=900)
     assert result.returncode == 0, result.stderr[-3000:]
     return run
 
 
 def report(run: Path, *args: str) -> subprocess.CompletedProcess:
-    return subprocess.run([sys.executable, "-m", "report.run", str(run), *args], cwd=ROOT, capture_output=True, text=True, timeout=300)
+    return subprocess.run(
+        [sys.executable, "-m", "etagent.report.run", str(run), *args], cwd=ROOT, capture_output=True, text=True, timeout=300
+    )
 
 
 def test_the_report_of_a_small_run_in_chromium(small_run, browser, tmp_path):

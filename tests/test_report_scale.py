@@ -14,12 +14,12 @@ import time
 from pathlib import Path
 
 import pytest
+from etagent.report.collect import collect, even_shares, sample_positions
+from etagent.report.run import ReportSettings
 
 from etagent.errors import SettingError
 from etagent.records import Question, RLRow, git_revision, write_manifest, write_rl_parquet
 from etagent.settings import out_of_range_values, settings_of, validate
-from report.collect import collect, even_shares, sample_positions
-from report.run import ReportSettings
 from tests.test_report import browser, report  # noqa: F401 (browser: the Chromium fixture)
 
 STEPS, ROLLOUTS_PER_STEP, QUESTIONS = 50, 1000, 16
@@ -101,7 +101,7 @@ def large_run(tmp_path_factory) -> Path:
         path.write_text("{}\n")
         inputs.append({"key": "questions", "path": str(path), "bytes": 3, "sha256": "0"})
     manifest(run / "toy", "toy", counts={"corpus": 360, "train_questions": 6000, "test_questions": 200, "seed_trajectories": 6000})
-    manifest(run / "index", "retriever.build", counts={"passages": 360})
+    manifest(run / "index", "etagent.retriever.build", counts={"passages": 360})
     sft = run / "sft"
     manifest(sft, "sft", counts={"examples": 6000, "steps": 7200})
     history = [
@@ -111,7 +111,7 @@ def large_run(tmp_path_factory) -> Path:
     (sft / "loss_history.json").write_text(json.dumps(history))
     for version in range(1, 5):
         manifest(run / "flywheel" / f"v{version}", "flywheel", inputs=inputs, counts={"kept": 900, "dropped": 100, "rounds": 3})
-        manifest(run / "flywheel_index" / f"v{version}", "retriever.build", counts={"passages": 360})
+        manifest(run / "flywheel_index" / f"v{version}", "etagent.retriever.build", counts={"passages": 360})
     manifest(run / "sft-flywheel", "sft", counts={"examples": 3600})
     (run / "sft-flywheel" / "loss_history.json").write_text(json.dumps(history[:30]))
     questions = [

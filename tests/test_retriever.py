@@ -20,11 +20,11 @@ from pathlib import Path
 
 import httpx
 import pytest
+from etagent.retriever.config import RetrieverConfig
 
 from etagent.config import build, load_config
 from etagent.question_formats import read_questions
 from etagent.tools.search import RetrieverClient, SearchTool
-from retriever.config import RetrieverConfig
 from tests.conftest import TOKEN, build_index
 from tests.servers import free_port, wait_until_healthy
 
@@ -186,7 +186,7 @@ def logged_server(index_dir, tmp_path_factory):
     port, log = free_port(), tmp_path_factory.mktemp("logged_server") / "server.log"
     with log.open("w") as stderr:
         proc = subprocess.Popen(
-            [sys.executable, "-m", "retriever.server", f"index_dir={index_dir}", f"serve.port={port}"],
+            [sys.executable, "-m", "etagent.retriever.server", f"index_dir={index_dir}", f"serve.port={port}"],
             env={k: v for k, v in os.environ.items() if k != "RETRIEVER_TOKEN"},
             stdout=subprocess.DEVNULL,
             stderr=stderr,
@@ -307,7 +307,7 @@ def test_kill_9_during_build_then_rerun_gives_the_same_index(toy, tmp_path):
 
     killed = tmp_path / "killed"
     proc = subprocess.Popen(
-        [sys.executable, "-m", "retriever.build", f"corpus={corpus}", f"index_dir={killed}", *settings],
+        [sys.executable, "-m", "etagent.retriever.build", f"corpus={corpus}", f"index_dir={killed}", *settings],
         stdout=subprocess.DEVNULL,
         stderr=subprocess.DEVNULL,
     )
@@ -338,9 +338,8 @@ def test_bad_corpus_line_names_file_line_and_field(tmp_path):
 @pytest.mark.slow  # about 25 s: kept out of the default run's 15 minutes
 def test_other_index_types_build_and_serve(toy, tmp_path):
     """HNSW and IVF-PQ through the same server code (in-process app, real index files)."""
+    from etagent.retriever.server import create_app
     from fastapi.testclient import TestClient
-
-    from retriever.server import create_app
 
     corpus = toy / "corpus.jsonl"
     for kind, extra in (("HNSW", []), ("IVF-PQ", ["build.ivf_lists=4", "build.pq_m=8", "serve.nprobe=4"])):
@@ -359,7 +358,7 @@ def test_a_query_the_encoder_fails_on_fails_alone(server):
     """The micro-batcher runs a failed batch again query by query, so one query's failure reaches
     only its own request. The index is scripted to fail on one query (a control-flow test: the
     real encoder takes every valid string, and invalid ones are refused at the request)."""
-    from retriever.server import MicroBatcher
+    from etagent.retriever.server import MicroBatcher
 
     class ScriptedIndex:
         def dense(self, queries, k):
@@ -396,7 +395,7 @@ def test_a_query_the_encoder_fails_on_fails_alone(server):
 
 
 def serve_command(index_dir, *overrides):
-    return [sys.executable, "-m", "retriever.server", f"index_dir={index_dir}", *overrides]
+    return [sys.executable, "-m", "etagent.retriever.server", f"index_dir={index_dir}", *overrides]
 
 
 def test_a_server_that_cannot_start_exits_2_with_one_line(index_dir, tmp_path):

@@ -8,9 +8,8 @@ import subprocess
 import sys
 
 import pytest
-
-from rl.paper_reward import validation_score
-from rl.reward import efficiency_reward, length_zscores, raw_correctness, relative_factor, sigma_factor
+from etagent.rl.paper_reward import validation_score
+from etagent.rl.reward import efficiency_reward, length_zscores, raw_correctness, relative_factor, sigma_factor
 
 
 def response(answer: str, calls: int = 0, tool: str = "search") -> str:
@@ -110,13 +109,13 @@ def test_etagent_reward_command(tmp_path):
     ]
     path = tmp_path / "groups.jsonl"
     path.write_text("".join(json.dumps(g) + "\n" for g in groups))
-    out = subprocess.run([sys.executable, "-m", "launcher", "reward", str(path)], capture_output=True, text=True, check=True)
+    out = subprocess.run([sys.executable, "-m", "etagent.launcher", "reward", str(path)], capture_output=True, text=True, check=True)
     lines = [json.loads(line) for line in out.stdout.splitlines()]
     assert set(lines[0]) == {"rewards", "raw", "tool_calls", "f_tool", "f_length", "f_format"}
     assert lines[0] == efficiency_reward(**{k: v for k, v in groups[0].items()}).to_json()
     assert lines[1]["raw"] == [1.0]  # paper mode: "kessriver" against "kessriver" (the article normalised away first)
     bad = json.dumps({**groups[0], "lengths": [1, 2]})
-    failed = subprocess.run([sys.executable, "-m", "launcher", "reward"], input=bad + "\n", capture_output=True, text=True)
+    failed = subprocess.run([sys.executable, "-m", "etagent.launcher", "reward"], input=bad + "\n", capture_output=True, text=True)
     assert failed.returncode != 0 and "<stdin>:1: field 'lengths'" in failed.stderr
 
 
@@ -155,14 +154,14 @@ def test_an_answer_printed_by_a_tool_is_not_the_policys(toy):
     EOS without answering. The default mode reads what the policy wrote (the tool's result
     emptied, the calls that ran): no answer, so no reward but the format penalty. The paper's mode
     reads the whole response, as its released code did: the printed answer counts."""
+    from etagent.rl.config import RewardSettings
+    from etagent.rl.rollout import Prompt
+    from etagent.rl.run import rewards_of
     from transformers import AutoTokenizer
 
     from etagent import protocol
     from etagent.agent import Budgets, TrajectoryState
     from etagent.records import Question, TokenOrigin, ToolCallRecord
-    from rl.config import RewardSettings
-    from rl.rollout import Prompt
-    from rl.run import rewards_of
 
     tokenizer = AutoTokenizer.from_pretrained(toy / "model")
     question = Question(id="q", question="What is 2 + 2?", answer=["4"], source="toy_python", kind="math")

@@ -31,9 +31,8 @@ import sys
 from collections import Counter
 
 import pytest
-
-from rl.paper_reward import validation_score
-from rl.reward import efficiency_reward, kind_of
+from etagent.rl.paper_reward import validation_score
+from etagent.rl.reward import efficiency_reward, kind_of
 
 # --- the released code, transcribed -----------------------------------------------------------
 
@@ -521,7 +520,9 @@ def test_the_reward_command_in_paper_mode_equals_the_released_code():
         )
         for d, g, r, n, st, sl in groups
     ]
-    done = subprocess.run([sys.executable, "-m", "launcher", "reward"], input="\n".join(lines), capture_output=True, text=True, timeout=300)
+    done = subprocess.run(
+        [sys.executable, "-m", "etagent.launcher", "reward"], input="\n".join(lines), capture_output=True, text=True, timeout=300
+    )
     assert done.returncode == 0, done.stderr
     for line, group in zip(done.stdout.splitlines(), groups, strict=True):
         expected = [reward for reward, _, _ in reference_group(*group)]

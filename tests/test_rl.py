@@ -40,7 +40,9 @@ def run_in_subprocess(overrides: list[str]) -> None:
     import subprocess
     import sys
 
-    result = subprocess.run([sys.executable, "-m", "rl.run", *overrides], capture_output=True, text=True, timeout=900, env=dict(os.environ))
+    result = subprocess.run(
+        [sys.executable, "-m", "etagent.rl.run", *overrides], capture_output=True, text=True, timeout=900, env=dict(os.environ)
+    )
     assert result.returncode == 0, result.stderr[-3000:]
 
 
@@ -100,7 +102,7 @@ def test_steps_checkpoints_and_an_exact_resume(sft_model, parquet, server, tmp_p
 
     resumed = tmp_path / "resumed"
     overrides = rl_overrides(sft_model, parquet, server, resumed, "train.max_steps=3", "train.save_every=1")
-    proc = subprocess.Popen([sys.executable, "-m", "rl.run", *overrides], stdout=subprocess.DEVNULL, stderr=subprocess.PIPE)
+    proc = subprocess.Popen([sys.executable, "-m", "etagent.rl.run", *overrides], stdout=subprocess.DEVNULL, stderr=subprocess.PIPE)
     deadline = time.monotonic() + 600
     while not (resumed / "checkpoints" / "step_1" / "state.json").exists():
         assert proc.poll() is None, proc.stderr.read().decode()[-3000:]
@@ -135,7 +137,7 @@ def test_a_kill_during_a_save_resumes_from_the_last_complete_checkpoint(sft_mode
     )
     assert crash.returncode == -9, crash.stderr[-3000:]
     assert (killed / "checkpoints" / "step_2.tmp" / "state.json").exists() and not (killed / "checkpoints" / "step_2").exists()
-    rerun = subprocess.run([sys.executable, "-m", "rl.run", *overrides], capture_output=True, text=True, timeout=900, cwd=root)
+    rerun = subprocess.run([sys.executable, "-m", "etagent.rl.run", *overrides], capture_output=True, text=True, timeout=900, cwd=root)
     assert rerun.returncode == 0, rerun.stderr[-3000:]
     assert "resuming after step 1" in rerun.stderr
     assert not (killed / "checkpoints" / "step_2.tmp").exists()
@@ -218,8 +220,9 @@ def test_colocated_vllm_engine_follows_the_updates(sft_model_full, parquet, serv
 
 def test_vllm_engine_needs_torchrun(sft_model, parquet, tmp_path):
     """Without torchrun the vllm engine is refused with the way to launch it."""
+    from etagent.rl.run import run
+
     from etagent.stage_cli import stage_configs
-    from rl.run import run
 
     [cfg] = stage_configs("rl", rl_overrides(sft_model, parquet, "http://127.0.0.1:9", tmp_path / "x", "engine.kind=vllm"), prog="rl")
     with pytest.raises(ValueError, match="torchrun"):
@@ -289,10 +292,10 @@ def test_paper_preset_has_the_papers_numbers():
 
 
 def test_a_prompt_over_the_limit_names_its_row(toy, tmp_path):
+    from etagent.rl.rollout import read_prompts
     from transformers import AutoTokenizer
 
     from etagent.records import RecordError
-    from rl.rollout import read_prompts
 
     questions = read_questions(toy / "questions" / "test.jsonl")[:3]
     long = questions[2].model_copy(update={"question": "why " * 300})
@@ -393,7 +396,7 @@ def test_paper_preset_scaled_down_on_four_gloo_processes(sft_model_full, toy, se
 def test_a_checkpoint_of_the_earlier_layout_is_refused_with_the_way_out(tmp_path):
     """Before sharded checkpoints, checkpoints/step_k held model/, optimizer.pt and state.json: a
     rerun on such an out_dir is told so, instead of failing inside torch.distributed.checkpoint."""
-    from rl.checkpoint import latest_checkpoint
+    from etagent.rl.checkpoint import latest_checkpoint
 
     old = tmp_path / "checkpoints" / "step_10"
     (old / "model").mkdir(parents=True)
@@ -440,8 +443,8 @@ def failing_prefill(self, rows):
         raise RuntimeError("scripted: the model failed on this input")
     return prefill(self, rows)
 hf.HFEngine._prefill = failing_prefill
-sys.argv = ["rl.run", *sys.argv[1:]]
-runpy.run_module("rl.run", run_name="__main__", alter_sys=True)
+sys.argv = ["etagent.rl.run", *sys.argv[1:]]
+runpy.run_module("etagent.rl.run", run_name="__main__", alter_sys=True)
 """
 
 

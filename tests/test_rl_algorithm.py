@@ -7,8 +7,7 @@ import math
 
 import pytest
 import torch
-
-from rl.algorithm import (
+from etagent.rl.algorithm import (
     entropy_from_logprobs,
     grpo_advantages,
     kl_estimate,

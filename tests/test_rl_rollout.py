@@ -12,17 +12,9 @@ from dataclasses import replace
 
 import pytest
 import torch
-from transformers import AutoTokenizer
-
-from etagent import protocol
-from etagent.agent import AgentConfig, AgentLoop, SegmentEntropy
-from etagent.llm import Sample
-from etagent.records import Question
-from etagent.tools import ToolOutput
-from etagent.tools.executor import ToolExecutor
-from rl.algorithm import entropy_aware_advantages, policy_loss
-from rl.config import RolloutSettings
-from rl.rollout import (
+from etagent.rl.algorithm import entropy_aware_advantages, policy_loss
+from etagent.rl.config import RolloutSettings
+from etagent.rl.rollout import (
     GroupRollout,
     Prompt,
     TreeRollout,
@@ -31,6 +23,14 @@ from rl.rollout import (
     dynamic_root_count,
     rollout_metrics,
 )
+from transformers import AutoTokenizer
+
+from etagent import protocol
+from etagent.agent import AgentConfig, AgentLoop, SegmentEntropy
+from etagent.llm import Sample
+from etagent.records import Question
+from etagent.tools import ToolOutput
+from etagent.tools.executor import ToolExecutor
 
 ANSWER = "<think>done</think><answer>The final answer is \\[ \\boxed{1} \\]</answer>"
 

@@ -517,7 +517,7 @@ def test_a_fallback_that_cannot_import_the_standard_library_refuses_the_run(tmp_
     with pytest.raises(SandboxError, match="cannot import the standard library"):
         PythonSandbox(limits=LIMITS, isolation="rlimits").start()
     result = subprocess.run(
-        [sys.executable, "-m", "launcher", "tool", "python", "tools.python.isolation=rlimits"],
+        [sys.executable, "-m", "etagent.launcher", "tool", "python", "tools.python.isolation=rlimits"],
         input="import csv\nprint(1)\n",
         capture_output=True,
         text=True,

@@ -361,7 +361,9 @@ def test_etagent_tool_cli(retriever, tmp_path):
     url, _ = retriever
 
     def run(*args, stdin=None):
-        return subprocess.run([sys.executable, "-m", "launcher", "tool", *args], input=stdin, capture_output=True, text=True, timeout=120)  # noqa: E731
+        return subprocess.run(
+            [sys.executable, "-m", "etagent.launcher", "tool", *args], input=stdin, capture_output=True, text=True, timeout=120
+        )  # noqa: E731
 
     out = run("python", stdin="x = 6\nx * 7\n")
     assert out.returncode == 0, out.stderr

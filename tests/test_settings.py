@@ -88,8 +88,8 @@ def test_every_number_declares_a_range_and_every_preset_is_within_its_declaratio
 
 
 def test_resume_freedom_comes_from_the_declarations():
-    from rl.config import RLConfig
-    from sft.config import SFTConfig
+    from etagent.rl.config import RLConfig
+    from etagent.sft.config import SFTConfig
 
     sft_free = free_keys(SFTConfig)
     assert {"threads", "train.logging_steps", "wandb.enabled", "tensorboard.enabled", "out_dir"} <= set(sft_free)
@@ -115,7 +115,7 @@ def test_resume_freedom_comes_from_the_declarations():
 )
 def test_non_finite_and_out_of_range_settings_are_refused_by_the_real_cli(stage, override, key, tmp_path):
     """Through the real command line: exit 2, one line naming the key, nothing written."""
-    module = {"retriever": "retriever.build"}.get(stage, f"{stage}.run")
+    module = {"retriever": "etagent.retriever.build"}.get(stage, f"{stage}.run")
     out = tmp_path / "out"
     result = subprocess.run(
         [sys.executable, "-m", module, override, f"{'index_dir' if stage == 'retriever' else 'out_dir'}={out}"],
@@ -148,6 +148,6 @@ def test_the_reward_command_checks_its_sigmas_by_their_declaration(sigma):
         '{"data_source": "math_effi_rl", "ground_truth": ["4"], "responses": ["<answer>\\\\boxed{4}</answer>"], '
         f'"lengths": [5], "sigma_tool": {sigma}, "sigma_length": 0.5}}\n'
     )
-    result = subprocess.run([sys.executable, "-m", "launcher", "reward"], input=line, capture_output=True, text=True, timeout=120)
+    result = subprocess.run([sys.executable, "-m", "etagent.launcher", "reward"], input=line, capture_output=True, text=True, timeout=120)
     assert result.returncode == 2, result.stderr
     assert result.stderr.startswith("error: <stdin>:1: field 'sigma_tool': must be a") and "Traceback" not in result.stderr

@@ -14,12 +14,12 @@ from pathlib import Path
 
 import pytest
 import torch
+from etagent.sft.data import IGNORE, build_dataset, load_examples, tokenize_example
+from etagent.sft.run import Collator
 from transformers import AutoModelForCausalLM, AutoTokenizer
 
 from etagent import protocol
 from etagent.records import SFTExample, export_llamafactory
-from sft.data import IGNORE, build_dataset, load_examples, tokenize_example
-from sft.run import Collator
 from tests.conftest import sft_command
 
 TRAJECTORY = (
@@ -205,7 +205,7 @@ def test_two_process_cpu_run_trains_and_saves_a_working_model(toy, tmp_path):
         "--master_port",
         str(29500 + os.getpid() % 1000),
         "-m",
-        "sft.run",
+        "etagent.sft.run",
         *sft_command(toy, out, "threads=1", "train.max_steps=6", "train.batch_size=4", "train.logging_steps=1")[3:],
     ]
     result = subprocess.run(command, capture_output=True, text=True, timeout=600)

@@ -21,14 +21,14 @@ from tests.conftest import TOKEN
 
 STAGES = sorted(name for name, (_, package) in SCHEMAS.items() if package == "_global_" and presets(name))
 MODULES = {
-    "direct_rollout": "direct_rollout.run",
-    "evaluation": "evaluation.run",
-    "flywheel": "flywheel.run",
-    "pareto": "pareto.run",
-    "radar": "radar.run",
-    "retriever": "retriever.build",
-    "rl": "rl.run",
-    "sft": "sft.run",
+    "direct_rollout": "etagent.direct_rollout.run",
+    "evaluation": "etagent.evaluation.run",
+    "flywheel": "etagent.flywheel.run",
+    "pareto": "etagent.pareto.run",
+    "radar": "etagent.radar.run",
+    "retriever": "etagent.retriever.build",
+    "rl": "etagent.rl.run",
+    "sft": "etagent.sft.run",
 }
 
 
@@ -37,7 +37,9 @@ def test_every_stage_has_a_command():
 
 
 def test_cfg_job_prints_the_resolved_config():
-    done = subprocess.run([sys.executable, "-m", "rl.run", "--cfg", "job", "optim.lr=0.002"], capture_output=True, text=True, timeout=120)
+    done = subprocess.run(
+        [sys.executable, "-m", "etagent.rl.run", "--cfg", "job", "optim.lr=0.002"], capture_output=True, text=True, timeout=120
+    )
     assert done.returncode == 0, done.stderr
     printed = yaml.safe_load(done.stdout)
     expected = OmegaConf.to_container(load_config("rl", "tiny", ["optim.lr=0.002"]), resolve=True)
@@ -46,7 +48,9 @@ def test_cfg_job_prints_the_resolved_config():
 
 
 def test_info_says_where_the_config_comes_from_and_what_the_run_reads_and_writes():
-    done = subprocess.run([sys.executable, "-m", "evaluation.run", "--info", "model=runs/x/model"], capture_output=True, text=True, timeout=120)
+    done = subprocess.run(
+        [sys.executable, "-m", "etagent.evaluation.run", "--info", "model=runs/x/model"], capture_output=True, text=True, timeout=120
+    )
     assert done.returncode == 0, done.stderr
     assert str(config_dir() / "evaluation" / "tiny.yaml") in done.stdout
     assert "/engine@engine: tiny" in done.stdout and "overrides: model=runs/x/model" in done.stdout
@@ -69,7 +73,7 @@ def test_help_lists_every_setting_and_documents_every_top_level_key(stage):
 
 
 def test_help_on_the_command_line():
-    done = subprocess.run([sys.executable, "-m", "rl.run", "--help"], capture_output=True, text=True, timeout=120)
+    done = subprocess.run([sys.executable, "-m", "etagent.rl.run", "--help"], capture_output=True, text=True, timeout=120)
     assert done.returncode == 0
     assert "--cfg" in done.stdout and "-m, --multirun" in done.stdout
     assert "optim.lr" in done.stdout and "engine.model" in done.stdout and "follows model" in done.stdout
@@ -112,7 +116,7 @@ def test_a_sweep_runs_two_evaluations_into_two_folders(toy, server, tmp_path, mo
         [
             sys.executable,
             "-m",
-            "evaluation.run",
+            "etagent.evaluation.run",
             "-m",
             "seed=0,1",
             f"model={toy / 'model'}",

@@ -248,7 +248,7 @@ def test_sft_data_is_the_correct_well_formed_seeds(toy):
 
 def test_cli_build_then_rerun_is_a_no_op_and_a_config_change_is_refused(tmp_path):
     out = tmp_path / "toy"
-    args = [sys.executable, "-m", "launcher", "toy", "build", "--out", str(out)] + SMALL
+    args = [sys.executable, "-m", "etagent.launcher", "toy", "build", "--out", str(out)] + SMALL
     first = subprocess.run(args, capture_output=True, text=True, timeout=300)
     assert first.returncode == 0, first.stderr
     assert "toy world in" in first.stdout and "example seed trajectory" in first.stdout

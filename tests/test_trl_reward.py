@@ -1,6 +1,6 @@
 """The group-relative efficiency reward inside the trainers researchers already run: verl's batch
 reward manager (rl/verl_reward.py's compute_score_batch) and TRL's GRPOTrainer
-(rl/trl_reward.py's EfficiencyReward) give exactly rl.reward.efficiency_reward per group, and
+(rl/trl_reward.py's EfficiencyReward) give exactly etagent.rl.reward.efficiency_reward per group, and
 TRL's real trainer takes one step on the toy world with it."""
 
 from __future__ import annotations
@@ -12,10 +12,10 @@ from pathlib import Path
 
 import numpy as np
 import pytest
+from etagent.rl.reward import efficiency_reward
+from etagent.rl.trl_reward import EfficiencyReward, prompt_dataset
 
 from etagent.records import Question, read_records
-from rl.reward import efficiency_reward
-from rl.trl_reward import EfficiencyReward, prompt_dataset
 
 ROOT = Path(__file__).resolve().parents[1]
 SIGMAS = {"sigma_tool": 0.3, "sigma_length": 0.7}
@@ -228,7 +228,7 @@ def test_trl_grpo_trainer_takes_a_step_with_our_reward(toy, tmp_path):
     assert len(rewards) == 2 * n and sorted({q["content"] for p in kwargs["prompts"] for q in p if q["role"] == "user"}) == sorted(
         q.question for q in questions
     )
-    for k in range(2):  # each group whole, and its reward rl.reward's
+    for k in range(2):  # each group whole, and its reward etagent.rl.reward's
         group = range(k * n, (k + 1) * n)
         assert all(kwargs["prompts"][i] == kwargs["prompts"][k * n] for i in group)
         question = next(q for q in questions if q.question == kwargs["prompts"][k * n][-1]["content"])
