@@ -24,6 +24,7 @@ import argparse
 import time
 
 import numpy as np
+
 from etagent.pareto.selection import Chains, mixed_outcome, objectives, pareto_ranks, select
 
 

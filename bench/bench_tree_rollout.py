@@ -25,11 +25,10 @@ from toy_setup import toy_policy, toy_tools
 
 
 def generate_step(engine, executor, prompts, cfg) -> tuple[float, dict[str, list[int]]]:
-    from etagent.rl.config import RolloutSettings
-    from etagent.rl.rollout import make_rollout
-
     from etagent.agent import AgentConfig, AgentLoop, SegmentEntropy
     from etagent.config import build
+    from etagent.rl.config import RolloutSettings
+    from etagent.rl.rollout import make_rollout
 
     loop = AgentLoop(engine, executor, build(AgentConfig, cfg.agent), SegmentEntropy(cfg.rollout.top_logprobs, cfg.rollout.entropy_window))
     engine.sleep()  # nothing kept from the run before
@@ -48,11 +47,10 @@ def main() -> None:
     args = parser.parse_args()
     work = Path(tempfile.mkdtemp(prefix="etagent-bench-tree-"))
     toy, model = toy_policy(work, args.toy, args.model)
-    from etagent.rl.rollout import Prompt
-
     from etagent.config import load_config
     from etagent.llm.hf import HFEngine
     from etagent.question_formats import read_questions
+    from etagent.rl.rollout import Prompt
     from etagent.tools.executor import build_executor
 
     cfg = load_config("rl", "tiny", [f"model={model}"])

@@ -176,12 +176,12 @@ def memory(work: Path) -> None:
     if not torch.cuda.is_available():
         return result("memory", None, "no CUDA GPU")
     sys.path.insert(0, str(ROOT / "bench"))
-    from etagent.rl.distributed import init_distributed
-    from etagent.rl.policy import load_policy, response_logprobs
     from memory_plan import build_model, update_parts
     from transformers import AutoModelForCausalLM, AutoTokenizer
 
     from etagent.config import load_config
+    from etagent.rl.distributed import init_distributed
+    from etagent.rl.policy import load_policy, response_logprobs
 
     cfg = load_config("rl", "paper")
     tokens, chunk = int(cfg.train.micro_batch_tokens), int(cfg.train.logprob_chunk_tokens)

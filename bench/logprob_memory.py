@@ -29,8 +29,9 @@ import sys
 
 def measure(method: str, vocab: int, tokens: int, hidden: int, chunk: int) -> dict:
     import torch
-    from etagent.rl.policy import Policy
     from transformers import Qwen2Config, Qwen2ForCausalLM
+
+    from etagent.rl.policy import Policy
 
     torch.manual_seed(0)
     config = Qwen2Config(

@@ -13,12 +13,12 @@ from pathlib import Path
 
 import torch
 import uvicorn
-from etagent.retriever.config import RetrieverConfig
-from etagent.retriever.server import Index
 from fastapi import FastAPI
 from pydantic import BaseModel
 
 from etagent.config import build, load_config
+from etagent.retriever.config import RetrieverConfig
+from etagent.retriever.server import Index
 
 
 class RetrieveRequest(BaseModel):

@@ -1,8 +1,7 @@
 """Direct rollout: K chains per RL-pool question with the stage's starting policy (entry: etagent.direct_rollout.run)."""
 
-from etagent.direct_rollout.config import DirectRolloutConfig
-
 from etagent.config import register_stage_schema
+from etagent.direct_rollout.config import DirectRolloutConfig
 
 # configs/direct_rollout/ is typed by DirectRolloutConfig (each preset starts from it: defaults [_schema, ...])
 register_stage_schema("direct_rollout", DirectRolloutConfig)

@@ -30,10 +30,10 @@ import logging
 from collections.abc import Sequence
 from functools import partial
 
-from etagent.direct_rollout.config import DirectRolloutConfig
 from omegaconf import DictConfig, OmegaConf
 
 from etagent import scoring
+from etagent.direct_rollout.config import DirectRolloutConfig
 from etagent.errors import DegradedRun, exit_on_user_error
 from etagent.records import Judgement
 from etagent.sampling import run_sampling

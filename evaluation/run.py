@@ -32,14 +32,14 @@ import time
 from functools import partial
 from pathlib import Path
 
-from etagent.evaluation.benchmarks import BENCHMARKS, benchmark_file, load_benchmark
-from etagent.evaluation.config import EvaluationConfig, EvaluationJudge
-from etagent.evaluation.metrics import aggregate, behaviour
-from etagent.evaluation.table import summary_rows, write_table
 from omegaconf import DictConfig, OmegaConf
 
 from etagent.config import build
 from etagent.errors import DegradedRun, SettingError, exit_on_user_error
+from etagent.evaluation.benchmarks import BENCHMARKS, benchmark_file, load_benchmark
+from etagent.evaluation.config import EvaluationConfig, EvaluationJudge
+from etagent.evaluation.metrics import aggregate, behaviour
+from etagent.evaluation.table import summary_rows, write_table
 from etagent.progress import Progress
 from etagent.question_formats import QuestionFormat, read_questions
 from etagent.records import JsonlAppender, TrajectoryGroup, iter_jsonl, read_jsonl, write_jsonl, write_manifest

@@ -20,9 +20,8 @@ import csv
 import json
 from pathlib import Path
 
-from etagent.evaluation.benchmarks import PAPER_TABLE
-
 from etagent.errors import MissingInput, exit_on_user_error
+from etagent.evaluation.benchmarks import PAPER_TABLE
 
 
 def summary_rows(run_dirs: list[Path]) -> list[dict]:

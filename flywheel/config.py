@@ -8,10 +8,10 @@ from __future__ import annotations
 from dataclasses import field
 from typing import Annotated
 
-from etagent.flywheel.evolve import FlywheelSettings
 from omegaconf import MISSING
 
 from etagent.agent import AgentConfig
+from etagent.flywheel.evolve import FlywheelSettings
 from etagent.llm import EngineConfig, Sampling
 from etagent.question_formats import QuestionFormat
 from etagent.settings import FREE, InputData, InputFile, ModelPath, OneOf, OutputFolder, PositiveInt, group

@@ -54,6 +54,10 @@ from collections import Counter, defaultdict
 from dataclasses import dataclass, field
 from typing import Annotated
 
+from omegaconf import MISSING
+
+from etagent import protocol, scoring
+from etagent.agent import AgentLoop, Budgets
 from etagent.flywheel import prompts
 from etagent.flywheel.steps import (
     EditorReplyError,
@@ -68,10 +72,6 @@ from etagent.flywheel.steps import (
     step_hint_prefix,
     think_blocks,
 )
-from omegaconf import MISSING
-
-from etagent import protocol, scoring
-from etagent.agent import AgentLoop, Budgets
 from etagent.llm.text import TextModel
 from etagent.net import ExternalCallError
 from etagent.records import Judgement, Question, Trajectory

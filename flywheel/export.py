@@ -37,11 +37,11 @@ import statistics
 from collections import Counter
 from pathlib import Path
 
-from etagent.flywheel.config import ExportSettings
 from omegaconf import DictConfig, OmegaConf
 
 from etagent import protocol
 from etagent.errors import UserError, exit_on_user_error
+from etagent.flywheel.config import ExportSettings
 from etagent.records import SFTExample, Trajectory, TrajectoryGroup, export_llamafactory, read_jsonl, read_records, write_jsonl
 from etagent.settings import check_paths
 

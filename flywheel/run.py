@@ -37,15 +37,15 @@ import time
 from collections import Counter
 from pathlib import Path
 
-from etagent.flywheel import prompts
-from etagent.flywheel.config import FlywheelConfig
-from etagent.flywheel.evolve import OPERATIONS, STAT_FIELDS, Flywheel, FlywheelSettings, QuestionRun, derived_seed
 from omegaconf import DictConfig, OmegaConf
 
 from etagent import scoring
 from etagent.agent import AgentConfig, AgentLoop
 from etagent.config import build
 from etagent.errors import DegradedRun, SettingError, exit_on_user_error
+from etagent.flywheel import prompts
+from etagent.flywheel.config import FlywheelConfig
+from etagent.flywheel.evolve import OPERATIONS, STAT_FIELDS, Flywheel, FlywheelSettings, QuestionRun, derived_seed
 from etagent.llm import Sampling, check_engine_settings
 from etagent.llm.text import TextModel, load_text_model, shared_engine
 from etagent.progress import Progress

@@ -43,7 +43,6 @@ def register_stage_schemas() -> None:
     import etagent.retriever  # noqa: F401
     import etagent.rl  # noqa: F401
     import etagent.sft  # noqa: F401
-
     import etagent.toy.config  # noqa: F401
 
 

@@ -7,9 +7,9 @@ from __future__ import annotations
 from dataclasses import field
 from typing import Annotated
 
-from etagent.pareto.selection import OBJECTIVES
 from omegaconf import MISSING
 
+from etagent.pareto.selection import OBJECTIVES
 from etagent.settings import Fraction, InputFileOrFolder, OneOf, OutputFolder, PositiveInt, Seed, group
 
 

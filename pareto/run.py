@@ -43,11 +43,11 @@ from collections import Counter
 from pathlib import Path
 
 import numpy as np
-from etagent.pareto.config import ParetoConfig
-from etagent.pareto.selection import Chains, mixed_outcome, objectives, select
 from omegaconf import DictConfig, OmegaConf
 
 from etagent.errors import MissingInput, SettingError, UserError, exit_on_user_error
+from etagent.pareto.config import ParetoConfig
+from etagent.pareto.selection import Chains, mixed_outcome, objectives, select
 from etagent.records import (
     Question,
     RecordError,

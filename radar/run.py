@@ -29,9 +29,6 @@ import logging
 import time
 from pathlib import Path
 
-from etagent.radar.chart import AXES, draw
-from etagent.radar.config import RadarConfig, RadarJudge
-from etagent.radar.metrics import REDUNDANCY_PROMPT, execution, majority_redundant, parse_redundancy, reasoning_tokens, toy_redundant
 from omegaconf import DictConfig, OmegaConf
 
 from etagent.config import build
@@ -39,6 +36,9 @@ from etagent.errors import MissingInput, SettingError, UserError, exit_on_user_e
 from etagent.llm import check_engine_settings
 from etagent.llm.text import TextModel, load_text_model
 from etagent.progress import Progress
+from etagent.radar.chart import AXES, draw
+from etagent.radar.config import RadarConfig, RadarJudge
+from etagent.radar.metrics import REDUNDANCY_PROMPT, execution, majority_redundant, parse_redundancy, reasoning_tokens, toy_redundant
 from etagent.records import JsonlAppender, RecordError, TrajectoryGroup, iter_jsonl, read_json_file, read_jsonl, write_manifest
 from etagent.rundir import claim_output
 from etagent.scoring import correctness

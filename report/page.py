@@ -139,7 +139,8 @@ def revision(commit: str, dirty: bool | None) -> str:
     uncommitted changes; the whole commit on hover."""
     if not commit:
         return "–"
-    mark = ' <span class="dirty" title="the checkout had uncommitted changes">dirty</span>' if dirty else ""
+    # under the commit, so the mark does not widen a table that already fills the page
+    mark = '<br><span class="dirty" title="the checkout had uncommitted changes">dirty</span>' if dirty else ""
     return f'<code title="{escape(commit)}">{escape(commit[:7])}</code>{mark}'
 
 

@@ -27,10 +27,9 @@ import time
 from functools import cache
 from pathlib import Path
 
+from etagent.errors import MissingInput, UserError, exit_on_user_error
 from etagent.report.collect import collect
 from etagent.report.page import render
-
-from etagent.errors import MissingInput, UserError, exit_on_user_error
 from etagent.settings import PositiveInt, group, validate
 
 

@@ -29,12 +29,12 @@ from dataclasses import asdict
 from pathlib import Path
 
 import numpy as np
-from etagent.retriever.config import EncoderSettings, IndexBuildSettings, RetrieverConfig
-from etagent.retriever.encoder import resolve_model
 
 from etagent.errors import UserError, exit_on_user_error
 from etagent.progress import Progress
 from etagent.records import RecordError, input_identity, iter_jsonl, write_manifest
+from etagent.retriever.config import EncoderSettings, IndexBuildSettings, RetrieverConfig
+from etagent.retriever.encoder import resolve_model
 from etagent.rundir import changed_settings
 from etagent.settings import check_paths, free_keys
 

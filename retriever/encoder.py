@@ -12,9 +12,9 @@ from collections.abc import Sequence
 from pathlib import Path
 
 import numpy as np
-from etagent.retriever.config import EncoderSettings
 
 from etagent.errors import SettingError
+from etagent.retriever.config import EncoderSettings
 from etagent.settings import is_hub_id
 
 

@@ -61,7 +61,6 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Annotated, Literal
 
-from etagent.retriever.config import EncoderSettings, RetrieverConfig, ServeConfig
 from fastapi import FastAPI, HTTPException, Request
 from fastapi.exceptions import RequestValidationError
 from fastapi.responses import JSONResponse, Response
@@ -70,6 +69,7 @@ from pydantic import AfterValidator, BaseModel, ConfigDict
 
 from etagent.config import build
 from etagent.errors import MissingInput, SettingError, UserError, exit_on_user_error
+from etagent.retriever.config import EncoderSettings, RetrieverConfig, ServeConfig
 
 log = logging.getLogger("etagent.retriever.server")
 RRF_K = 60

@@ -15,13 +15,13 @@ import math
 
 import torch
 import torch.distributed as dist
+from omegaconf import DictConfig
+
+from etagent.divergence import non_finite_values
 from etagent.rl.algorithm import entropy_aware_advantages, kl_estimate, masked_sum, policy_loss, truncated_importance_weights
 from etagent.rl.batch import Batch, BatchPlan, micro_batches, token_logprobs
 from etagent.rl.distributed import max_all, sum_all
 from etagent.rl.policy import Policy
-from omegaconf import DictConfig
-
-from etagent.divergence import non_finite_values
 
 
 class NonFiniteUpdate(RuntimeError):

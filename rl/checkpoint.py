@@ -24,6 +24,7 @@ from pathlib import Path
 
 import torch
 import torch.distributed as dist
+
 from etagent.rl.weights import stream_weights
 
 

@@ -33,9 +33,10 @@ from pathlib import Path
 import torch
 import torch.distributed as dist
 import torch.nn.functional as F
-from etagent.rl.algorithm import entropy_from_logprobs
 from torch import nn
 from torch.utils.checkpoint import checkpoint
+
+from etagent.rl.algorithm import entropy_from_logprobs
 
 
 class Policy(nn.Module):

@@ -49,10 +49,10 @@ from dataclasses import asdict, dataclass
 from typing import IO
 
 import numpy as np
-from etagent.rl import paper_reward
 
 from etagent import protocol, scoring
 from etagent.errors import MissingInput, exit_on_user_error
+from etagent.rl import paper_reward
 
 MODES = ("paper", "default")
 DATA_SOURCES = {"math_effi_rl": "math", "qa_effi_rl": "qa"}
@@ -187,9 +187,8 @@ def group_problems(group: dict) -> dict[str, str]:
     sigmas are RL's reward settings and are checked by their declaration (rl/config.py
     RewardSettings: the sigmas finite and >= 0, 0 being the end of a stage's decay; a negative
     sigma rewards the longer answer with more tool calls, the opposite of the reward's purpose)."""
-    from etagent.rl.config import RewardSettings
-
     from etagent.errors import SettingError
+    from etagent.rl.config import RewardSettings
     from etagent.settings import validate
 
     lengths, responses = group["lengths"], group["responses"]

@@ -35,13 +35,12 @@ import random
 from dataclasses import dataclass, field
 from pathlib import Path
 
-from etagent.rl.config import RolloutSettings
-from etagent.rl.reward import DATA_SOURCES
-
 from etagent import protocol
 from etagent.agent import AgentLoop, TrajectoryState
 from etagent.question_formats import DEFAULT_FORMAT, QuestionFormat, read_question_rows
 from etagent.records import Question, RecordError
+from etagent.rl.config import RolloutSettings
+from etagent.rl.reward import DATA_SOURCES
 
 
 @dataclass(frozen=True)

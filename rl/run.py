@@ -74,6 +74,14 @@ from pathlib import Path
 import numpy as np
 import torch
 import torch.distributed as dist
+from omegaconf import DictConfig, OmegaConf
+
+from etagent.agent import AgentConfig, AgentLoop, SegmentEntropy, TrajectoryState
+from etagent.config import build
+from etagent.errors import DegradedRun, SettingError, TrainingDiverged, exit_on_user_error
+from etagent.progress import Progress
+from etagent.question_formats import QuestionFormat
+from etagent.records import origin_segments, policy_text, write_manifest
 from etagent.rl.actor import NonFiniteUpdate, response_logprobs, update
 from etagent.rl.algorithm import grpo_advantages, logprob_mismatch
 from etagent.rl.batch import TRUNCATED, Batch, BatchPlan, balanced_partition, batch_plan, pack, tempered_rollouts
@@ -85,14 +93,6 @@ from etagent.rl.policy import Policy, gathered, load_policy
 from etagent.rl.reward import efficiency_reward, kind_of, raw_correctness, sigma_factor
 from etagent.rl.rollout import Prompt, make_rollout, read_prompts, rollout_metrics
 from etagent.rl.weights import sync_engine
-from omegaconf import DictConfig, OmegaConf
-
-from etagent.agent import AgentConfig, AgentLoop, SegmentEntropy, TrajectoryState
-from etagent.config import build
-from etagent.errors import DegradedRun, SettingError, TrainingDiverged, exit_on_user_error
-from etagent.progress import Progress
-from etagent.question_formats import QuestionFormat
-from etagent.records import origin_segments, policy_text, write_manifest
 from etagent.rundir import claim_output
 from etagent.settings import check_paths
 from etagent.timing import phase

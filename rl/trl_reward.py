@@ -48,10 +48,10 @@ from collections.abc import Sequence
 from dataclasses import dataclass
 
 import numpy as np
-from etagent.rl.reward import DATA_SOURCES, efficiency_reward
 
 from etagent import protocol
 from etagent.records import Question
+from etagent.rl.reward import DATA_SOURCES, efficiency_reward
 
 DATA_SOURCE_OF_KIND = {kind: source for source, kind in DATA_SOURCES.items()}
 

@@ -1,8 +1,7 @@
 """SFT: fine-tune the policy on trajectories with tool results masked (entry: etagent.sft.run)."""
 
-from etagent.sft.config import SFTConfig
-
 from etagent.config import register_stage_schema
+from etagent.sft.config import SFTConfig
 
 # configs/sft/ is typed by SFTConfig (each preset starts from it: defaults [_schema, ...])
 register_stage_schema("sft", SFTConfig)

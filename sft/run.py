@@ -30,8 +30,6 @@ import time
 from pathlib import Path
 
 import torch
-from etagent.sft.config import LoraSettings, SFTConfig, SFTTrainSettings
-from etagent.sft.data import IGNORE, build_dataset, load_examples
 from omegaconf import DictConfig, OmegaConf
 
 from etagent.config import WandbConfig, build
@@ -41,6 +39,8 @@ from etagent.progress import Progress
 from etagent.records import write_manifest
 from etagent.rundir import claim_output, completed, restore_manifest
 from etagent.settings import check_paths
+from etagent.sft.config import LoraSettings, SFTConfig, SFTTrainSettings
+from etagent.sft.data import IGNORE, build_dataset, load_examples
 
 log = logging.getLogger("sft")
 

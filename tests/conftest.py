@@ -10,9 +10,9 @@ import sys
 from pathlib import Path
 
 import pytest
-from etagent.launcher.main import register_stage_schemas
 
 from etagent.config import load_config
+from etagent.launcher.main import register_stage_schemas
 from etagent.toy.build import run
 from tests.servers import free_port, wait_until_healthy
 

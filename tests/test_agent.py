@@ -374,9 +374,8 @@ def test_from_text_only_and_over_budget_trailing_call(tokenizer):
 def test_hints_are_trained_text_and_sft_agrees_with_or_without_ids(tokenizer):
     """Token provenance end to end: sampled and given text trained, tool output masked, the same
     labels from the rollout's ids as from its text alone."""
-    from etagent.sft.data import IGNORE, tokenize_example
-
     from etagent.records import SFTExample
+    from etagent.sft.data import IGNORE, tokenize_example
 
     loop, _, [s] = run_loop(tokenizer, ["q-search"], 1, 0)
     twin = s.fork("q-search/1", at_segment=1)

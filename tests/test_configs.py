@@ -79,10 +79,9 @@ def test_a_preset_that_leaves_a_value_open_is_refused_naming_it(tmp_path, monkey
 def test_sft_paper_preset_has_the_papers_numbers():
     """3 epochs (max_steps -1: the tiny preset's 4800-step cap once leaked into it), lr 5e-6,
     cosine with warm-up 0.1, 1 x 8 accumulation per GPU, cutoff 10000, bf16, ZeRO-3."""
+    from etagent.config import WandbConfig, build
     from etagent.sft.config import SFTTrainSettings
     from etagent.sft.run import training_arguments
-
-    from etagent.config import WandbConfig, build
 
     cfg = load_config("sft", "paper")
     t = cfg.train

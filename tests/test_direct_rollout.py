@@ -13,11 +13,11 @@ import time
 from pathlib import Path
 
 import pytest
+
+from etagent.config import load_config
 from etagent.direct_rollout.run import chain_judgement
 from etagent.direct_rollout.run import run as run_direct_rollout
 from etagent.pareto.run import run as run_pareto
-
-from etagent.config import load_config
 from etagent.question_formats import read_questions
 from etagent.records import TrajectoryGroup, read_jsonl
 from tests.conftest import TOKEN

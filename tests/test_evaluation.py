@@ -12,15 +12,15 @@ import time
 from pathlib import Path
 
 import pytest
+from fastapi import FastAPI, Request
+from fastapi.responses import JSONResponse
+
+from etagent.config import build, load_config
 from etagent.evaluation.benchmarks import BENCHMARKS, benchmark_file, load_benchmark
 from etagent.evaluation.config import EvaluationJudge
 from etagent.evaluation.metrics import aggregate, behaviour
 from etagent.radar.config import RadarJudge
 from etagent.radar.metrics import execution, majority_redundant, paper_result_ok, parse_redundancy
-from fastapi import FastAPI, Request
-from fastapi.responses import JSONResponse
-
-from etagent.config import build, load_config
 from etagent.records import Question, ToolCallRecord, Trajectory
 from etagent.scoring import call_behaviour, correctness, sample_metrics
 from tests.conftest import TOKEN
@@ -231,8 +231,9 @@ def test_the_radar_chart_has_no_text_over_text_and_none_cut_off(count, tmp_path)
     from itertools import combinations
 
     import matplotlib.image
-    from etagent.radar.chart import AXES, draw, figure
     from matplotlib.text import Text
+
+    from etagent.radar.chart import AXES, draw, figure
 
     runs = {f"stage {k} of a long-named curriculum run": {axis: 95.0 - 9 * k for axis in AXES} for k in range(count)}
     behaviour = {label: (12.5, 3.25) for label in runs}
@@ -262,7 +263,6 @@ def test_radar_llm_judge_votes_through_a_served_text_model(tmp_path):
     sampling and token cap, the majority cached in conciseness.jsonl. The server is scripted by
     the trajectory text (a control-flow stand-in for the 72B judge)."""
     from etagent.radar.run import conciseness
-
     from etagent.records import TrajectoryGroup
 
     app, bodies = FastAPI(), []
@@ -319,7 +319,6 @@ def fake_judge():
 
 def scored_eval(tmp_path, judge_url):
     from etagent.evaluation.run import score
-
     from etagent.records import Question, ToolCallRecord, Trajectory, TrajectoryGroup, write_jsonl
 
     out = tmp_path / "ds"

@@ -12,6 +12,11 @@ import asyncio
 from collections.abc import Callable
 
 import pytest
+from transformers import AutoTokenizer
+
+from etagent import protocol
+from etagent.agent import AgentConfig, AgentLoop
+from etagent.config import load_config
 from etagent.flywheel import prompts
 from etagent.flywheel.evolve import Flywheel, FlywheelSettings, QuestionRun, select_parent
 from etagent.flywheel.steps import (
@@ -26,11 +31,6 @@ from etagent.flywheel.steps import (
     tool_steps,
     without_reasoning,
 )
-from transformers import AutoTokenizer
-
-from etagent import protocol
-from etagent.agent import AgentConfig, AgentLoop
-from etagent.config import load_config
 from etagent.llm import GREEDY, Sample, Sampling, SharedBatches
 from etagent.llm.text import TextModel
 from etagent.records import Question, TokenOrigin
@@ -330,9 +330,8 @@ def test_later_rounds_evolve_the_best_trajectory_not_yet_evolved(tokenizer, exec
 def test_export_keeps_correct_distinct_trajectories_fewest_calls_first(tokenizer, executor, tmp_path):
     from etagent.flywheel.export import export
     from etagent.flywheel.run import question_record
-    from etagent.sft.data import IGNORE, tokenize_example
-
     from etagent.records import JsonlAppender, SFTExample, read_records
+    from etagent.sft.data import IGNORE, tokenize_example
 
     reply = "Step: 2\nAnalysis: repeats.\nCorrected Step: <think>Python gave 612.</think>" + ANSWER.format(612)
     right = evolve(make_flywheel(tokenizer, executor, redundancy=reply), RIGHT)
@@ -387,7 +386,6 @@ def test_search_results_are_summarised_by_the_summariser(tokenizer, toy, server,
     import json
 
     from etagent.flywheel.run import SummarisedSearch
-
     from etagent.protocol import ToolCall
     from tests.conftest import TOKEN
 

@@ -7,6 +7,7 @@ editable install's finder, so nothing of the repository is importable there)."""
 from __future__ import annotations
 
 import json
+import shutil
 import subprocess
 import sys
 import sysconfig
@@ -22,9 +23,14 @@ REPO = Path(__file__).resolve().parents[1]
 
 @pytest.mark.slow
 def test_a_non_editable_install_runs_evaluate_beside_trl(toy, server, tmp_path):
+    # built from a copy of the tracked files: a build writes build/ and egg-info into its source
+    source = tmp_path / "source"
+    for name in subprocess.run(["git", "ls-files"], cwd=REPO, capture_output=True, text=True, check=True).stdout.splitlines():
+        (source / name).parent.mkdir(parents=True, exist_ok=True)
+        shutil.copy2(REPO / name, source / name, follow_symlinks=False)
     wheels = tmp_path / "wheels"
     subprocess.run(
-        [sys.executable, "-m", "pip", "wheel", "--quiet", "--no-deps", "--no-build-isolation", "-w", str(wheels), str(REPO)],
+        [sys.executable, "-m", "pip", "wheel", "--quiet", "--no-deps", "--no-build-isolation", "-w", str(wheels), str(source)],
         check=True,
         timeout=600,
     )

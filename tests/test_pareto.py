@@ -4,9 +4,10 @@ from __future__ import annotations
 
 import numpy as np
 import pytest
-from etagent.pareto.selection import Chains, crowding_distance, mixed_outcome, objectives, pareto_ranks, select
 from hypothesis import given, settings
 from hypothesis import strategies as st
+
+from etagent.pareto.selection import Chains, crowding_distance, mixed_outcome, objectives, pareto_ranks, select
 
 
 def brute_force_ranks(points: np.ndarray) -> np.ndarray:
@@ -203,9 +204,8 @@ def test_pareto_stage_on_a_hand_made_rollout_file(tmp_path):
     out, exactly `count` selected, and the same files again on a rerun."""
     import json
 
-    from etagent.pareto.run import run
-
     from etagent.config import load_config
+    from etagent.pareto.run import run
 
     lines = [
         rollout_line("a", "math", [(1, 0), (0, 2), (1, 1), (0, 3)]),
@@ -249,7 +249,6 @@ def test_pareto_names_the_file_line_and_field_of_bad_input(tmp_path):
     import json
 
     from etagent.pareto.run import read_rollouts
-
     from etagent.records import RecordError
 
     line = rollout_line("a", "math", [(1, 0), (0, 1)])

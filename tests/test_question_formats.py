@@ -14,14 +14,14 @@ from pathlib import Path
 
 import datasets
 import pytest
-from etagent.direct_rollout.run import run as run_direct_rollout
-from etagent.evaluation.run import run as run_evaluation
-from etagent.rl.rollout import read_prompts
 
 from etagent import protocol
 from etagent.config import load_config
+from etagent.direct_rollout.run import run as run_direct_rollout
+from etagent.evaluation.run import run as run_evaluation
 from etagent.question_formats import QuestionFormat, read_question_rows, read_questions
 from etagent.records import Question, RecordError, RLRow, read_jsonl, write_rl_parquet
+from etagent.rl.rollout import read_prompts
 from tests.conftest import TOKEN
 
 # Search-R1's prompt template (scripts/data_process/nq_search.py, template_type base), as its

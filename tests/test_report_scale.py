@@ -14,11 +14,11 @@ import time
 from pathlib import Path
 
 import pytest
-from etagent.report.collect import collect, even_shares, sample_positions
-from etagent.report.run import ReportSettings
 
 from etagent.errors import SettingError
 from etagent.records import Question, RLRow, git_revision, write_manifest, write_rl_parquet
+from etagent.report.collect import collect, even_shares, sample_positions
+from etagent.report.run import ReportSettings
 from etagent.settings import out_of_range_values, settings_of, validate
 from tests.test_report import browser, report  # noqa: F401 (browser: the Chromium fixture)
 
@@ -214,7 +214,7 @@ def test_the_report_of_a_large_run_reads_from_the_results_down(large_run, browse
         "(() => { const box = document.querySelector('#pipeline .wide'); return box.scrollWidth <= box.clientWidth; })()"
     )
     revision = git_revision()
-    git_cells = set(browser.evaluate("[...document.querySelectorAll('table.pipeline tbody tr')].map(r => r.cells[7].textContent)"))
+    git_cells = set(browser.evaluate("[...document.querySelectorAll('table.pipeline tbody tr')].map(r => r.cells[7].innerText.replace(/\\s+/g, ' '))"))
     assert git_cells == {"–" if revision["commit"] is None else revision["commit"][:7] + (" dirty" if revision["dirty"] else "")}
 
     # constant metrics are one line, not panels; the others are panels, grouped by prefix

@@ -20,10 +20,10 @@ from pathlib import Path
 
 import httpx
 import pytest
-from etagent.retriever.config import RetrieverConfig
 
 from etagent.config import build, load_config
 from etagent.question_formats import read_questions
+from etagent.retriever.config import RetrieverConfig
 from etagent.tools.search import RetrieverClient, SearchTool
 from tests.conftest import TOKEN, build_index
 from tests.servers import free_port, wait_until_healthy
@@ -338,8 +338,9 @@ def test_bad_corpus_line_names_file_line_and_field(tmp_path):
 @pytest.mark.slow  # about 25 s: kept out of the default run's 15 minutes
 def test_other_index_types_build_and_serve(toy, tmp_path):
     """HNSW and IVF-PQ through the same server code (in-process app, real index files)."""
-    from etagent.retriever.server import create_app
     from fastapi.testclient import TestClient
+
+    from etagent.retriever.server import create_app
 
     corpus = toy / "corpus.jsonl"
     for kind, extra in (("HNSW", []), ("IVF-PQ", ["build.ivf_lists=4", "build.pq_m=8", "serve.nprobe=4"])):

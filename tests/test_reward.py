@@ -8,6 +8,7 @@ import subprocess
 import sys
 
 import pytest
+
 from etagent.rl.paper_reward import validation_score
 from etagent.rl.reward import efficiency_reward, length_zscores, raw_correctness, relative_factor, sigma_factor
 
@@ -154,14 +155,14 @@ def test_an_answer_printed_by_a_tool_is_not_the_policys(toy):
     EOS without answering. The default mode reads what the policy wrote (the tool's result
     emptied, the calls that ran): no answer, so no reward but the format penalty. The paper's mode
     reads the whole response, as its released code did: the printed answer counts."""
-    from etagent.rl.config import RewardSettings
-    from etagent.rl.rollout import Prompt
-    from etagent.rl.run import rewards_of
     from transformers import AutoTokenizer
 
     from etagent import protocol
     from etagent.agent import Budgets, TrajectoryState
     from etagent.records import Question, TokenOrigin, ToolCallRecord
+    from etagent.rl.config import RewardSettings
+    from etagent.rl.rollout import Prompt
+    from etagent.rl.run import rewards_of
 
     tokenizer = AutoTokenizer.from_pretrained(toy / "model")
     question = Question(id="q", question="What is 2 + 2?", answer=["4"], source="toy_python", kind="math")

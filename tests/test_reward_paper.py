@@ -31,6 +31,7 @@ import sys
 from collections import Counter
 
 import pytest
+
 from etagent.rl.paper_reward import validation_score
 from etagent.rl.reward import efficiency_reward, kind_of
 

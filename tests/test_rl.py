@@ -221,7 +221,6 @@ def test_colocated_vllm_engine_follows_the_updates(sft_model_full, parquet, serv
 def test_vllm_engine_needs_torchrun(sft_model, parquet, tmp_path):
     """Without torchrun the vllm engine is refused with the way to launch it."""
     from etagent.rl.run import run
-
     from etagent.stage_cli import stage_configs
 
     [cfg] = stage_configs("rl", rl_overrides(sft_model, parquet, "http://127.0.0.1:9", tmp_path / "x", "engine.kind=vllm"), prog="rl")
@@ -292,10 +291,10 @@ def test_paper_preset_has_the_papers_numbers():
 
 
 def test_a_prompt_over_the_limit_names_its_row(toy, tmp_path):
-    from etagent.rl.rollout import read_prompts
     from transformers import AutoTokenizer
 
     from etagent.records import RecordError
+    from etagent.rl.rollout import read_prompts
 
     questions = read_questions(toy / "questions" / "test.jsonl")[:3]
     long = questions[2].model_copy(update={"question": "why " * 300})

@@ -7,6 +7,7 @@ import math
 
 import pytest
 import torch
+
 from etagent.rl.algorithm import (
     entropy_from_logprobs,
     grpo_advantages,

@@ -12,14 +12,14 @@ from pathlib import Path
 
 import pytest
 import torch
-from etagent.rl.algorithm import entropy_from_logprobs, policy_loss
-from etagent.rl.batch import BatchPlan, balanced_partition, batch_plan, micro_batches, pack, token_logprobs
-from etagent.rl.policy import Policy
-from etagent.rl.rollout import read_prompts
 from transformers import Qwen2Config, Qwen2ForCausalLM
 
 from etagent.agent import Budgets, TrajectoryState
 from etagent.records import Question, RecordError, RLRow, TokenOrigin, write_rl_parquet
+from etagent.rl.algorithm import entropy_from_logprobs, policy_loss
+from etagent.rl.batch import BatchPlan, balanced_partition, batch_plan, micro_batches, pack, token_logprobs
+from etagent.rl.policy import Policy
+from etagent.rl.rollout import read_prompts
 
 QUESTION = Question(id="q", question="?", answer=["1"], source="toy", kind="qa")
 
@@ -336,10 +336,11 @@ def test_an_update_whose_gradient_is_not_finite_stops_before_its_optimizer_step(
     would give) makes the loss and the gradient NaN: the update raises NonFiniteUpdate naming the
     mini-batch and the input, before the optimizer step, so the policy's weights are unchanged."""
     import torch.distributed as dist
+    from omegaconf import OmegaConf
+
     from etagent.rl.actor import NonFiniteUpdate, update
     from etagent.rl.distributed import init_distributed
     from etagent.rl.policy import load_policy
-    from omegaconf import OmegaConf
 
     created = not dist.is_initialized()
     init_distributed(torch.device("cpu"))
@@ -398,11 +399,11 @@ def test_trajectories_the_engine_failed_on_are_counted_masked_and_stop_the_step_
     from types import SimpleNamespace
 
     import torch.distributed as dist
-    from etagent.rl.distributed import init_distributed
-    from etagent.rl.run import check_engine_failures
     from omegaconf import OmegaConf
 
     from etagent.errors import DegradedRun
+    from etagent.rl.distributed import init_distributed
+    from etagent.rl.run import check_engine_failures
 
     served = trajectory([1, 2], [([4, 5], TokenOrigin.SAMPLED), ([6], TokenOrigin.TOOL), ([7], TokenOrigin.SAMPLED)])
     failed = trajectory([1, 2], [([4, 8], TokenOrigin.SAMPLED), ([6], TokenOrigin.TOOL)])

@@ -12,6 +12,12 @@ from dataclasses import replace
 
 import pytest
 import torch
+from transformers import AutoTokenizer
+
+from etagent import protocol
+from etagent.agent import AgentConfig, AgentLoop, SegmentEntropy
+from etagent.llm import Sample
+from etagent.records import Question
 from etagent.rl.algorithm import entropy_aware_advantages, policy_loss
 from etagent.rl.config import RolloutSettings
 from etagent.rl.rollout import (
@@ -23,12 +29,6 @@ from etagent.rl.rollout import (
     dynamic_root_count,
     rollout_metrics,
 )
-from transformers import AutoTokenizer
-
-from etagent import protocol
-from etagent.agent import AgentConfig, AgentLoop, SegmentEntropy
-from etagent.llm import Sample
-from etagent.records import Question
 from etagent.tools import ToolOutput
 from etagent.tools.executor import ToolExecutor
 

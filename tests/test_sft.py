@@ -14,12 +14,12 @@ from pathlib import Path
 
 import pytest
 import torch
-from etagent.sft.data import IGNORE, build_dataset, load_examples, tokenize_example
-from etagent.sft.run import Collator
 from transformers import AutoModelForCausalLM, AutoTokenizer
 
 from etagent import protocol
 from etagent.records import SFTExample, export_llamafactory
+from etagent.sft.data import IGNORE, build_dataset, load_examples, tokenize_example
+from etagent.sft.run import Collator
 from tests.conftest import sft_command
 
 TRAJECTORY = (

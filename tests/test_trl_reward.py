@@ -12,10 +12,10 @@ from pathlib import Path
 
 import numpy as np
 import pytest
-from etagent.rl.reward import efficiency_reward
-from etagent.rl.trl_reward import EfficiencyReward, prompt_dataset
 
 from etagent.records import Question, read_records
+from etagent.rl.reward import efficiency_reward
+from etagent.rl.trl_reward import EfficiencyReward, prompt_dataset
 
 ROOT = Path(__file__).resolve().parents[1]
 SIGMAS = {"sigma_tool": 0.3, "sigma_length": 0.7}

@@ -17,11 +17,11 @@ from pathlib import Path
 import pytest
 import torch
 import torch.distributed as dist
+
+from etagent.llm.vllm_engine import VLLMEngine
 from etagent.rl.distributed import init_distributed
 from etagent.rl.policy import load_policy
 from etagent.rl.weights import sync_engine
-
-from etagent.llm.vllm_engine import VLLMEngine
 from tests.vllm_standin import StandInLLM, check_against_vllm
 
 BUCKET = 256 << 10  # bytes: a tenth of the toy model in bf16

@@ -13,12 +13,12 @@ import sys
 
 import torch
 import torch.distributed as dist
-from etagent.rl.distributed import gather_objects, init_distributed
-from etagent.rl.policy import load_policy
-from etagent.rl.weights import sync_engine
 from torch.distributed.tensor import DTensor
 
 from etagent.llm.vllm_engine import VLLMEngine
+from etagent.rl.distributed import gather_objects, init_distributed
+from etagent.rl.policy import load_policy
+from etagent.rl.weights import sync_engine
 from tests.vllm_standin import StandInLLM
 
 
