@@ -76,6 +76,7 @@ def main() -> None:
     parser.add_argument("--toy", help="the toy world directory the model belongs to")
     parser.add_argument("--questions", type=int, default=40)
     parser.add_argument("--n", type=int, default=2)
+    parser.add_argument("--engines", default="hf,vllm offline,vllm async", help="which of them, comma-separated (vllm needs vLLM)")
     args = parser.parse_args()
     os.environ.update(VLLM_ENABLE_V1_MULTIPROCESSING="0")
     work = Path(tempfile.mkdtemp(prefix="etagent-bench-agent-"))
@@ -98,8 +99,8 @@ def main() -> None:
                     model, dtype="float32", max_model_len=2048, cpu_kv_cache_gb=1.0, enforce_eager=True
                 ),
             }
-            for name, make in engines.items():
-                engine = make()
+            for name in args.engines.split(","):
+                engine = engines[name]()
                 run_loop(engine, executor, questions[:2], 1, seed=99)  # warm up
                 counting, states, kept, seconds = run_loop(engine, executor, questions, args.n, seed=0)
                 reference = replay_without_stops(engine, counting.requests)

@@ -35,36 +35,15 @@ from __future__ import annotations
 
 import argparse
 import asyncio
-import hashlib
 import os
 import sys
 import tempfile
 import time
+from functools import partial
 from pathlib import Path
 
 import torch
-from toy_setup import toy_policy, toy_tools
-
-
-class SlowTool:
-    """A real tool whose answer, on ``share`` of the calls, comes only after ``seconds`` (the
-    result itself is the tool's). Which calls are slow is decided by a hash of the call's input,
-    so every run delays the same calls."""
-
-    def __init__(self, tool, share: float, seconds: float):
-        self.tool, self.share, self.seconds = tool, share, seconds
-        self.name = tool.name
-
-    def is_slow(self, text: str) -> bool:
-        digest = hashlib.sha256(f"{self.name}\n{text}".encode()).digest()
-        return int.from_bytes(digest[:4], "big") < self.share * 2**32
-
-    async def __call__(self, text: str):
-        start = time.perf_counter()
-        output = await self.tool(text)
-        if self.is_slow(text):
-            await asyncio.sleep(max(0.0, self.seconds - (time.perf_counter() - start)))
-        return output
+from toy_setup import SlowTool, toy_policy, toy_tools
 
 
 async def lockstep(loop, states, static_batch: int | None) -> None:
@@ -91,9 +70,11 @@ def run_once(engine, executor, questions, n: int, batch_questions: int, way: str
     trajectory's token ids in question order."""
     from etagent.agent import AgentConfig
     from etagent.sampling import Sampler
+    from etagent.scoring import rule_judgement
 
     config = AgentConfig(max_response_tokens=1024, max_segment_tokens=512, timeout_s=None, seed=0)
-    sampler = Sampler(engine, executor, config, n, stage="bench")
+    # the rule judge the sampling stages use by default (evaluation's qa_pass_mark)
+    sampler = Sampler(engine, executor, config, n, stage="bench", judge=partial(rule_judgement, qa_pass_mark=0.8))
     start = time.perf_counter()
     groups = []
     if way == "streamed, per trajectory":

@@ -25,15 +25,16 @@ from toy_setup import toy_policy, toy_tools
 
 
 def generate_step(engine, executor, prompts, cfg) -> tuple[float, dict[str, list[int]]]:
-    from etagent.agent import AgentConfig, AgentLoop, SegmentEntropy
+    from etagent.agent import AgentConfig, AgentLoop
     from etagent.config import build
     from etagent.rl.config import RolloutSettings
-    from etagent.rl.rollout import make_rollout
+    from etagent.rl.rollout import make_rollout, segment_entropy
 
-    loop = AgentLoop(engine, executor, build(AgentConfig, cfg.agent), SegmentEntropy(cfg.rollout.top_logprobs, cfg.rollout.entropy_window))
+    settings = build(RolloutSettings, cfg.rollout)
+    loop = AgentLoop(engine, executor, build(AgentConfig, cfg.agent), segment_entropy(settings))
     engine.sleep()  # nothing kept from the run before
     start = time.perf_counter()
-    out = make_rollout(build(RolloutSettings, cfg.rollout)).generate(loop, prompts, step=1, seed=0)
+    out = make_rollout(settings).generate(loop, prompts, step=1, seed=0)
     seconds = time.perf_counter() - start
     return seconds, {t.id: t.response_ids for group in out.groups for t in group}
 

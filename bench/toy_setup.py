@@ -1,12 +1,16 @@
-"""What the rollout benchmarks share: the toy world, an SFT'd toy policy, and the real tools (the
-Python sandbox and a retriever service on 127.0.0.1 over the toy corpus).
+"""What the rollout benchmarks share: the toy world, an SFT'd toy policy, the real tools (the
+Python sandbox and a retriever service on 127.0.0.1 over the toy corpus), and a delay wrapper
+that makes a fixed share of tool calls slow.
 
-Not a benchmark itself: ``bench_agent.py``, ``bench_rollout.py`` and ``bench_tree_rollout.py`` import it.
+Not a benchmark itself: the rollout benchmarks (``bench_agent.py``, ``bench_rollout.py``,
+``bench_tree_rollout.py``, ``bench_colocated_vllm.py``) import it.
 """
 
 from __future__ import annotations
 
+import asyncio
 import contextlib
+import hashlib
 import os
 import subprocess
 import sys
@@ -47,6 +51,7 @@ def toy_policy(work: Path, toy: str | None, model: str | None) -> tuple[Path, st
 def toy_tools(work: Path, toy: Path) -> Iterator:
     """The tiny tools config, its search pointed at a retriever service over the toy corpus that
     runs for the duration."""
+    import etagent.tools.executor  # noqa: F401 (registers the tools group's schema, which load_config needs)
     from etagent.config import load_config
 
     _run(sys.executable, "-m", "etagent.retriever.build", f"corpus={toy / 'corpus.jsonl'}", f"index_dir={work / 'index'}")
@@ -68,3 +73,24 @@ def toy_tools(work: Path, toy: Path) -> Iterator:
     finally:
         server.terminate()
         server.wait()
+
+
+class SlowTool:
+    """A real tool whose answer, on ``share`` of the calls, comes only after ``seconds`` (the
+    result itself is the tool's). Which calls are slow is decided by a hash of the call's input,
+    so every run delays the same calls."""
+
+    def __init__(self, tool, share: float, seconds: float):
+        self.tool, self.share, self.seconds = tool, share, seconds
+        self.name = tool.name
+
+    def is_slow(self, text: str) -> bool:
+        digest = hashlib.sha256(f"{self.name}\n{text}".encode()).digest()
+        return int.from_bytes(digest[:4], "big") < self.share * 2**32
+
+    async def __call__(self, text: str):
+        start = time.perf_counter()
+        output = await self.tool(text)
+        if self.is_slow(text):
+            await asyncio.sleep(max(0.0, self.seconds - (time.perf_counter() - start)))
+        return output

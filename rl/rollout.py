@@ -36,7 +36,7 @@ from dataclasses import dataclass, field
 from pathlib import Path
 
 from etagent import protocol
-from etagent.agent import AgentLoop, TrajectoryState
+from etagent.agent import AgentLoop, SegmentEntropy, TrajectoryState
 from etagent.question_formats import DEFAULT_FORMAT, QuestionFormat, read_question_rows
 from etagent.records import Question, RecordError
 from etagent.rl.config import RolloutSettings
@@ -350,6 +350,13 @@ def rollout_metrics(parts: list[dict[str, float]]) -> dict[str, float]:
     if "dynamic_prompts" in total:
         metrics["rollout/dynamic_roots_mean"] = total["dynamic_roots"] / total["dynamic_prompts"]
     return metrics
+
+
+def segment_entropy(settings: RolloutSettings) -> SegmentEntropy | None:
+    """What the agent loop asks the engine for, to measure segment entropies: only the tree reads
+    them, so a group rollout asks for no top log-probabilities (vLLM would compute and
+    detokenize ``top_logprobs`` entries at every position of every segment for nothing)."""
+    return SegmentEntropy(settings.top_logprobs, settings.entropy_window) if settings.kind == "tree" else None
 
 
 def make_rollout(settings: RolloutSettings) -> GroupRollout | TreeRollout:

@@ -76,7 +76,7 @@ import torch
 import torch.distributed as dist
 from omegaconf import DictConfig, OmegaConf
 
-from etagent.agent import AgentConfig, AgentLoop, SegmentEntropy, TrajectoryState
+from etagent.agent import AgentConfig, AgentLoop, TrajectoryState
 from etagent.config import build
 from etagent.errors import DegradedRun, SettingError, TrainingDiverged, exit_on_user_error
 from etagent.progress import Progress
@@ -91,7 +91,7 @@ from etagent.rl.distributed import gather_objects, init_distributed, sum_all, tr
 from etagent.rl.paper_reward import validation_score
 from etagent.rl.policy import Policy, gathered, load_policy
 from etagent.rl.reward import efficiency_reward, kind_of, raw_correctness, sigma_factor
-from etagent.rl.rollout import Prompt, make_rollout, read_prompts, rollout_metrics
+from etagent.rl.rollout import Prompt, make_rollout, read_prompts, rollout_metrics, segment_entropy
 from etagent.rl.weights import sync_engine
 from etagent.rundir import claim_output
 from etagent.settings import check_paths
@@ -148,6 +148,13 @@ def check_settings(cfg: DictConfig) -> None:
                 f"is {cfg.rollout.top_logprobs}, over the vllm engine's limit of {MAX_LOGPROBS} (its max_logprobs): vLLM would refuse "
                 f"every request; set it <= {MAX_LOGPROBS} (ARPO: 10)",
             )
+    if cfg.engine.kind == "vllm" and cfg.engine.vllm.tensor_parallel_size != 1:
+        # under the external launcher a tensor-parallel group is several trainer ranks, which
+        # would all have to send the same requests at the same steps; each rank samples its own
+        raise SettingError(
+            "engine.vllm.tensor_parallel_size",
+            f"is {cfg.engine.vllm.tensor_parallel_size}: RL's colocated engine is one per rank, each generating its own prompts; set it to 1",
+        )
     if cfg.engine.kind == "vllm" and "RANK" not in os.environ:
         raise SettingError(
             "engine.kind", "vllm runs one engine per rank under torchrun: launch with scripts/rl.sh or torchrun -m etagent.rl.run"
@@ -655,10 +662,11 @@ def train(cfg: DictConfig) -> list[dict]:
     config = build(AgentConfig, cfg.agent)
     history = []
     with build_executor(cfg.tools) as executor:
-        entropy = SegmentEntropy(cfg.rollout.top_logprobs, cfg.rollout.entropy_window)
-        loop = AgentLoop(trainer.engine, executor, config, entropy)
-        greedy = AgentLoop(trainer.engine, executor, replace(config, sampling=replace(config.sampling, temperature=0.0)), entropy)
-        rollout = make_rollout(build(RolloutSettings, cfg.rollout))
+        rollout_settings = build(RolloutSettings, cfg.rollout)
+        loop = AgentLoop(trainer.engine, executor, config, segment_entropy(rollout_settings))
+        # validation reads no entropies
+        greedy = AgentLoop(trainer.engine, executor, replace(config, sampling=replace(config.sampling, temperature=0.0)))
+        rollout = make_rollout(rollout_settings)
         # a line per step in a log (a step is long); rank 0 alone updates it
         progress = Progress("rl", trainer.total, "step", initial=trainer.start, every_s=0)
         for step in range(trainer.start + 1, trainer.total + 1):

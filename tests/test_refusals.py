@@ -168,6 +168,11 @@ def rl_parquet(toy, tmp_path) -> Path:
         ("agent.sampling.repetition_penalty=1.1", "setting agent.sampling.repetition_penalty: is 1.1"),
         # vLLM refuses every request asking for more top log-probabilities than its engine allows
         ("engine.kind=vllm rollout.top_logprobs=21", "setting rollout.top_logprobs: is 21, over the vllm engine's limit of 20"),
+        # the colocated engine is one per rank: a tensor-parallel group would span ranks sampling different prompts
+        (
+            "engine.kind=vllm engine.vllm.tensor_parallel_size=2",
+            "setting engine.vllm.tensor_parallel_size: is 2: RL's colocated engine is one per rank",
+        ),
         ("model=runs/no/such/model", "setting model: no model at 'runs/no/such/model'"),
         # ARPO's tree branches on entropies measured from the top log-probabilities
         ("rollout.top_logprobs=0", "setting rollout.top_logprobs: is 0, and the tree branches on entropies measured with them"),

@@ -27,7 +27,9 @@ from etagent.rl.rollout import (
     aepo_branches,
     arpo_branch_probability,
     dynamic_root_count,
+    make_rollout,
     rollout_metrics,
+    segment_entropy,
 )
 from etagent.tools import ToolOutput
 from etagent.tools.executor import ToolExecutor
@@ -401,3 +403,28 @@ def test_the_tree_is_the_same_per_prompt_or_in_lockstep_rounds(tokenizer):
     shape = lambda out: [[(t.id, t.response_ids, t.provenance.parent) for t in g] for g in out.groups]  # noqa: E731
     assert shape(alone) == shape(rounds)
     assert alone.counts == rounds.counts
+
+
+@pytest.mark.parametrize("kind", ["group", "tree"])
+def test_top_logprobs_are_asked_for_only_where_the_tree_reads_them(tokenizer, kind):
+    """What the engine is asked for, counted: a group rollout asks for no top log-probabilities
+    (the sampled token's own only); the tree asks for top_logprobs per position over the first
+    entropy_window positions of each segment, which is what its entropy reads."""
+    engine = ScriptedEngine(tokenizer, {"two": 2, "none": 0})
+    asked = []
+    answer = engine.agenerate
+
+    async def counting(requests):
+        asked.extend((r.logprobs, r.logprobs_window) for r in requests)
+        return await answer(requests)
+
+    engine.agenerate = counting
+    rollout_settings = settings(kind=kind, n=4, initial_rollouts=2, top_logprobs=7, entropy_window=13)
+    config = AgentConfig(max_search_calls=50, max_response_tokens=4000, max_segment_tokens=64, timeout_s=None, seed=0)
+    loop = AgentLoop(engine, ToolExecutor([Search()]), config, segment_entropy(rollout_settings))
+    prompts = [
+        Prompt(Question(id=q, question=q, answer=["1"], source="toy", kind="qa"), i, "qa_effi_rl") for i, q in enumerate(["two", "none"])
+    ]
+    out = make_rollout(rollout_settings).generate(loop, prompts, step=1, seed=0)
+    assert [len(g) for g in out.groups] == [4, 4] and len(asked) >= 8
+    assert set(asked) == ({(0, None)} if kind == "group" else {(7, 13)})

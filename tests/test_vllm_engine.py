@@ -11,6 +11,7 @@ import json
 import os
 import subprocess
 import sys
+import time
 from pathlib import Path
 
 import pytest
@@ -115,33 +116,72 @@ def test_top_logprobs_only_in_the_window(engine):
     assert len(s.token_ids) == 12 and len(s.top_logprobs) == 5
 
 
-def test_concurrent_calls_go_to_vllm_together(engine):
-    """The agent loop calls agenerate once per trajectory: calls made while a generate call runs
-    go to vLLM together in the next one, and each gets what it gets in one batched call."""
-    requests = [GenerationRequest(tuple(prompt(engine, f"What is {k} times 7?")), max_new_tokens=8, seed=k) for k in range(12)]
+def test_a_request_joins_the_running_batch_at_the_next_step(engine):
+    """RL's colocated engine generates continuously: requests sent one by one from concurrent
+    coroutines (the agent loop sends one per trajectory) give the tokens each gives in one call
+    (seeded), a one-token request sent while long ones run comes back after a step or two, while
+    they still run, not after the slowest of them; vLLM is stepped, never handed whole batches."""
+    requests = [
+        GenerationRequest(tuple(prompt(engine, f"What is {k} times 7?")), sampling=Sampling(temperature=1.0), max_new_tokens=48, seed=k)
+        for k in range(8)
+    ]
     together = engine.generate(requests)
-    calls = []
-    generate = engine.llm.generate
+    short = GenerationRequest(requests[0].prompt_ids, sampling=Sampling(temperature=1.0), max_new_tokens=1, seed=99)
+    steps = []
+    step = engine.llm.llm_engine.step
 
-    def counting(prompts, *args, **kwargs):
-        calls.append(len(prompts))
-        return generate(prompts, *args, **kwargs)
+    def counting():
+        outputs = step()
+        steps.append([o.request_id for o in outputs if o.finished])
+        return outputs
 
-    engine.llm.generate = counting
+    engine.llm.llm_engine.step = counting
     try:
 
-        async def each_alone():
-            async def one(k, r):
-                await asyncio.sleep(0.002 * k)
-                return (await engine.agenerate([r]))[0]
+        async def trajectories():
+            finished: list[str] = []
 
-            return await asyncio.gather(*(one(k, r) for k, r in enumerate(requests)))
+            async def one(name, request):
+                [samples] = await engine.agenerate([request])
+                finished.append(name)
+                return samples
 
-        separate = asyncio.run(each_alone())
+            long = [asyncio.create_task(one(f"long {k}", r)) for k, r in enumerate(requests)]
+            while len(steps) < 3:  # the long ones are running
+                await asyncio.sleep(0.005)
+            joined_at = len(steps)
+            first = await one("short", short)
+            return first, joined_at, len(steps), await asyncio.gather(*long), finished
+
+        first, joined_at, short_done_at, crowd, finished = asyncio.run(trajectories())
     finally:
-        engine.llm.generate = generate
-    assert [s.token_ids for [s] in separate] == [s.token_ids for [s] in together]
-    assert sum(calls) == len(requests) and len(calls) < len(requests)
+        engine.llm.llm_engine.step = step
+    assert [s.token_ids for [s] in crowd] == [s.token_ids for [s] in together]
+    assert len(first[0].token_ids) == 1 and finished[0] == "short", finished
+    assert short_done_at - joined_at <= 3, (joined_at, short_done_at)
+    assert max(len(s.token_ids) for [s] in crowd) > short_done_at  # the long ones went on after it
+    assert len(steps) >= max(len(s.token_ids) for [s] in crowd)  # a step per token, not a call per batch
+
+
+def test_a_caller_that_stops_waiting_aborts_its_request(engine):
+    """A trajectory cancelled (a timeout) takes its request out of vLLM; the others are answered."""
+    keep = GenerationRequest(tuple(prompt(engine)), sampling=Sampling(temperature=1.0), max_new_tokens=24, seed=1)
+    drop = GenerationRequest(tuple(prompt(engine, "What is 3 times 9?")), sampling=Sampling(temperature=1.0), max_new_tokens=2000, seed=2)
+
+    async def run():
+        dropped = asyncio.create_task(engine.agenerate([drop]))
+        kept = await engine.agenerate([keep])
+        dropped.cancel()
+        with pytest.raises(asyncio.CancelledError):
+            await dropped
+        return kept
+
+    [[kept]] = asyncio.run(run())
+    assert kept.finish_reason != "error" and len(kept.token_ids) >= 1
+    deadline = time.time() + 10
+    while engine.llm.llm_engine.has_unfinished_requests() and time.time() < deadline:
+        time.sleep(0.05)
+    assert not engine.llm.llm_engine.has_unfinished_requests()
 
 
 @pytest.fixture(scope="module")

@@ -27,9 +27,10 @@ there is nothing to free) and ``max_model_len`` (prompt plus response tokens).
 Log-probabilities are the model's raw log-softmax, before temperature, top-p or top-k (vLLM's
 default): the same numbers from every engine, and what the trainer recomputes.
 
-:class:`PendingCalls` gathers concurrent calls into one batch at a time (the colocated vllm
-engine's own calls; :class:`SharedBatches` wraps an engine that concurrent coroutines share that
-way).
+:class:`PendingCalls` gathers concurrent calls into one batch at a time (:class:`SharedBatches`
+wraps an engine that concurrent coroutines share that way: an hf text model that decodes a batch
+at a time). The policy engines batch continuously instead: a request joins the running batch at
+the engine's next step (hf with ``continuous_batching``, and both vllm forms).
 
 Use :func:`make_engine` to build one from the ``engine`` config group.
 """

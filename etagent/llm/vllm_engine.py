@@ -15,10 +15,12 @@ left.
 - :class:`VLLMEngine` (RL, ``colocated=True``): vLLM's offline ``LLM`` with its
   ``external_launcher`` executor, in the trainer's own process under ``torchrun``, one engine per
   rank, as verl and TRL colocate it, so that weight updates hand tensors over in the process.
-  ``agenerate`` calls that arrive while a ``generate`` call runs go together in the next one; if
-  vLLM fails a batch, its requests are retried one by one so that only the failing ones come back
-  as errors. On CPU it can also run standalone with its engine core in-process
-  (``VLLM_ENABLE_V1_MULTIPROCESSING=0``), which the tests of weight updates use.
+  It generates continuously too: a thread of the engine's own drives vLLM one step at a time
+  (``LLM.enqueue`` and ``LLMEngine.step``, what ``LLM.generate`` does inside), and a request
+  joins the running batch at the next step, so a trajectory whose tool result is back goes on
+  at once instead of waiting for the slowest segment of a batch. A request vLLM refuses comes
+  back as an error sample alone. On CPU it can also run standalone with its engine core
+  in-process (``VLLM_ENABLE_V1_MULTIPROCESSING=0``), which the tests of weight updates use.
 
 :meth:`VLLMEngine.update_weights` checks names and shapes against the checkpoint's own state
 dict first (a refused update leaves the engine as it was; a half-way reload would leave it
@@ -38,13 +40,14 @@ from __future__ import annotations
 
 import asyncio
 import atexit
+import concurrent.futures
 import itertools
 import os
 import threading
 import uuid
 from collections.abc import Mapping
 
-from etagent.llm import GenerationRequest, PendingCalls, Sample, WeightStream, check_weights, sample_seed
+from etagent.llm import GenerationRequest, Sample, WeightStream, check_weights, sample_seed
 
 # Top log-probabilities per position a request may ask for: vLLM refuses every request above its
 # engine's max_logprobs, which the engines here are built with (RL checks rollout.top_logprobs
@@ -80,9 +83,14 @@ class VLLMEngine:
         self.asleep: set[str] = set()
         self._expected: dict[str, tuple[int, ...]] | None = None
         self._tied: set[str] = set()  # tied aliases an update may leave out
-        self._lock = threading.Lock()  # one generate at a time: the offline engine is not reentrant
-        # agenerate calls waiting for the next generate call, which runs in a worker thread
-        self._calls = PendingCalls(lambda requests: asyncio.to_thread(self.generate, requests))
+        # one of stepping, loading weights, sleeping or waking at a time: vLLM's engine is not reentrant
+        self._lock = threading.Lock()
+        # requests waiting to join at the next step (prompt, params, the future of vLLM's final
+        # output), handed to the driving thread under _arrived
+        self._arrived = threading.Condition()
+        self._waiting: list[tuple[object, object, concurrent.futures.Future]] = []
+        self._driver: threading.Thread | None = None
+        self._closed = False
 
     @classmethod
     def load(
@@ -127,36 +135,89 @@ class VLLMEngine:
     # -- generation -------------------------------------------------------------------------
 
     async def agenerate(self, requests: list[GenerationRequest]) -> list[list[Sample]]:
-        """The requests' samples. Calls made while a generate call runs (the agent loop makes one
-        per trajectory) wait for it to end and then go to vLLM together, in one call, so that it
-        batches them: dynamic batching over the offline engine (:class:`PendingCalls`). A request
-        does not join a generate call already running (vLLM's AsyncLLM would allow that; not used
-        here)."""
-        return await self._calls(requests)
+        """The requests' samples, as soon as they are done: each joins vLLM's running batch at its
+        next step, whatever else runs (the agent loop makes one call per trajectory). A caller
+        that stops waiting (a trajectory cancelled) has its requests aborted in vLLM."""
+        results, calls, futures = self._submit(requests)
+        outputs = await asyncio.gather(*(asyncio.wrap_future(future) for future in futures))
+        return self._results(requests, results, calls, outputs)
 
     def generate(self, requests: list[GenerationRequest]) -> list[list[Sample]]:
+        results, calls, futures = self._submit(requests)
+        return self._results(requests, results, calls, [future.result() for future in futures])
+
+    def _submit(self, requests: list[GenerationRequest]):
         if self.asleep:
             # vLLM would queue the requests behind its paused scheduler and never answer
             raise RuntimeError(f"generate on a vllm engine whose {sorted(self.asleep)} sleep: call wake_up() first")
         results, calls = _vllm_requests(requests, self.max_model_len)
-        outputs = self._run([prompt for _, prompt, _ in calls], [params for _, _, params in calls])
+        futures = [concurrent.futures.Future() for _ in calls]
+        if calls:
+            with self._arrived:
+                if self._closed:
+                    raise RuntimeError("the vllm engine was shut down")
+                self._waiting += [(prompt, params, future) for (_, prompt, params), future in zip(calls, futures)]
+                if self._driver is None:
+                    self._driver = threading.Thread(target=self._drive, name="vllm-steps", daemon=True)
+                    self._driver.start()
+                self._arrived.notify()
+        return results, calls, futures
+
+    @staticmethod
+    def _results(requests, results, calls, outputs) -> list[list[Sample]]:
         for (owner, _, _), output in zip(calls, outputs):
             _collect(results[owner], output, requests[owner])
         return results
 
-    def _run(self, prompts: list, params: list) -> list:
-        """vLLM's outputs in order; if the batch fails, each prompt alone (its exception in its place)."""
-        with self._lock:
-            try:
-                return self.llm.generate(prompts, params, use_tqdm=False)
-            except Exception:
-                outputs = []
-                for prompt, param in zip(prompts, params):
-                    try:
-                        outputs += self.llm.generate([prompt], [param], use_tqdm=False)
-                    except Exception as error:
-                        outputs.append(error)
-                return outputs
+    def _drive(self) -> None:
+        """The driving thread: while requests run, let the new ones join and take one vLLM step;
+        hand each finished request's output to its caller the moment it is done. A request vLLM
+        refuses when it arrives, or a step that fails, answers the requests concerned with the
+        exception (their error samples)."""
+        engine = self.llm.llm_engine
+        running: dict[str, concurrent.futures.Future] = {}
+        while True:
+            with self._arrived:
+                while not self._waiting and not running and not self._closed:
+                    self._arrived.wait()
+                if self._closed:
+                    stopped = RuntimeError("the vllm engine was shut down")
+                    for future in [f for _, _, f in self._waiting] + list(running.values()):
+                        _answer(future, stopped)
+                    self._waiting = []
+                    return
+                arrived, self._waiting = self._waiting, []
+            with self._lock:
+                for prompt, params, future in arrived:
+                    if future.cancelled():
+                        continue  # its caller stopped waiting before it joined
+                    try:  # one at a time, so a refusal answers only its own request
+                        (internal_id,) = self.llm.enqueue([prompt], [params], use_tqdm=False)
+                    except Exception as error:  # noqa: BLE001 - this request's error sample
+                        _answer(future, error)
+                        continue
+                    # LLM numbers its requests (digits) and vLLM adds "-<random>" inside; outputs
+                    # carry the number, aborts take either (internal=True for the full id)
+                    running[internal_id.split("-")[0]] = future
+                # cancelled by a caller that stopped waiting (asyncio.wrap_future passes it on)
+                gone = [request_id for request_id, future in running.items() if future.cancelled()]
+                if gone:
+                    engine.abort_request(gone, internal=False)
+                    for request_id in gone:
+                        del running[request_id]
+                if not running:
+                    continue
+                try:
+                    outputs = engine.step()
+                except Exception as error:  # noqa: BLE001 - every running request's error sample
+                    engine.abort_request(list(running), internal=False)
+                    for future in running.values():
+                        _answer(future, error)
+                    running.clear()
+                    continue
+            for output in outputs:
+                if output.finished and output.request_id in running:
+                    _answer(running.pop(output.request_id), output)
 
     # -- lifecycle ------------------------------------------------------------------------
 
@@ -221,10 +282,24 @@ class VLLMEngine:
             self.asleep -= set(wanted)
 
     def shutdown(self) -> None:
-        """Stop the engine now. A colocated engine's parallel groups are subgroups of the
-        trainer's process group: they must go before it does (left to exit, their cleanup fails)."""
+        """Stop the engine now (requests still running come back as error samples). A colocated
+        engine's parallel groups are subgroups of the trainer's process group: they must go
+        before it does (left to exit, their cleanup fails)."""
+        with self._arrived:
+            self._closed = True
+            self._arrived.notify()
+        if self._driver is not None:
+            self._driver.join(timeout=60)
         with self._lock:
             self.llm.llm_engine.engine_core.shutdown()
+
+
+def _answer(future: concurrent.futures.Future, value) -> None:
+    """Hand a request's output to its caller, unless the caller has stopped waiting for it."""
+    try:
+        future.set_result(value)
+    except concurrent.futures.InvalidStateError:
+        pass  # cancelled meanwhile
 
 
 def _with_aliases(stream: WeightStream, aliases: list[str]):

