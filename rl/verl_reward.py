@@ -54,9 +54,8 @@ masks (train only on the policy's tokens) and tool execution in our tag protocol
 tool-calling agent loop speaks its chat templates' function calls, not our ``<search>`` and
 ``<python>`` tags.
 
-Importing this file needs our package in verl's environment without its pinned dependencies
-(verl pins an older transformers): ``pip install --no-deps -e /path/to/etagent`` and
-``pip install math-verify pydantic numpy``.
+Importing this file needs our package in verl's environment: ``pip install /path/to/etagent``
+(the core installs beside verl 0.9.1: transformers 5.10.4 there).
 """
 
 from __future__ import annotations
