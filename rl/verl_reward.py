@@ -32,7 +32,9 @@ Responses are grouped by ``extra_info["index"]``, which our RL parquet makes uni
 (the paper's own manager grouped the same way; verl's GRPO ``uid`` is not passed to the reward),
 and :func:`etagent.rl.reward.efficiency_reward` runs on each group. From verl 0.7.1 on (0.9.1 included)
 rewards are computed one response at a time in verl's reward loop, the batch manager is no longer
-reachable from the config, and only ``compute_score`` applies.
+reachable from the config, and only ``compute_score`` applies there; the manager class itself is
+still verl's (``tests/test_trl_reward.py`` runs 0.9.1's ``BatchRewardManager`` with this function,
+in a venv with verl).
 
 What the batch function reads, and why:
 - lengths: the batch manager does not pass them (it knows each response's token count, the

