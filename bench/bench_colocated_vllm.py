@@ -27,11 +27,10 @@ import asyncio
 import os
 import sys
 import tempfile
-import time
 from pathlib import Path
 
 import torch
-from toy_setup import SlowTool, toy_policy, toy_tools
+from toy_setup import SlowTool, rl_prompts, rl_step_generation, toy_policy, toy_tools
 
 
 class Waves:
@@ -56,20 +55,6 @@ class Waves:
         return await self._calls(requests)
 
 
-def generate_step(engine, executor, prompts, cfg) -> tuple[float, dict[str, list[int]]]:
-    from etagent.agent import AgentConfig, AgentLoop
-    from etagent.config import build
-    from etagent.rl.config import RolloutSettings
-    from etagent.rl.rollout import make_rollout, segment_entropy
-
-    settings = build(RolloutSettings, cfg.rollout)
-    loop = AgentLoop(engine, executor, build(AgentConfig, cfg.agent), segment_entropy(settings))
-    start = time.perf_counter()
-    out = make_rollout(settings).generate(loop, prompts, step=1, seed=0)
-    seconds = time.perf_counter() - start
-    return seconds, {t.id: t.response_ids for group in out.groups for t in group}
-
-
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     parser.add_argument("--model", help="an SFT'd toy model directory (default: build the toy world and train one, minutes)")
@@ -83,16 +68,13 @@ def main() -> None:
     os.environ["VLLM_ENABLE_V1_MULTIPROCESSING"] = "0"  # the engine core in this process, as colocated
     work = Path(tempfile.mkdtemp(prefix="etagent-bench-colocated-"))
     toy, model = toy_policy(work, args.toy, args.model)
+    import etagent.rl  # noqa: F401 (registers configs/rl's schema, which load_config needs)
     from etagent.config import load_config
     from etagent.llm.vllm_engine import VLLMEngine
-    from etagent.question_formats import read_questions
-    from etagent.rl.rollout import Prompt
     from etagent.tools.executor import ToolExecutor, build_executor
 
     cfg = load_config("rl", "tiny", [f"model={model}", f"rollout.kind={args.rollout}"])
-    pool = read_questions(toy / "questions" / "rl.jsonl")
-    questions = pool[:: max(1, len(pool) // args.prompts)][: args.prompts]  # every kind of question
-    prompts = [Prompt(question=q, index=i, data_source=q.source) for i, q in enumerate(questions)]
+    prompts = rl_prompts(toy, args.prompts)
     engine = VLLMEngine.load(model, dtype="float32", max_model_len=2048, cpu_kv_cache_gb=1.0, enforce_eager=True)
     ways = {"waves": Waves(engine), "continuous": engine}
     rows = []
@@ -102,14 +84,14 @@ def main() -> None:
             concurrency=plain.concurrency,
             timeout_s=plain.timeout_s,
         )
-        generate_step(engine, plain, prompts[:2], cfg)  # warm up (the sandbox, the model)
+        rl_step_generation(engine, plain, prompts[:2], cfg)  # warm up (the sandbox, the model)
         for label, executor in (("as they are", plain), (f"{args.slow_share:.0%} of calls take {args.slow_s:g} s", slow)):
             seconds: dict[str, list[float]] = {name: [] for name in ways}
             tokens = {}
             for _ in range(args.repeats):
                 for name, way in ways.items():
                     engine.reset_prefix_cache()  # no keys and values kept from the run before
-                    s, tokens[name] = generate_step(way, executor, prompts, cfg)
+                    s, tokens[name] = rl_step_generation(way, executor, prompts, cfg)
                     seconds[name].append(s)
                     print(f"  {label}: {name}: {s:.1f} s", file=sys.stderr, flush=True)
             same = sum(tokens["continuous"].get(i) == ids for i, ids in tokens["waves"].items())

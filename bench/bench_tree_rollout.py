@@ -17,26 +17,15 @@ import argparse
 import os
 import sys
 import tempfile
-import time
 from pathlib import Path
 
 import torch
-from toy_setup import toy_policy, toy_tools
+from toy_setup import rl_prompts, rl_step_generation, toy_policy, toy_tools
 
 
 def generate_step(engine, executor, prompts, cfg) -> tuple[float, dict[str, list[int]]]:
-    from etagent.agent import AgentConfig, AgentLoop
-    from etagent.config import build
-    from etagent.rl.config import RolloutSettings
-    from etagent.rl.rollout import make_rollout, segment_entropy
-
-    settings = build(RolloutSettings, cfg.rollout)
-    loop = AgentLoop(engine, executor, build(AgentConfig, cfg.agent), segment_entropy(settings))
     engine.sleep()  # nothing kept from the run before
-    start = time.perf_counter()
-    out = make_rollout(settings).generate(loop, prompts, step=1, seed=0)
-    seconds = time.perf_counter() - start
-    return seconds, {t.id: t.response_ids for group in out.groups for t in group}
+    return rl_step_generation(engine, executor, prompts, cfg)
 
 
 def main() -> None:
@@ -48,16 +37,13 @@ def main() -> None:
     args = parser.parse_args()
     work = Path(tempfile.mkdtemp(prefix="etagent-bench-tree-"))
     toy, model = toy_policy(work, args.toy, args.model)
+    import etagent.rl  # noqa: F401 (registers configs/rl's schema, which load_config needs)
     from etagent.config import load_config
     from etagent.llm.hf import HFEngine
-    from etagent.question_formats import read_questions
-    from etagent.rl.rollout import Prompt
     from etagent.tools.executor import build_executor
 
     cfg = load_config("rl", "tiny", [f"model={model}"])
-    pool = read_questions(toy / "questions" / "rl.jsonl")
-    questions = pool[:: max(1, len(pool) // args.prompts)][: args.prompts]  # every kind of question
-    prompts = [Prompt(question=q, index=i, data_source=q.source) for i, q in enumerate(questions)]
+    prompts = rl_prompts(toy, args.prompts)
     engines = {
         "with prefix caching": HFEngine(model, max_batch_size=cfg.engine.max_batch_size),
         "without": HFEngine(model, max_batch_size=cfg.engine.max_batch_size, prefix_caching=False),

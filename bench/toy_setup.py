@@ -94,3 +94,28 @@ class SlowTool:
         if self.is_slow(text):
             await asyncio.sleep(max(0.0, self.seconds - (time.perf_counter() - start)))
         return output
+
+
+def rl_prompts(toy: Path, count: int) -> list:
+    """``count`` questions of the toy's RL pool, spread over it (so every kind of question), as RL prompts."""
+    from etagent.question_formats import read_questions
+    from etagent.rl.rollout import Prompt
+
+    pool = read_questions(toy / "questions" / "rl.jsonl")
+    questions = pool[:: max(1, len(pool) // count)][:count]
+    return [Prompt(question=q, index=i, data_source=q.source) for i, q in enumerate(questions)]
+
+
+def rl_step_generation(engine, executor, prompts: list, cfg) -> tuple[float, dict[str, list[int]]]:
+    """One RL step's rollouts (step 1, seed 0) with RL's config ``cfg`` (its agent and rollout
+    groups): the seconds they took and every trajectory's token ids by id."""
+    from etagent.agent import AgentConfig, AgentLoop
+    from etagent.config import build
+    from etagent.rl.config import RolloutSettings
+    from etagent.rl.rollout import make_rollout, segment_entropy
+
+    settings = build(RolloutSettings, cfg.rollout)
+    loop = AgentLoop(engine, executor, build(AgentConfig, cfg.agent), segment_entropy(settings))
+    start = time.perf_counter()
+    out = make_rollout(settings).generate(loop, prompts, step=1, seed=0)
+    return time.perf_counter() - start, {t.id: t.response_ids for group in out.groups for t in group}
