@@ -40,6 +40,7 @@ def written_ids(path: Path) -> list[str]:
     return [json.loads(line)["id"] for line in path.read_text().splitlines() if line.strip()] if path.exists() else []
 
 
+@pytest.mark.slow  # 11-32 s; the default run is at its 15-minute budget (CI runs it with the slow tests)
 def test_a_killed_run_resumes_without_doing_a_question_twice(toy, server, tmp_path):
     questions = toy / "questions" / "test.jsonl"
     wanted = [json.loads(line)["id"] for line in questions.read_text().splitlines()][:60]

@@ -266,6 +266,7 @@ def test_reward_refuses_negative_sigmas_and_lengths(change, message):
 # --- real runs: resume, one writer, degradation, partial input -----------------------------------
 
 
+@pytest.mark.slow  # 11-32 s; the default run is at its 15-minute budget (CI runs it with the slow tests)
 def test_a_rerun_with_other_settings_is_refused_naming_them(sft_model, toy, server, tmp_path):
     model, questions = sft_model / "model", toy / "questions" / "test.jsonl"
     out = tmp_path / "rollouts"
@@ -343,6 +344,7 @@ def test_tool_failures_over_the_share_end_the_run_degraded(sft_model_full, toy, 
     assert tolerant.returncode == 0 and "tool failures: " in tolerant.stdout and "search ConnectError" in tolerant.stdout
 
 
+@pytest.mark.slow  # 11-32 s; the default run is at its 15-minute budget (CI runs it with the slow tests)
 def test_partial_input_runs_only_when_asked(sft_model, toy, tmp_path):
     model = sft_model / "model"
     good = [q.to_json() for q in read_questions(toy / "questions" / "test.jsonl")[:1]]

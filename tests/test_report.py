@@ -94,7 +94,7 @@ def test_the_report_of_a_small_run_in_chromium(small_run, browser, tmp_path):
     assert {"sft complete", "evaluation complete", "rl/stage1 complete"} <= set(stages)
     git = json.loads((small_run / "sft" / "manifest.json").read_text())["git"]
     sft_git = browser.evaluate(
-        "[...document.querySelectorAll('table.pipeline tbody tr')].find(r => r.cells[0].textContent === 'sft').cells[7].innerText.replace(/\\s+/g, ' ')"
+        "[...document.querySelectorAll('table.pipeline tbody tr')].find(r => r.cells[0].textContent === 'sft').cells[7].textContent.replace(/(dirty)$/, ' $1')"
     )
     assert sft_git == ("–" if git["commit"] is None else git["commit"][:7] + (" dirty" if git["dirty"] else ""))
     # curves: every RL metric of metrics.jsonl and the SFT loss, a panel each, or in the line of

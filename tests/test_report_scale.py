@@ -215,7 +215,9 @@ def test_the_report_of_a_large_run_reads_from_the_results_down(large_run, browse
     )
     revision = git_revision()
     git_cells = set(
-        browser.evaluate("[...document.querySelectorAll('table.pipeline tbody tr')].map(r => r.cells[7].innerText.replace(/\\s+/g, ' '))")
+        browser.evaluate(
+            "[...document.querySelectorAll('table.pipeline tbody tr')].map(r => r.cells[7].textContent.replace(/(dirty)$/, ' $1'))"
+        )
     )
     assert git_cells == {"–" if revision["commit"] is None else revision["commit"][:7] + (" dirty" if revision["dirty"] else "")}
 

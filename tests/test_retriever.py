@@ -119,6 +119,7 @@ def search_r1_parse(answer: dict) -> list[list[str]]:
     return out
 
 
+@pytest.mark.slow  # 11-32 s; the default run is at its 15-minute budget (CI runs it with the slow tests)
 def test_search_r1_requests_of_real_training_runs(server, toy):
     """The three requests every Search-R1 run sends that a strict server refused: a turn where no
     rollout searched, an empty query among others, and one batch of 512 prompts x 5 rollouts."""

@@ -164,6 +164,7 @@ def losses(out: Path) -> dict[int, float]:
     return {entry["step"]: entry["loss"] for entry in history if "loss" in entry}
 
 
+@pytest.mark.slow  # 11-32 s; the default run is at its 15-minute budget (CI runs it with the slow tests)
 def test_resume_from_a_mid_run_checkpoint_continues_the_same_loss_curve(toy, tmp_path):
     settings = ["train.max_steps=16", "train.save_steps=8", "train.logging_steps=1", "train.batch_size=4", "train.save_total_limit=3"]
     whole = tmp_path / "whole"
@@ -195,6 +196,7 @@ def test_resume_from_a_mid_run_checkpoint_continues_the_same_loss_curve(toy, tmp
     assert {p.name for p in (whole / "checkpoints").iterdir()} == {"checkpoint-8", "checkpoint-16"}
 
 
+@pytest.mark.slow  # 11-32 s; the default run is at its 15-minute budget (CI runs it with the slow tests)
 def test_two_process_cpu_run_trains_and_saves_a_working_model(toy, tmp_path):
     out = tmp_path / "ddp"
     command = [
