@@ -143,6 +143,9 @@ class TrajectoryState:
     segment_starts: list[SegmentStart] = field(default_factory=list)
     entropies: list[float] = field(default_factory=list)
     entropies_exact: list[float] = field(default_factory=list)
+    # the weights each generated segment was sampled with (AgentLoop.version): a trajectory carried
+    # over RL steps (rollout.partial) holds segments of several
+    segment_versions: list[int] = field(default_factory=list)
     budget_messages: int = 0
     # tool-call records a fork copied from its source (those calls ran once, in the source)
     forked_calls: int = 0
@@ -176,6 +179,15 @@ class TrajectoryState:
     def n_generated(self) -> int:
         """Tokens the policy sampled in this rollout (what RL's default length counts)."""
         return sum(1 for o in self.origin if o == TokenOrigin.SAMPLED)
+
+    def token_versions(self) -> list[int]:
+        """Per response token, the version of the weights that sampled its segment (a segment's
+        tool result carries the segment's version; tokens before the first segment, -1)."""
+        versions = [-1] * len(self.response_ids)
+        for k, start in enumerate(self.segment_starts):
+            end = self.segment_starts[k + 1].token if k + 1 < self.segments else len(self.response_ids)
+            versions[start.token : end] = [self.segment_versions[k]] * (end - start.token)
+        return versions
 
     def executed(self, tool: str | None = None) -> int:
         """Calls that ran (budget messages excluded, calls of a prefix included), of one tool or all."""
@@ -223,6 +235,7 @@ class TrajectoryState:
                 twin.tool_calls = twin.tool_calls[: start.tool_calls]
                 twin.budget_messages = start.budget_messages
                 twin.segment_starts = twin.segment_starts[:at_segment]
+                twin.segment_versions = twin.segment_versions[:at_segment]
                 twin.entropies, twin.entropies_exact = twin.entropies[:at_segment], twin.entropies_exact[:at_segment]
                 twin.finish_reason = twin.error = None
         twin.forked_calls = len(twin.tool_calls)
@@ -255,8 +268,10 @@ class AgentLoop:
         self.tokenizer = engine.tokenizer
         # ARPO normalises entropy by ln |V| with |V| the tokenizer's vocabulary
         self.vocab_size = len(self.tokenizer)
-        # the weights trajectories are sampled from; a trainer sets it after each update
+        # the weights trajectories are sampled from; a trainer sets both after each update (the
+        # version counts updates, and is recorded per segment)
         self.policy_version: str | None = None
+        self.version = 0
 
     # -- creating trajectories --------------------------------------------------------------
 
@@ -381,20 +396,32 @@ class AgentLoop:
             await self.advance(state)
         return state
 
-    async def advance(self, s: TrajectoryState) -> None:
+    async def advance(self, s: TrajectoryState, stop: asyncio.Event | None = None) -> bool:
         """One step of a trajectory: a call left at the end of its prefix, then its next segment
-        and that segment's tool call."""
+        and that segment's tool call. With ``stop``: if it is set before the segment comes back,
+        the engine's request is cancelled and the trajectory is left as it was before the
+        segment, to be continued later (RL's partial rollouts); a tool call already running is
+        finished first. Returns False if it stopped so."""
         if s.trailing_call is not None:
             pending: list[tuple[TrajectoryState, protocol.ToolCall]] = []
             self._call_or_refuse(s, s.trailing_call, pending)
             s.trailing_call = None
             await self.run_calls(pending)
         if not self.ready(s):
-            return
-        [[sample]] = await self.engine.agenerate([self.request(s)])
+            return True
+        call = asyncio.ensure_future(self.engine.agenerate([self.request(s)]))
+        if stop is not None:
+            stopped = asyncio.ensure_future(stop.wait())
+            await asyncio.wait({call, stopped}, return_when=asyncio.FIRST_COMPLETED)
+            stopped.cancel()
+            if not call.done():
+                call.cancel()  # the engines drop a cancelled request's rows
+                return False
+        [[sample]] = await call
         pending = []
         self.take_segment(s, sample, pending)
         await self.run_calls(pending)
+        return True
 
     def _seed(self, state: TrajectoryState) -> int | None:
         if state.seed is None:
@@ -490,6 +517,7 @@ class AgentLoop:
             return
         s.segment_starts.append(SegmentStart(len(s.response_ids), len(s.tool_calls), s.budget_messages))
         s.policy_version = self.policy_version  # the weights its latest segment came from
+        s.segment_versions.append(self.version)
         s.append(list(sample.token_ids), TokenOrigin.SAMPLED, list(sample.logprobs), sample.tempered_logprobs)
         if self.entropy and self.entropy.top_logprobs > 0:  # one per segment, 0 for an empty one (ARPO reads them by segment)
             s.entropies.append(topk_segment_entropy(sample.top_logprobs or [], self.vocab_size, self.entropy.window))

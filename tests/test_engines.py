@@ -421,3 +421,30 @@ def test_a_program_that_exits_while_the_engine_decodes_exits_cleanly(toy):
     done = subprocess.run([sys.executable, "-c", program], capture_output=True, text=True, timeout=300, cwd=Path(__file__).parents[1])
     assert done.returncode == 0 and "terminate called" not in done.stderr, done.stderr[-2000:]
     assert done.stdout.strip() == "leaving while decoding True"
+
+
+def test_a_cancelled_hf_request_leaves_the_batch_and_sleep_waits_for_the_thread(hf):
+    """A caller that stops waiting (RL's partial rollouts stop a step mid-segment) has its rows
+    dropped at the decoding thread's next step, so they cost no more decoding; the others are
+    answered with what they get alone; sleep() returns once the thread has ended, so a trainer
+    may change the weights the engine reads."""
+    ps = prompts(hf)
+    keep = GenerationRequest(tuple(ps[1]), max_new_tokens=20, seed=3)
+    drop = GenerationRequest(tuple(ps[0]), max_new_tokens=400, seed=4)
+    hf.sleep()
+    [alone] = hf.generate([keep])
+    steps = hf.counts["decode_steps"]
+
+    async def run():
+        dropped = asyncio.create_task(hf.agenerate([drop]))
+        [kept] = await hf.agenerate([keep])
+        dropped.cancel()
+        with pytest.raises(asyncio.CancelledError):
+            await dropped
+        return kept
+
+    kept = asyncio.run(run())
+    hf.sleep()
+    assert hf._worker is None
+    assert [s.token_ids for s in kept] == [s.token_ids for s in alone]
+    assert hf.counts["decode_steps"] - steps < 100  # not the dropped row's 400

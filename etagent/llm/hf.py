@@ -182,6 +182,7 @@ class _Row:
     stop: str | None = None
     error: str | None = None
     reused: tuple = ()  # the prefix store entry its prefill started from
+    cancelled: bool = False  # its caller stopped waiting: the decoding thread drops it
 
     @property
     def window(self) -> int:
@@ -293,9 +294,14 @@ class HFEngine:
         self._prefixes.clear()
 
     def sleep(self, level: int = 1) -> None:
-        """Free the keys and values kept for prefixes (a trainer's module changes its weights in
-        place after this, and they would be stale); on a GPU, move the weights to host memory,
-        unless the model is the trainer's."""
+        """Wait for the decoding thread to end (rows whose callers were cancelled leave at its
+        next step: RL's partial rollouts stop mid-segment), then free the keys and values kept
+        for prefixes (a trainer's module changes its weights in place after this, and they would
+        be stale); on a GPU, move the weights to host memory, unless the model is the trainer's."""
+        with self._lock:
+            worker = self._worker
+        if worker is not None and worker is not threading.current_thread():
+            worker.join()
         self.reset_prefix_cache()
         if self.owns_model and self.device.type == "cuda":
             self._home = self.device
@@ -320,7 +326,12 @@ class HFEngine:
             loop.call_soon_threadsafe(lambda: done.done() or done.set_result(None))
 
         rows = self._submit(requests, notify)
-        await done
+        try:
+            await done
+        except asyncio.CancelledError:
+            for row in rows:
+                row.cancelled = True
+            raise
         return self._samples(requests, rows)
 
     def generate(self, requests: list[GenerationRequest]) -> list[list[Sample]]:
@@ -396,6 +407,8 @@ class HFEngine:
                     for row in (running.rows if running is not None else []) + list(waiting):
                         self._fail(row, "the interpreter is exiting")
                     running, waiting = None, deque()
+                if any(row.cancelled for row in waiting):
+                    waiting = deque(row for row in waiting if not row.cancelled)
                 if running is None and not waiting:
                     with self._lock:
                         if self._inbox.empty():
@@ -564,6 +577,9 @@ class HFEngine:
         keep = []
         for b in live:
             row = rows[b]
+            if row.cancelled:  # nobody waits for it: it leaves the batch as a finished row does
+                row.done = True
+                continue
             row.tokens.append(chosen_list[b])
             row.logprobs.append(logprob_list[b])
             row.tempered.append(tempered_list[b])

@@ -90,6 +90,7 @@ class VLLMEngine:
         self._arrived = threading.Condition()
         self._waiting: list[tuple[object, object, concurrent.futures.Future]] = []
         self._driver: threading.Thread | None = None
+        self._in_flight = 0  # requests in vLLM at the driver's last turn
         self._closed = False
 
     @classmethod
@@ -178,6 +179,9 @@ class VLLMEngine:
         running: dict[str, concurrent.futures.Future] = {}
         while True:
             with self._arrived:
+                self._in_flight = len(running)
+                if not running:
+                    self._arrived.notify_all()  # sleep() waits for nothing to run
                 while not self._waiting and not running and not self._closed:
                     self._arrived.wait()
                 if self._closed:
@@ -262,9 +266,13 @@ class VLLMEngine:
             self.llm.reset_prefix_cache()
 
     def sleep(self, level: int = 1) -> None:
-        """Free GPU memory while the trainer steps: level 1 offloads the weights to host memory and
-        drops the KV cache; level 2 drops both (the next update_weights brings the weights).
-        Both tags then sleep until :meth:`wake_up`."""
+        """Wait until nothing runs (a request whose caller was cancelled, as RL's partial rollouts
+        do, is aborted at the driver's next turn), then free GPU memory while the trainer steps:
+        level 1 offloads the weights to host memory and drops the KV cache; level 2 drops both (the
+        next update_weights brings the weights). Both tags then sleep until :meth:`wake_up`."""
+        with self._arrived:
+            while (self._waiting or self._in_flight) and not self._closed and self._driver is not None:
+                self._arrived.wait()
         if self.sleep_mode and not self.asleep:
             with self._lock:
                 self.llm.reset_prefix_cache()
