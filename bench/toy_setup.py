@@ -3,7 +3,7 @@ Python sandbox and a retriever service on 127.0.0.1 over the toy corpus), and a 
 that makes a fixed share of tool calls slow.
 
 Not a benchmark itself: the rollout benchmarks (``bench_agent.py``, ``bench_rollout.py``,
-``bench_tree_rollout.py``, ``bench_colocated_vllm.py``) import it.
+``bench_tree_rollout.py``, ``bench_colocated_vllm.py``, ``bench_partial_rollout.py``) import it.
 """
 
 from __future__ import annotations

@@ -97,13 +97,16 @@ class Batch:
 TRUNCATED = frozenset({"length", "context"})
 
 
-def pack(trajectories: list[TrajectoryState], pad_id: int, untrained: frozenset[str] = frozenset()) -> Batch:
+def pack(
+    trajectories: list[TrajectoryState], pad_id: int, untrained: frozenset[str] = frozenset(), masked_before: int | None = None
+) -> Batch:
     """The trajectories as one batch. ``rollout_logprobs`` are the engine's log-probabilities under
     the sampling temperature (the hf engine's always; vLLM's at T = 1), else its raw ones
     (:func:`tempered_rollouts` says which). The loss mask is 1 at the tokens the policy sampled,
     except in a trajectory the engine failed on (``finish_reason == "error"``) or one whose
     finish reason is in ``untrained`` (truncated ones, with ``algorithm.truncated=mask``): none
-    of its tokens is trained on, whatever it sampled."""
+    of its tokens is trained on, whatever it sampled; and with ``masked_before``, at tokens
+    sampled by weights of an older version (partial rollouts' ``stale_tokens=mask``)."""
     prompt_width = max(len(t.prompt_ids) for t in trajectories)
     response_width = max(1, max(len(t.response_ids) for t in trajectories))
     rows = len(trajectories)
@@ -118,7 +121,10 @@ def pack(trajectories: list[TrajectoryState], pad_id: int, untrained: frozenset[
         if r:
             input_ids[i, prompt_width : prompt_width + r] = torch.tensor(t.response_ids)
             if t.finish_reason != "error" and t.finish_reason not in untrained:
-                loss_mask[i, :r] = torch.tensor([float(o == TokenOrigin.SAMPLED) for o in t.origin])
+                sampled = [o == TokenOrigin.SAMPLED for o in t.origin]
+                if masked_before is not None:
+                    sampled = [s and v >= masked_before for s, v in zip(sampled, t.token_versions())]
+                loss_mask[i, :r] = torch.tensor(sampled, dtype=torch.float32)
             # of the distribution the tokens were drawn from (logits / T), where the engine gave them
             logprobs[i, :r] = torch.tensor(t.tempered_logprobs if t.tempered_logprobs is not None else t.logprobs)
     position_ids = (attention.cumsum(dim=1) - 1).clamp(min=0)

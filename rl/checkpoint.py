@@ -3,7 +3,9 @@
 - ``checkpoints/step_{k}/``: the training state to resume from, sharded: every rank writes its
   own shards of the policy and of AdamW's state with ``torch.distributed.checkpoint`` (no rank
   gathers the model or the optimizer: at 7B that was 92 GB on rank 0 per save), plus
-  ``state.json`` (the step and its metrics). Written into ``step_{k}.tmp`` and renamed when every
+  ``state.json`` (the step and its metrics), and with partial rollouts each rank's groups in
+  flight (``in_flight_rank{r}.pkl``: a resumed run carries over what the uninterrupted one
+  did). Written into ``step_{k}.tmp`` and renamed when every
   rank has finished, so a kill during a save leaves the previous checkpoint as the last complete
   one; only the last ``keep`` are kept.
 - ``models/step_{k}/`` every ``export_every`` steps and ``model/`` at the end: the policy as a
@@ -19,6 +21,7 @@ What it does not do: decide when to save (rl/run.py).
 from __future__ import annotations
 
 import json
+import pickle
 import shutil
 from pathlib import Path
 
@@ -44,9 +47,10 @@ def latest_checkpoint(out: Path) -> Path | None:
     return max(steps)[1] if steps else None
 
 
-def save_checkpoint(out: Path, step: int, policy, optimizer, metrics: dict, keep: int) -> Path:
-    """Every rank writes its shards of the policy and the optimizer into ``checkpoints/step_{k}``;
-    the older checkpoints beyond ``keep`` go."""
+def save_checkpoint(out: Path, step: int, policy, optimizer, metrics: dict, keep: int, in_flight: list | None = None) -> Path:
+    """Every rank writes its shards of the policy and the optimizer into ``checkpoints/step_{k}``,
+    and with partial rollouts its groups in flight (``in_flight_rank{r}.pkl``); the older
+    checkpoints beyond ``keep`` go."""
     import torch.distributed.checkpoint as dcp
     from torch.distributed.checkpoint.state_dict import get_state_dict
 
@@ -55,6 +59,9 @@ def save_checkpoint(out: Path, step: int, policy, optimizer, metrics: dict, keep
     if dist.get_rank() == 0 and tmp.exists():
         shutil.rmtree(tmp)  # what a killed save left
     dist.barrier()
+    if in_flight is not None:
+        tmp.mkdir(parents=True, exist_ok=True)
+        (tmp / f"in_flight_rank{dist.get_rank()}.pkl").write_bytes(pickle.dumps(in_flight))
     model_state, optimizer_state = get_state_dict(policy, optimizer)
     dcp.save({"model": model_state, "optimizer": optimizer_state}, checkpoint_id=tmp / "state")
     if dist.get_rank() == 0:
@@ -74,6 +81,17 @@ def commit(tmp: Path, folder: Path) -> None:
     if folder.exists():
         shutil.rmtree(folder)
     tmp.rename(folder)
+
+
+def load_in_flight(folder: Path) -> list:
+    """This rank's groups in flight at the checkpoint (partial rollouts). The file is this run's
+    own, written by :func:`save_checkpoint`: pickle is read from nowhere else."""
+    path = folder / f"in_flight_rank{dist.get_rank()}.pkl"
+    if not path.exists():
+        raise FileNotFoundError(
+            f"{path}: the checkpoint holds no groups in flight for this rank (rollout.partial was off when it was saved)"
+        )
+    return pickle.loads(path.read_bytes())
 
 
 def load_checkpoint(folder: Path, policy, optimizer) -> dict:

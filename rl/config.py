@@ -63,6 +63,11 @@ class RolloutSettings:
     entropy_window: PositiveInt = MISSING
     dynamic_roots: bool = MISSING
     branch_penalty: bool = MISSING
+    partial: bool = MISSING
+    partial_extra: NonNegativeInt = MISSING
+    max_staleness: PositiveInt = MISSING
+    on_stale: Annotated[str, OneOf("drop", "wait")] = MISSING
+    stale_tokens: Annotated[str, OneOf("tis", "mask")] = MISSING
 
 
 @group

@@ -20,13 +20,15 @@ One step, as named and timed phases (``timing_s/<phase>`` in the metrics):
    ARPO's entropy-branching tree, or n independent samples; rl/rollout.py), sampled by the
    colocated engine (``engine.kind``): ``hf``, the policy module itself (it shares the weights:
    nothing to copy), or ``vllm``, one vLLM engine per rank in the trainer's process (torchrun),
-   asleep outside this phase and the validation;
+   asleep outside this phase and the validation; with ``rollout.partial``, more groups than the
+   step trains on, the unfinished ones carried into the next step (rl/rollout.py's
+   PartialRollout, its groups in flight kept in each checkpoint);
 2. reward: the efficiency reward per prompt's group (rl/reward.py), sigmas decayed linearly over
    the run as in the paper;
 3. advantage: GRPO, the group's mean and unbiased std;
 4. balance (more than one rank): each mini-batch's sequences re-dealt over the ranks so that each
    holds as many as the plan says and about as many tokens (rl/batch.py's balanced_partition);
-5. old_logprobs (vllm only; rl/actor.py): the policy's log-probabilities of the sampled tokens before the
+5. old_logprobs (vllm, or partial rollouts with stale_tokens=tis; rl/actor.py): the policy's log-probabilities of the sampled tokens before the
    update, and their mismatch with vLLM's own; the update corrects for it by truncated importance
    sampling (``algorithm.tis_cap``, rl/algorithm.py). The hf engine samples with the
    policy module and its current weights, so its log-probabilities are the old ones already
@@ -85,13 +87,13 @@ from etagent.records import origin_segments, policy_text, write_manifest
 from etagent.rl.actor import NonFiniteUpdate, response_logprobs, update
 from etagent.rl.algorithm import grpo_advantages, logprob_mismatch
 from etagent.rl.batch import TRUNCATED, Batch, BatchPlan, balanced_partition, batch_plan, pack, tempered_rollouts
-from etagent.rl.checkpoint import export_model, latest_checkpoint, load_checkpoint, save_checkpoint
+from etagent.rl.checkpoint import export_model, latest_checkpoint, load_checkpoint, load_in_flight, save_checkpoint
 from etagent.rl.config import RewardSettings, RLConfig, RolloutSettings
 from etagent.rl.distributed import gather_objects, init_distributed, sum_all, training_device
 from etagent.rl.paper_reward import validation_score
 from etagent.rl.policy import Policy, gathered, load_policy
 from etagent.rl.reward import efficiency_reward, kind_of, raw_correctness, sigma_factor
-from etagent.rl.rollout import Prompt, make_rollout, read_prompts, rollout_metrics, segment_entropy
+from etagent.rl.rollout import PartialRollout, Prompt, make_rollout, read_prompts, rollout_metrics, segment_entropy
 from etagent.rl.weights import sync_engine
 from etagent.rundir import claim_output
 from etagent.settings import check_paths
@@ -119,6 +121,7 @@ class Trainer:
     total: int  # steps of the run
     start: int  # the last step already done (resumed from)
     resumed_metrics: dict
+    in_flight: list | None  # partial rollouts' groups in flight at the checkpoint resumed from
     reward: RewardSettings
     policy: Policy
     reference: Policy | None
@@ -172,6 +175,22 @@ def check_settings(cfg: DictConfig) -> None:
             f"needs vLLM's log-probabilities of the sampled distribution, which it reports at agent.sampling.temperature 1 only "
             f"(it is {cfg.agent.sampling.temperature}): set algorithm.tis_cap=null or agent.sampling.temperature=1",
         )
+    if cfg.rollout.partial and cfg.rollout.stale_tokens == "tis" and cfg.algorithm.tis_cap is None:
+        raise SettingError(
+            "algorithm.tis_cap",
+            "is null, and partial rollouts with stale_tokens=tis weigh each token against the weights that sampled it, "
+            "truncated at tis_cap: set it (verl: 2) or rollout.stale_tokens=mask",
+        )
+    if cfg.rollout.partial and cfg.rollout.on_stale == "wait":
+        # waiting for its oldest groups, a step trains on groups at most ceil(extra / share) steps old
+        share = max(1, int(cfg.data.prompts_per_step) // int(os.environ.get("WORLD_SIZE", "1")))
+        oldest = -(-int(cfg.rollout.partial_extra) // share)
+        if oldest > cfg.rollout.max_staleness:
+            raise SettingError(
+                "rollout.max_staleness",
+                f"is {cfg.rollout.max_staleness}, and with on_stale=wait a step's groups can be up to ceil(partial_extra / "
+                f"prompts per process) = {oldest} versions old: raise it to {oldest}, lower rollout.partial_extra, or set on_stale=drop",
+            )
     if cfg.rollout.kind == "tree" and cfg.rollout.top_logprobs == 0:  # the engines measure entropy only where asked for them
         raise SettingError("rollout.top_logprobs", "is 0, and the tree branches on entropies measured with them: set it >= 1 (ARPO: 10)")
     # the policy gradient is of the distribution the rollouts were drawn from: softmax(logits / T).
@@ -224,8 +243,10 @@ def setup(cfg: DictConfig) -> Trainer:
         policy.parameters(), lr=cfg.optim.lr, betas=tuple(cfg.optim.betas), weight_decay=cfg.optim.weight_decay, eps=cfg.optim.eps
     )
     state = {"step": 0, "metrics": {}}
+    in_flight = None
     if checkpoint:
         state = load_checkpoint(checkpoint, policy, optimizer)
+        in_flight = load_in_flight(checkpoint) if cfg.rollout.partial else None
         if rank == 0:
             log.info("resuming after step %d from %s", state["step"], checkpoint)
     # the KL term's reference is the stage's starting policy, also after a resume
@@ -273,6 +294,7 @@ def setup(cfg: DictConfig) -> Trainer:
         total=total,
         start=state["step"],
         resumed_metrics=state["metrics"],
+        in_flight=in_flight,
         reward=build(RewardSettings, cfg.reward),
         policy=policy,
         reference=reference,
@@ -318,7 +340,7 @@ def engine_reads_policy(trainer: Trainer):
 def train_step(trainer: Trainer, step: int, loop: AgentLoop, greedy: AgentLoop, rollout) -> dict:
     """Step ``step`` (counted from 1) as timed phases; its metrics (summed over ranks)."""
     cfg = trainer.cfg
-    loop.policy_version = f"step{step - 1}"
+    loop.policy_version, loop.version = f"step{step - 1}", step - 1
     metrics: dict = {"step": step}
     started = time.perf_counter()
     chosen = step_prompts(trainer.prompts, step, cfg.data.prompts_per_step, trainer.seed)[trainer.rank :: trainer.world]
@@ -333,7 +355,7 @@ def train_step(trainer: Trainer, step: int, loop: AgentLoop, greedy: AgentLoop, 
     metrics.update(finish_shares(rollouts.groups))
     with phase("reward", metrics):
         factor = sigma_factor(step, trainer.total) if trainer.reward.decay else 1.0
-        rows = rewards_of(rollouts.groups, chosen, trainer.reward, factor, trainer.tokenizer)
+        rows = rewards_of(rollouts.groups, rollouts.prompts, trainer.reward, factor, trainer.tokenizer)
         if cfg.algorithm.truncated == "wrong":  # scored as a wrong answer: raw 0, the format penalty stays
             for row in rows:
                 if row["finish_reason"] in TRUNCATED:
@@ -350,11 +372,15 @@ def train_step(trainer: Trainer, step: int, loop: AgentLoop, greedy: AgentLoop, 
     advantages = advantages.to(trainer.device)
     pad_id = trainer.tokenizer.pad_token_id if trainer.tokenizer.pad_token_id is not None else trainer.tokenizer.eos_token_id
     untrained = TRUNCATED if cfg.algorithm.truncated == "mask" else frozenset()
-    batch = pack(trajectories, pad_id, untrained).to(trainer.device)
+    # partial rollouts: tokens sampled by older weights are left out of the loss, or weighed
+    # against those weights by TIS
+    stale_tis = cfg.rollout.partial and cfg.rollout.stale_tokens == "tis"
+    masked_before = step - 1 if cfg.rollout.partial and cfg.rollout.stale_tokens == "mask" else None
+    batch = pack(trajectories, pad_id, untrained, masked_before).to(trainer.device)
     comparable = tempered_rollouts(trajectories)  # the engine's log-probabilities are at the sampling temperature
-    if cfg.engine.kind == "hf":
-        # sampled by this module with these weights (under the temperature): recomputing would
-        # repeat the rollout's forwards
+    if cfg.engine.kind == "hf" and not stale_tis:
+        # sampled by this module with these weights (under the temperature; stale tokens are
+        # masked): recomputing would repeat the rollout's forwards
         old = batch.rollout_logprobs
     else:
         with phase("old_logprobs", metrics), gathered(trainer.policy), torch.no_grad():
@@ -363,15 +389,16 @@ def train_step(trainer: Trainer, step: int, loop: AgentLoop, greedy: AgentLoop, 
     if trainer.reference is not None:
         with phase("ref_logprobs", metrics), gathered(trainer.reference), torch.no_grad():
             ref = response_logprobs(trainer.reference, batch, cfg.train.micro_batch_tokens)
-    # rollouts from vLLM: corrected by truncated importance sampling against the trainer's old ones
-    tis_cap = cfg.algorithm.tis_cap if cfg.engine.kind == "vllm" else None
+    # rollouts from vLLM, or partial ones: corrected by truncated importance sampling against the
+    # trainer's old log-probabilities
+    tis_cap = cfg.algorithm.tis_cap if cfg.engine.kind == "vllm" or stale_tis else None
     if tis_cap is not None and not comparable:
         raise RuntimeError("truncated importance sampling needs the rollout's log-probabilities under the sampling temperature")
     with phase("update", metrics):
         trainer.policy.train()
         # the hf engine's log-probabilities are the old ones: their gap to the trainer's forward
         # (batch shapes, dtype) is measured in the update's first mini-batch
-        hf_mismatch = cfg.engine.kind == "hf" and comparable
+        hf_mismatch = cfg.engine.kind == "hf" and comparable and not stale_tis
         try:
             metrics.update(
                 update(
@@ -395,7 +422,7 @@ def train_step(trainer: Trainer, step: int, loop: AgentLoop, greedy: AgentLoop, 
         with phase("validate", metrics):
             metrics.update(validate(trainer, greedy, step))
     with phase("save", metrics):
-        save(trainer, step, rows, metrics)
+        save(trainer, step, rows, metrics, rollout.state() if cfg.rollout.partial else None)
     metrics["timing_s/step"] = time.perf_counter() - started
     return metrics
 
@@ -587,9 +614,10 @@ def validate(trainer: Trainer, loop: AgentLoop, step: int) -> dict:
     return {"val/score": total_score / n, "val/raw": total_raw / n, "val/tool_calls": total_calls / n, "val/prompts": n}
 
 
-def save(trainer: Trainer, step: int, rows: list[dict], metrics: dict) -> None:
-    """The step's rollouts, then the checkpoint that commits the step (it carries the metrics, so a
-    kill before the metrics line loses nothing), then a model export when one is due."""
+def save(trainer: Trainer, step: int, rows: list[dict], metrics: dict, in_flight: list | None) -> None:
+    """The step's rollouts, then the checkpoint that commits the step (it carries the metrics and,
+    with partial rollouts, the groups in flight, so a kill before the metrics line loses
+    nothing), then a model export when one is due."""
     cfg = trainer.cfg
     every_rank = gather_objects(rows)
     if trainer.rank == 0:
@@ -599,7 +627,7 @@ def save(trainer: Trainer, step: int, rows: list[dict], metrics: dict) -> None:
                 for row in part:
                     f.write(json.dumps(row, ensure_ascii=False) + "\n")
     if step % cfg.train.save_every == 0 or step == trainer.total:
-        save_checkpoint(trainer.out, step, trainer.policy, trainer.optimizer, metrics, cfg.train.keep_checkpoints)
+        save_checkpoint(trainer.out, step, trainer.policy, trainer.optimizer, metrics, cfg.train.keep_checkpoints, in_flight)
     if step == trainer.total:
         export_model(trainer.out / "model", trainer.policy.lm, trainer.tokenizer, trainer.export_dtype, trainer.bucket_bytes)
     elif cfg.train.export_every and step % cfg.train.export_every == 0:
@@ -667,6 +695,10 @@ def train(cfg: DictConfig) -> list[dict]:
         # validation reads no entropies
         greedy = AgentLoop(trainer.engine, executor, replace(config, sampling=replace(config.sampling, temperature=0.0)))
         rollout = make_rollout(rollout_settings)
+        if rollout_settings.partial:
+            rollout = PartialRollout(rollout, rollout_settings, trainer.plan.prompts_per_rank, trainer.prompts, trainer.rank)
+            if trainer.in_flight is not None:
+                rollout.restore(loop, trainer.in_flight)
         # a line per step in a log (a step is long); rank 0 alone updates it
         progress = Progress("rl", trainer.total, "step", initial=trainer.start, every_s=0)
         for step in range(trainer.start + 1, trainer.total + 1):

@@ -51,6 +51,7 @@ def tiny_arguments(toy: Path, model: Path, work: Path) -> dict[str, list[str]]:
             "1",
         ],
         "bench_pareto.py": ["--questions", "200", "--count", "20", "--reference-questions", "40"],
+        "bench_partial_rollout.py": [*policy, "--prompts", "2", "--extra", "1", "--steps", "2", "--slow-s", "0.05"],
         "bench_python_sandbox.py": ["--calls", "4", "--concurrency", "2"],
         "bench_retriever.py": ["--requests", "8", "--sizes", "200", "--concurrency", "1,2"],
         "bench_rl_step.py": [

@@ -177,6 +177,13 @@ def rl_parquet(toy, tmp_path) -> Path:
         # ARPO's tree branches on entropies measured from the top log-probabilities
         ("rollout.top_logprobs=0", "setting rollout.top_logprobs: is 0, and the tree branches on entropies measured with them"),
         ("+agent.logprobs=10", "agent.logprobs is not a setting of its group"),  # moved to rollout.top_logprobs
+        # partial rollouts weigh stale tokens by TIS, which needs its cap
+        ("rollout.partial=true algorithm.tis_cap=null", "setting algorithm.tis_cap: is null, and partial rollouts with stale_tokens=tis"),
+        # waiting for its oldest groups bounds staleness by ceil(extra / share): 9 extra over the tiny preset's 8 is 2
+        (
+            "rollout.partial=true rollout.on_stale=wait rollout.partial_extra=9",
+            "setting rollout.max_staleness: is 1, and with on_stale=wait a step's groups can be up to ceil(partial_extra / prompts per process) = 2",
+        ),
         # the engine runs in the trainer's process: RL takes no servers' settings
         ("engine.openai.urls=[http://127.0.0.1:8011/v1]", "Could not override 'engine.openai.urls': engine.openai is null in this stage"),
         ("engine.openai={urls:[http://127.0.0.1:8011/v1]}", "Could not override 'engine.openai': engine.openai is null in this stage"),

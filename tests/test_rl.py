@@ -95,25 +95,30 @@ def test_steps_checkpoints_and_an_exact_resume(sft_model, parquet, server, tmp_p
         assert not all(torch.equal(a, b) for a, b in zip(final.state_dict().values(), other.state_dict().values()))
 
     # kill -9 during step 2 (step 1 checkpointed), rerun: steps 2 and 3 give the same numbers
+    resumed = tmp_path / "resumed"
+    overrides = rl_overrides(sft_model, parquet, server, resumed, "train.max_steps=3", "train.save_every=1")
+    kill_after_checkpoint(overrides, resumed, 1)
+    assert not (resumed / "checkpoints" / "step_3").exists()
+    run_in_subprocess(overrides)
+    assert [numbers(m) for m in metrics_of(resumed)] == [numbers(m) for m in history]
+
+
+def kill_after_checkpoint(overrides: list[str], out: Path, step: int) -> None:
+    """An RL run killed with SIGKILL one second after it checkpointed ``step`` (into the next step)."""
     import signal
     import subprocess
     import sys
     import time
 
-    resumed = tmp_path / "resumed"
-    overrides = rl_overrides(sft_model, parquet, server, resumed, "train.max_steps=3", "train.save_every=1")
     proc = subprocess.Popen([sys.executable, "-m", "etagent.rl.run", *overrides], stdout=subprocess.DEVNULL, stderr=subprocess.PIPE)
     deadline = time.monotonic() + 600
-    while not (resumed / "checkpoints" / "step_1" / "state.json").exists():
+    while not (out / "checkpoints" / f"step_{step}" / "state.json").exists():
         assert proc.poll() is None, proc.stderr.read().decode()[-3000:]
         assert time.monotonic() < deadline
         time.sleep(0.05)
-    time.sleep(1.0)  # into step 2
+    time.sleep(1.0)
     proc.send_signal(signal.SIGKILL)
     proc.wait(timeout=30)
-    assert not (resumed / "checkpoints" / "step_3").exists()
-    run_in_subprocess(overrides)
-    assert [numbers(m) for m in metrics_of(resumed)] == [numbers(m) for m in history]
 
 
 @pytest.mark.slow  # 20-35 s: kept out of the default run's 15 minutes
@@ -479,3 +484,30 @@ def test_an_engine_that_fails_some_requests(sft_model_full, toy, server, tmp_pat
     assert len(failed) == 8 and all("scripted: the model failed" in r["error"] for r in failed)
     assert (m["engine/failed"], m["engine/failure_share"], m["finish/error"]) == (8, 0.5, 0.5)
     assert m["actor/policy_tokens"] == sum(r["length"] for r in rows if r not in failed) > 0
+
+
+@pytest.mark.slow  # five RL runs per setting, 2-3 minutes: kept out of the default run's 15 minutes
+@pytest.mark.parametrize("stale_tokens", ["tis", "mask"])
+def test_partial_rollouts_resume_with_their_groups_in_flight(sft_model, parquet, server, tmp_path, monkeypatch, stale_tokens):
+    """rollout.partial with 2 extra groups per step: a run of 3 steps, and the same run killed in
+    step 3 and resumed, twice: the resumed step carries over the groups the checkpoint held and
+    gives the uninterrupted run's numbers. Some groups do carry over, their stale tokens
+    weighed by TIS against the weights that sampled them (the old log-probabilities recomputed:
+    the hf engine's are of other weights there) or left out of the loss."""
+    monkeypatch.setenv("RETRIEVER_TOKEN", TOKEN)
+    partial = ["rollout.partial=true", "rollout.partial_extra=2", f"rollout.stale_tokens={stale_tokens}", "train.save_every=1"]
+    straight = tmp_path / "straight"
+    run_in_subprocess(rl_overrides(sft_model, parquet, server, straight, "train.max_steps=3", *partial))
+    history = metrics_of(straight)
+    assert any(m["partial/carried_share"] > 0 for m in history) and all(m["partial/staleness_max"] <= 1 for m in history)
+    assert ("timing_s/old_logprobs" in history[0]) == (stale_tokens == "tis")
+    if stale_tokens == "mask":
+        rows = [json.loads(line) for line in (straight / "rollouts" / "step_2.jsonl").read_text().splitlines()]
+        assert history[1]["actor/policy_tokens"] < sum(r["length"] for r in rows) or history[1]["partial/stale_token_share"] == 0
+    for attempt in ("first", "second"):
+        resumed = tmp_path / attempt
+        overrides = rl_overrides(sft_model, parquet, server, resumed, "train.max_steps=3", *partial)
+        kill_after_checkpoint(overrides, resumed, 2)
+        assert (resumed / "checkpoints" / "step_2" / "in_flight_rank0.pkl").exists()
+        run_in_subprocess(overrides)
+        assert [numbers(m) for m in metrics_of(resumed)] == [numbers(m) for m in history]

@@ -7,21 +7,28 @@ question and reports a scripted exact entropy for it, so every branch decision's
 
 from __future__ import annotations
 
+import asyncio
 import math
+import random
 from dataclasses import replace
 
 import pytest
 import torch
+from hypothesis import given
+from hypothesis import settings as settings_of_hypothesis
+from hypothesis import strategies as st
 from transformers import AutoTokenizer
 
 from etagent import protocol
 from etagent.agent import AgentConfig, AgentLoop, SegmentEntropy
 from etagent.llm import Sample
-from etagent.records import Question
+from etagent.records import Question, TokenOrigin
 from etagent.rl.algorithm import entropy_aware_advantages, policy_loss
 from etagent.rl.config import RolloutSettings
 from etagent.rl.rollout import (
+    DELTA_H,
     GroupRollout,
+    PartialRollout,
     Prompt,
     TreeRollout,
     aepo_branches,
@@ -30,6 +37,7 @@ from etagent.rl.rollout import (
     make_rollout,
     rollout_metrics,
     segment_entropy,
+    stale_tokens,
 )
 from etagent.tools import ToolOutput
 from etagent.tools.executor import ToolExecutor
@@ -109,43 +117,43 @@ def tree(n=8, roots=4, p=0.5, w=0.2, beam=2, **switches) -> TreeRollout:
     )
 
 
-def ids(group) -> list[int]:
-    return [int(t.id.rsplit("/", 1)[1]) for t in group]
+def operations(group) -> list[str]:
+    return [t.provenance.operation for t in group]
 
 
-def test_no_branching_gives_roots_then_fill_ins_at_once(tokenizer):
-    """p = 0 and dH = 0: no path forks; once a prompt's roots have all ended it gets every missing
-    rollout at once (the reference adds one per round), after the roots, in creation order."""
+def test_no_branching_gives_each_root_its_fill_ins_at_once(tokenizer):
+    """p = 0 and dH = 0: no path forks; each root ends with its share of the budget (n - roots
+    split evenly: 1 each here) and is replaced at once by that many fresh rollouts, which follow it
+    in the group."""
     _, loop, prompts = setup(tokenizer, {"three": 3, "direct": 0})
     out = tree(p=0.0).generate(loop, prompts, step=1, seed=0)
-    for group in out.groups:
+    for index, group in enumerate(out.groups):
         assert len(group) == 8 and all(t.done for t in group)
-        assert ids(group) == list(range(8))
-        assert {t.provenance.operation for t in group} == {"rollout"}
-    # "direct" answers in round 1, so its fill-ins start in round 2; "three" ends in round 4, then 4 more
+        assert [t.id for t in group] == [f"step1/{index}/{i}{fill}" for i in range(4) for fill in ("", "+0")]
+        assert set(operations(group)) == {"rollout"}
     assert out.counts["fill_ins"] == 8 and out.counts["branches"] == 0
-    assert out.counts["rounds"] == 8
+    assert out.counts["depth"] == 4  # "three": three calls, four segments
     assert [t.segments for t in out.groups[0]] == [4] * 8
 
 
 def test_all_branching_spends_the_budget_on_branches_lagged(tokenizer):
-    """lagged (ARPO's released code), p = 1: every active path forks once per round, after its
-    newest result, until the prompt has n; no fill-ins, and every rollout ends with the answer."""
+    """lagged (ARPO's released code), p = 1: every path forks after each new result while it has
+    budget; each fork halves what is left, so 2 roots of 16 give 4, 8, 16 paths at results 1, 2,
+    3, as the reference's rounds do; no fill-ins, and every rollout ends with the answer."""
     _, loop, prompts = setup(tokenizer, {"five": 5})
     out = tree(n=16, roots=2, p=1.0, delta_h="lagged").generate(loop, prompts, step=1, seed=0)
     [group] = out.groups
-    assert len(group) == 16 and ids(group) == list(range(16))
+    assert len(group) == 16 and len({t.id for t in group}) == 16
     assert out.counts["branches"] == 14 and out.counts["fill_ins"] == 0
-    # 2 roots -> 4 -> 8 -> 16 paths after rounds 1, 2, 3
-    assert [out.counts[f"branched_round{r}"] for r in (1, 2, 3)] == [2, 4, 8]
-    forks = group[2:]
-    assert all(t.provenance.operation == "fork" for t in forks)
-    assert forks[0].provenance.parent == group[0].id and forks[1].provenance.parent == group[1].id
+    assert [out.counts[f"branched_result{r}"] for r in (1, 2, 3)] == [2, 4, 8]
+    by_id = {t.id: t for t in group}
+    forks = [t for t in group if t.provenance.operation == "fork"]
+    assert len(forks) == 14 and all(t.id.startswith(t.provenance.parent + ".") for t in forks)
     assert all(t.finish_reason == "answer" and t.executed() == 5 for t in group)
     # a fork keeps its source's prefix, token for token
-    source = next(t for t in group if t.id == forks[0].provenance.parent)
-    cut = forks[0].provenance.branch_token
-    assert forks[0].response_ids[:cut] == source.response_ids[:cut]
+    for fork in forks:
+        cut = fork.provenance.branch_token
+        assert fork.response_ids[:cut] == by_id[fork.provenance.parent].response_ids[:cut]
     # the calls a fork copied ran once, in its source
     assert out.counts["tool_calls_executed"] == sum(t.executed_here() for t in group) < sum(t.executed() for t in group)
 
@@ -159,12 +167,12 @@ def test_all_branching_forks_at_results(tokenizer):
     out = tree(n=16, roots=2, p=1.0).generate(loop, prompts, step=1, seed=0)
     [group] = out.groups
     assert len(group) == 16 and out.counts["branches"] == 14 and out.counts["fill_ins"] == 0
-    assert "decisions_round1" not in out.counts  # round 1 generates from the prompt: no result yet
-    # round 2: the roots' segments after their first result decide; their copies resample that segment
-    assert out.counts["branched_round2"] == 2
+    assert "decisions_result0" not in out.counts  # a root's first segment comes from the prompt: no result yet
+    # at their first result both roots fork; the copies resample the segment after it
+    assert out.counts["branched_result1"] == 2
     by_id = {t.id: t for t in group}
     result_end = tokenizer.encode("\n</result>", add_special_tokens=False)
-    for fork in group[2:]:
+    for fork in (t for t in group if t.provenance.operation == "fork"):
         source, at = by_id[fork.provenance.parent], fork.provenance.branch_segment
         assert at >= 1 and fork.provenance.branch_token == source.segment_starts[at].token
         assert fork.response_ids[: fork.provenance.branch_token] == source.response_ids[: fork.provenance.branch_token]
@@ -175,23 +183,26 @@ def test_all_branching_forks_at_results(tokenizer):
 
 
 def test_early_finishes_and_beam(tokenizer):
-    """Roots that answer at once leave the whole budget to fill-ins; a beam of 3 lets a path fork
-    twice at one result; the group is exactly n in every case."""
+    """A root that answers at once leaves its whole budget to fresh rollouts; a beam of 3 lets a
+    path fork twice at one result; the group is exactly n in every case. Worked by hand, one root
+    with a budget of 5: each fork takes 1 and halves the rest with its source."""
     _, loop, prompts = setup(tokenizer, {"direct": 0, "one": 1, "two": 2})
     out = tree(n=6, roots=1, p=1.0, beam=3).generate(loop, prompts, step=1, seed=0)
     assert [len(g) for g in out.groups] == [6, 6, 6]
     direct, one, two = out.groups
-    assert [t.provenance.operation for t in direct] == ["rollout"] * 6
-    # "one": round 2 the root answers after its result and forks there twice (3 paths); the copies
-    # answer in round 3, then 3 fill-ins
-    assert [t.provenance.operation for t in one] == ["rollout", "fork", "fork", "rollout", "rollout", "rollout"]
-    # "two": the root forks twice at its first result (round 2) and twice at its second (round 3),
-    # then the first copies, at their second result, fill the budget
-    assert [t.provenance.operation for t in two] == ["rollout"] + ["fork"] * 5
-    assert [t.provenance.branch_segment for t in two[1:]] == [1, 1, 2, 2, 2]
+    assert operations(direct) == ["rollout"] * 6
+    # "one": the root answers after its result and forks there twice (copies with budgets 2 and
+    # 0, the root keeps 1); the copies answer; the root's 1 and the first copy's 2 become fresh
+    # rollouts, each after the path that left it
+    assert operations(one) == ["rollout", "fork", "rollout", "rollout", "fork", "rollout"]
+    assert [t.id.removeprefix("step1/1/") for t in one] == ["0", "0.1.0", "0.1.0+0", "0.1.0+1", "0.1.1", "0+0"]
+    # "two": the root forks twice at its first result (budgets 2, 0; it keeps 1) and once at its
+    # second; the first copy, at its second result, forks twice with its 2
+    assert operations(two) == ["rollout"] + ["fork"] * 5
+    assert [t.provenance.branch_segment for t in two[1:]] == [1, 2, 2, 1, 2]
     lagged = tree(n=6, roots=1, p=1.0, beam=3, delta_h="lagged").generate(loop, prompts, step=1, seed=0)
     assert [len(g) for g in lagged.groups] == [6, 6, 6]
-    assert [t.provenance.operation for t in lagged.groups[2]] == ["rollout"] + ["fork"] * 5
+    assert operations(lagged.groups[2]) == ["rollout"] + ["fork"] * 5
 
 
 def test_branch_probability_is_p_plus_w_dh(tokenizer):
@@ -209,17 +220,17 @@ def test_branch_probability_is_p_plus_w_dh(tokenizer):
     out = tree(n=3, roots=1, p=0.2, w=0.2, beam=3).generate(loop, prompts, step=1, seed=0)
     metrics = rollout_metrics([out.counts])
     assert metrics["rollout/mean_delta_h"] == pytest.approx(1.5)
-    assert metrics["rollout/branch_rate_round2"] == pytest.approx(0.5, abs=0.05)
-    assert "rollout/branch_rate_round1" not in metrics  # no result before round 1's segments
+    assert metrics["rollout/branch_rate_result1"] == pytest.approx(0.5, abs=0.05)
+    assert "rollout/branch_rate_result0" not in metrics  # no result before a root's first segment
 
     lagged = tree(n=3, roots=1, p=0.2, w=0.2, beam=3, delta_h="lagged").generate(loop, prompts, step=1, seed=0)
-    assert lagged.counts["delta_h_sum"] / lagged.counts["decisions_round1"] == pytest.approx(0.0)  # the first segment itself
-    assert lagged.counts["branched_round1"] / lagged.counts["decisions_round1"] == pytest.approx(0.2, abs=0.05)
-    # 2 calls per question give the lagged rule a round 2, where roots that did not fork in round 1 see dH = 1.5
+    assert lagged.counts["delta_h_sum"] / lagged.counts["decisions_result1"] == pytest.approx(0.0)  # the first segment itself
+    assert lagged.counts["branched_result1"] / lagged.counts["decisions_result1"] == pytest.approx(0.2, abs=0.05)
+    # 2 calls per question give the lagged rule a second result, where roots with budget left see dH = 1.5
     engine.calls = {q: 2 for q in calls}
     metrics = rollout_metrics([tree(n=3, roots=1, p=0.2, w=0.2, beam=3, delta_h="lagged").generate(loop, prompts, step=2, seed=0).counts])
-    assert metrics["rollout/branch_rate_round1"] == pytest.approx(0.2, abs=0.05)
-    assert metrics["rollout/branch_rate_round2"] == pytest.approx(0.5, abs=0.08)
+    assert metrics["rollout/branch_rate_result1"] == pytest.approx(0.2, abs=0.05)
+    assert metrics["rollout/branch_rate_result2"] == pytest.approx(0.5, abs=0.08)
 
 
 def test_a_path_with_no_room_left_never_forks(tokenizer):
@@ -250,8 +261,8 @@ def test_baseline_entropy_belongs_to_this_step(tokenizer, delta_h):
     assert first.counts["branches"] == 0
     engine.entropy = lambda question, k: float(k > 0)
     second = rollout.generate(loop, prompts, step=2, seed=0)
-    assert second.counts["branched_round2"] == second.counts["decisions_round2"] > 0
-    assert second.counts["delta_h_sum"] >= second.counts["decisions_round2"]
+    # at the second result both rules read a segment after a result against the first (dH = +1)
+    assert second.counts["branched_result2"] == second.counts["decisions_result2"] > 0
 
 
 def test_a_resumed_step_draws_the_same_tree(tokenizer):
@@ -276,14 +287,14 @@ def test_group_rollout_keeps_its_interface(tokenizer):
 
 def test_rollout_metrics_add_up_over_ranks():
     ranks = [
-        {"roots": 4, "branches": 3, "fill_ins": 1, "rounds": 3, "delta_h_sum": 1.0, "decisions_round1": 4, "branched_round1": 2},
-        {"roots": 4, "branches": 1, "fill_ins": 0, "rounds": 5, "delta_h_sum": 2.0, "decisions_round1": 2, "branched_round1": 0,
-         "decisions_round2": 4, "branched_round2": 1},
+        {"roots": 4, "branches": 3, "fill_ins": 1, "depth": 3, "delta_h_sum": 1.0, "decisions_result1": 4, "branched_result1": 2},
+        {"roots": 4, "branches": 1, "fill_ins": 0, "depth": 5, "delta_h_sum": 2.0, "decisions_result1": 2, "branched_result1": 0,
+         "decisions_result2": 4, "branched_result2": 1},
     ]  # fmt: skip
     m = rollout_metrics(ranks)
-    assert (m["rollout/roots"], m["rollout/branches"], m["rollout/fill_ins"], m["rollout/rounds"]) == (8, 4, 1, 5)
+    assert (m["rollout/roots"], m["rollout/branches"], m["rollout/fill_ins"], m["rollout/depth"]) == (8, 4, 1, 5)
     assert m["rollout/mean_delta_h"] == pytest.approx(3.0 / 10)
-    assert m["rollout/branch_rate_round1"] == pytest.approx(2 / 6) and m["rollout/branch_rate_round2"] == pytest.approx(0.25)
+    assert m["rollout/branch_rate_result1"] == pytest.approx(2 / 6) and m["rollout/branch_rate_result2"] == pytest.approx(0.25)
 
 
 # -- AEPO ------------------------------------------------------------------------------------
@@ -311,14 +322,14 @@ def test_dynamic_roots_come_from_a_discarded_probe(tokenizer):
     assert out.counts["dynamic_roots"] == sum(expected) == out.counts["roots"]
     assert [len(g) for g in out.groups] == [8, 8]
     assert not any("probe" in t.id for g in out.groups for t in g)
-    # no branching (p = 0, w = 0): "calm-start" got 2 roots, then 6 fill-ins once they ended
+    # no branching (p = 0, w = 0): "calm-start" got 2 roots, each replaced by 3 fill-ins once it ended
     assert [t.provenance.operation for t in out.groups[1]] == ["rollout"] * 8 and out.counts["fill_ins"] == 1 + 6
     assert out.counts["tool_calls_executed"] == 2 * 2 + 16 * 2  # the probes' calls and the groups'
 
 
 def test_aepo_branch_rule_direction_and_penalty(tokenizer):
     """AEPO branches when clamp((u + w dH)(1 - 0.05 c), 0, 1) >= p: a larger p branches less
-    (ARPO's opposite), and each consecutive round a prompt gained paths damps it."""
+    (ARPO's opposite), and each decision in a row that made copies damps it."""
     assert aepo_branches(0.3, 0.5, 0.2, 1.0, 0)  # 0.5 >= 0.5
     assert not aepo_branches(0.3, 0.6, 0.2, 1.0, 0)
     assert not aepo_branches(0.3, 0.5, 0.2, 1.0, 2)  # 0.5 * 0.9 < 0.5
@@ -391,18 +402,78 @@ def test_tree_settings_refuse_bad_numbers():
         TreeRollout(settings(n=4, initial_rollouts=2, beam_size=0))
 
 
-def test_the_tree_is_the_same_per_prompt_or_in_lockstep_rounds(tokenizer):
-    """Each prompt's tree grows in its own rounds with its own draws: run concurrently per prompt
-    or in rounds over every prompt at once, the groups are the same, path for path."""
-    calls = {"three": 3, "direct": 0, "two": 2, "one": 1}
-    engine, loop, prompts = setup(tokenizer, calls)
-    engine.entropy = lambda question, k: 0.3 * k + 0.1 * len(question)
-    alone = tree(n=8, roots=2, p=0.5).generate(loop, prompts, step=3, seed=1)
-    loop.config = replace(loop.config, lockstep=True)
-    rounds = tree(n=8, roots=2, p=0.5).generate(loop, prompts, step=3, seed=1)
+class DelayedEngine(ScriptedEngine):
+    """The scripted engine, answering each request after a random delay of its own (0-3 ms): paths
+    finish their steps in an order that changes with ``order_seed``."""
+
+    def __init__(self, tokenizer, calls, order_seed: int):
+        super().__init__(tokenizer, calls)
+        self.delays = random.Random(order_seed)
+
+    async def agenerate(self, requests):
+        await asyncio.sleep(self.delays.uniform(0.0, 0.003))
+        return await super().agenerate(requests)
+
+
+@settings_of_hypothesis(max_examples=25, deadline=None)
+@given(
+    calls=st.lists(st.integers(0, 4), min_size=1, max_size=4),
+    n=st.integers(1, 12),
+    roots_share=st.floats(0.0, 1.0),
+    beam=st.integers(1, 3),
+    p=st.sampled_from([0.0, 0.3, 0.7, 1.0]),
+    delta_h=st.sampled_from(DELTA_H),
+    penalty=st.booleans(),
+)
+def test_the_tree_is_the_same_whatever_order_paths_finish_in(tokenizer, calls, n, roots_share, beam, p, delta_h, penalty):
+    """Every path decides when its own step ends; the same seeds give the same groups, path for
+    path, and the same counts, whether the paths run streamed with two different random orders
+    of finishing or in lockstep rounds over every prompt. Each group has exactly n trajectories,
+    unique ids, every fork's source in the group."""
+    questions = {f"q{i}-{c}": c for i, c in enumerate(calls)}
+    roots = 1 + round(roots_share * (n - 1))
+    runs = []
+    for order_seed, lockstep in ((0, False), (1, False), (2, True)):
+        engine = DelayedEngine(tokenizer, questions, order_seed)
+        engine.entropy = lambda question, k: 0.1 * len(question) + 0.4 * k
+        _, loop, prompts = setup(tokenizer, questions)
+        loop.engine = engine
+        loop.config = replace(loop.config, lockstep=lockstep)
+        rollout = tree(n=n, roots=roots, p=p, beam=beam, delta_h=delta_h, branch_penalty=penalty)
+        runs.append(rollout.generate(loop, prompts, step=2, seed=5))
     shape = lambda out: [[(t.id, t.response_ids, t.provenance.parent) for t in g] for g in out.groups]  # noqa: E731
-    assert shape(alone) == shape(rounds)
-    assert alone.counts == rounds.counts
+    assert shape(runs[0]) == shape(runs[1]) == shape(runs[2])
+    assert runs[0].counts == runs[1].counts == runs[2].counts
+    for group in runs[0].groups:
+        ids = {t.id for t in group}
+        assert len(group) == n == len(ids) and all(t.done for t in group)
+        assert all(t.provenance.parent in ids for t in group if t.provenance.operation == "fork")
+
+
+def test_a_fork_is_decided_without_waiting_for_another_path(tokenizer):
+    """Two roots of one prompt, p = 1, a budget of one copy each: the engine holds whichever
+    root's segment after its first result comes second, until a third such request arrives,
+    which only the other root's copy can send. With a barrier over the prompt's paths that copy
+    would wait for the held segment and the step would never end (the hold times out after 10 s);
+    without one the copy is made, sends its request, and releases it."""
+    engine, loop, prompts = setup(tokenizer, {"one": 1})
+    answer = engine.agenerate
+    after_result, released = [], asyncio.Event()
+
+    async def holding(requests):
+        [r] = requests
+        if tokenizer.decode(list(r.prompt_ids)).split("<|im_start|>assistant\n", 1)[1].count("<result>") == 1:
+            after_result.append(r)
+            if len(after_result) == 2:
+                await asyncio.wait_for(released.wait(), timeout=10)
+            elif len(after_result) == 3:
+                released.set()
+        return await answer(requests)
+
+    engine.agenerate = holding
+    out = tree(n=4, roots=2, p=1.0).generate(loop, prompts, step=1, seed=0)
+    [group] = out.groups
+    assert len(after_result) == 4 and operations(group) == ["rollout", "fork", "rollout", "fork"]
 
 
 @pytest.mark.parametrize("kind", ["group", "tree"])
@@ -428,3 +499,144 @@ def test_top_logprobs_are_asked_for_only_where_the_tree_reads_them(tokenizer, ki
     out = make_rollout(rollout_settings).generate(loop, prompts, step=1, seed=0)
     assert [len(g) for g in out.groups] == [4, 4] and len(asked) >= 8
     assert set(asked) == ({(0, None)} if kind == "group" else {(7, 13)})
+
+
+# -- partial rollouts ------------------------------------------------------------------------
+
+
+def partial(rollout, pool, quota=2, extra=2, max_staleness=1, on_stale="drop") -> PartialRollout:
+    s = settings(partial=True, partial_extra=extra, max_staleness=max_staleness, on_stale=on_stale, stale_tokens="tis")
+    return PartialRollout(rollout, s, quota, pool, rank=0)
+
+
+def partial_setup(tokenizer, calls):
+    engine, loop, prompts = setup(tokenizer, calls)
+    loop.config = replace(loop.config, lockstep=True)  # rounds: what stops where does not depend on timing
+    return engine, loop, prompts
+
+
+def run_steps(rollout: PartialRollout, loop, prompts, steps, per_step=2):
+    """Steps as the trainer runs them: the weights' version is the updates so far, and each step's
+    own prompts are ``per_step`` of the pool in turn."""
+    out = []
+    for step in steps:
+        loop.version = step - 1
+        chosen = [prompts[(step - 1) * per_step % len(prompts) + i] for i in range(per_step)]
+        out.append(rollout.generate(loop, chosen, step, seed=0))
+    return out
+
+
+def test_partial_rollouts_carry_unfinished_groups_with_their_versions(tokenizer):
+    """Quota 1, 1 extra group, in rounds: step 1 (version 0) starts "slow" (2 calls) and a quick
+    one from the pool (1 call); the quick one completes first and is trained on, "slow" carries
+    over after 2 segments; step 2 (version 1) samples its answer with the new weights and trains
+    on it: its trajectories span 2 versions, their first 2 segments stale by 1."""
+    calls = {"slow": 2, "quick-a": 1, "quick-b": 1, "quick-c": 1}
+    _, loop, prompts = partial_setup(tokenizer, calls)
+    rollout = partial(GroupRollout(2), prompts, quota=1, extra=1)
+    [first] = run_steps(rollout, loop, prompts, [1], per_step=1)
+    assert [p.question.id for p in first.prompts] != ["slow"]
+    [carried] = rollout.in_flight
+    assert carried.prompt.question.id == "slow" and [p.state.segment_versions for p in carried.paths] == [[0, 0], [0, 0]]
+    assert rollout_metrics([first.counts])["partial/carried_share"] == 0
+    [second] = run_steps(rollout, loop, prompts, [2], per_step=1)
+    assert [p.question.id for p in second.prompts] == ["slow"]
+    stale = sampled = 0
+    for t in second.groups[0]:
+        assert t.segment_versions == [0, 0, 1] and t.executed() == 2 and t.finish_reason == "answer"
+        marks = stale_tokens(t, 1)
+        assert marks == [o == TokenOrigin.SAMPLED and i < t.segment_starts[2].token for i, o in enumerate(t.origin)]
+        stale, sampled = stale + sum(marks), sampled + t.n_generated
+    metrics = rollout_metrics([second.counts])
+    assert metrics["partial/carried_share"] == 1 and metrics["partial/versions_spanned"] == 2
+    assert metrics["partial/staleness_max"] == metrics["partial/staleness_mean"] == 1
+    assert metrics["partial/stale_token_share"] == pytest.approx(stale / sampled) and metrics["partial/dropped_share"] == 0
+
+
+def test_partial_rollouts_drop_a_group_past_the_staleness_bound(tokenizer):
+    """on_stale=drop, max_staleness 1: "slow", begun at step 1 (version 0) and still running at step 3
+    (version 2), would train on tokens 2 versions old; it is dropped at the start of step 3,
+    counted, and never trained on."""
+    calls = {"slow": 12, "quick-a": 1, "quick-b": 1, "quick-c": 1, "quick-d": 1}
+    _, loop, prompts = partial_setup(tokenizer, calls)
+    rollout = partial(GroupRollout(2), prompts, quota=1, extra=1)
+    steps = run_steps(rollout, loop, prompts, [1, 2, 3], per_step=1)
+    metrics = [rollout_metrics([s.counts]) for s in steps]
+    assert [m["partial/dropped_share"] for m in metrics] == [0, 0, 1]
+    assert all(m["partial/staleness_max"] <= 1 for m in metrics)
+    assert all(p.question.id != "slow" for s in steps for p in s.prompts)
+    assert all(tree.prompt.question.id != "slow" for tree in rollout.in_flight)
+
+
+def test_partial_rollouts_wait_for_their_oldest_groups(tokenizer):
+    """on_stale=wait: a step trains on its oldest groups, waiting for them, even when a younger one
+    completes first (it carries over, complete, and is trained on next); no token is older than
+    ceil(extra / quota) = 1 version."""
+    calls = {"slow": 3, "quick-a": 0, "quick-b": 0, "quick-c": 0}
+    _, loop, prompts = partial_setup(tokenizer, calls)
+    rollout = partial(GroupRollout(2), prompts, quota=1, extra=1, on_stale="wait")
+    first, second = run_steps(rollout, loop, prompts, [1, 2], per_step=1)
+    assert [p.question.id for p in first.prompts] == ["slow"]  # step 1's own prompt, the oldest
+    assert second.prompts[0].question.id.startswith("quick") and rollout_metrics([second.counts])["partial/carried_share"] == 1
+    assert all(rollout_metrics([s.counts])["partial/staleness_max"] <= 1 for s in (first, second))
+
+
+def test_resumed_partial_rollouts_carry_over_the_same_groups(tokenizer):
+    """The groups in flight, saved as RL's checkpoint saves them (pickled) and restored into a new
+    rollout, give the next step the uninterrupted run's groups, token for token; twice."""
+    import pickle
+
+    calls = {"slow-a": 4, "quick-a": 0, "slow-b": 3, "quick-b": 1, "quick-c": 0, "mid": 2}
+    engine, loop, prompts = partial_setup(tokenizer, calls)
+    engine.entropy = lambda question, k: 0.2 * k
+    straight = partial(tree(n=4, roots=2, p=0.5), prompts, quota=2, extra=2)
+    run_steps(straight, loop, prompts, [1])
+    saved = pickle.dumps(straight.state())
+    [expected] = run_steps(straight, loop, prompts, [2])
+    shape = lambda out: [[(t.id, t.response_ids, t.segment_versions) for t in g] for g in out.groups]  # noqa: E731
+    for _ in range(2):
+        resumed = partial(tree(n=4, roots=2, p=0.5), prompts, quota=2, extra=2)
+        resumed.restore(loop, pickle.loads(saved))
+        [again] = run_steps(resumed, loop, prompts, [2])
+        assert shape(again) == shape(expected) and again.counts == expected.counts
+
+
+def test_streamed_partial_rollouts_stop_between_segments(tokenizer):
+    """Streamed, with random engine delays: the step stops once its quota is complete, the paths
+    still running stop at their next engine call (the request in flight cancelled), and when they
+    go on, every trajectory ends with its question's calls, each with its result: nothing was cut
+    mid-step."""
+    calls = {f"q{i}": i % 4 for i in range(8)}
+    engine = DelayedEngine(tokenizer, calls, order_seed=3)
+    _, loop, prompts = setup(tokenizer, calls)
+    loop.engine = engine
+    rollout = partial(GroupRollout(3), prompts, quota=2, extra=3)
+    for out in run_steps(rollout, loop, prompts, [1, 2, 3, 4]):
+        assert len(out.groups) == 2
+        for group in out.groups:
+            for t in group:
+                assert t.finish_reason == "answer" and t.executed() == calls[t.question.id]
+                assert t.response_ids.count(tokenizer.convert_tokens_to_ids("<result>")) == calls[t.question.id]
+
+
+def test_stale_tokens_are_masked_or_weighed_against_their_version():
+    """A trajectory of two segments, the first sampled by version 0 (log-probabilities -1.0, -2.0),
+    then a tool result, then one by version 1 (-0.5). At step 2 (version 1): mask leaves the first
+    segment out of the loss; TIS weighs each token by min(exp(old - rollout), cap), by hand."""
+    from etagent.agent import SegmentStart, TrajectoryState
+    from etagent.rl.algorithm import truncated_importance_weights
+    from etagent.rl.batch import pack
+
+    t = TrajectoryState("t", Question(id="q", question="q", answer=["1"], source="toy", kind="qa"), [5, 6], budgets=None)
+    t.segment_starts = [SegmentStart(0, 0, 0), SegmentStart(3, 1, 0)]
+    t.segment_versions = [0, 1]
+    t.response_ids, t.origin = [10, 11, 12, 13], [TokenOrigin.SAMPLED] * 2 + [TokenOrigin.TOOL] + [TokenOrigin.SAMPLED]
+    t.logprobs = t.tempered_logprobs = [-1.0, -2.0, 0.0, -0.5]
+    t.finish_reason = "answer"
+    assert pack([t], 0).loss_mask.tolist() == [[1.0, 1.0, 0.0, 1.0]]
+    masked = pack([t], 0, masked_before=1)
+    assert masked.loss_mask.tolist() == [[0.0, 0.0, 0.0, 1.0]]
+    old = torch.tensor([[-1.2, -1.0, 0.0, -0.5]])
+    weights = truncated_importance_weights(old, masked.rollout_logprobs, 2.0)
+    expected = [min(math.exp(-1.2 + 1.0), 2.0), min(math.exp(-1.0 + 2.0), 2.0), 1.0, 1.0]
+    assert weights[0].tolist() == pytest.approx(expected)
