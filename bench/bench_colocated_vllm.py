@@ -30,7 +30,7 @@ import tempfile
 from pathlib import Path
 
 import torch
-from toy_setup import SlowTool, rl_prompts, rl_step_generation, toy_policy, toy_tools
+from toy_setup import policy_arguments, rl_prompts, rl_step_generation, slowed, toy_policy, toy_tools
 
 
 class Waves:
@@ -57,8 +57,7 @@ class Waves:
 
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
-    parser.add_argument("--model", help="an SFT'd toy model directory (default: build the toy world and train one, minutes)")
-    parser.add_argument("--toy", help="the toy world directory the model belongs to")
+    policy_arguments(parser)
     parser.add_argument("--prompts", type=int, default=16)
     parser.add_argument("--repeats", type=int, default=3)
     parser.add_argument("--slow-share", type=float, default=0.1)
@@ -71,7 +70,7 @@ def main() -> None:
     import etagent.rl  # noqa: F401 (registers configs/rl's schema, which load_config needs)
     from etagent.config import load_config
     from etagent.llm.vllm_engine import VLLMEngine
-    from etagent.tools.executor import ToolExecutor, build_executor
+    from etagent.tools.executor import build_executor
 
     cfg = load_config("rl", "tiny", [f"model={model}", f"rollout.kind={args.rollout}"])
     prompts = rl_prompts(toy, args.prompts)
@@ -79,11 +78,7 @@ def main() -> None:
     ways = {"waves": Waves(engine), "continuous": engine}
     rows = []
     with toy_tools(work, toy) as tools, build_executor(tools) as plain:
-        slow = ToolExecutor(
-            [SlowTool(t, args.slow_share, args.slow_s) for t in plain.tools.values()],
-            concurrency=plain.concurrency,
-            timeout_s=plain.timeout_s,
-        )
+        slow = slowed(plain, args.slow_share, args.slow_s)
         rl_step_generation(engine, plain, prompts[:2], cfg)  # warm up (the sandbox, the model)
         for label, executor in (("as they are", plain), (f"{args.slow_share:.0%} of calls take {args.slow_s:g} s", slow)):
             seconds: dict[str, list[float]] = {name: [] for name in ways}

@@ -29,7 +29,7 @@ import time
 from pathlib import Path
 
 import torch
-from toy_setup import SlowTool, rl_prompts, toy_policy, toy_tools
+from toy_setup import policy_arguments, rl_prompts, slowed, toy_policy, toy_tools
 
 
 def run_steps(rollout, loop, prompts: list, steps: int, per_step: int) -> tuple[float, int, list[dict]]:
@@ -46,8 +46,7 @@ def run_steps(rollout, loop, prompts: list, steps: int, per_step: int) -> tuple[
 
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
-    parser.add_argument("--model", help="an SFT'd toy model directory (default: build the toy world and train one, minutes)")
-    parser.add_argument("--toy", help="the toy world directory the model belongs to")
+    policy_arguments(parser)
     parser.add_argument("--prompts", type=int, default=8, help="prompts a step trains on")
     parser.add_argument("--extra", type=int, default=8, help="groups a partial step runs beyond them")
     parser.add_argument("--steps", type=int, default=8)
@@ -63,7 +62,7 @@ def main() -> None:
     from etagent.llm.hf import HFEngine
     from etagent.rl.config import RolloutSettings
     from etagent.rl.rollout import PartialRollout, make_rollout, rollout_metrics, segment_entropy
-    from etagent.tools.executor import ToolExecutor, build_executor
+    from etagent.tools.executor import build_executor
 
     overrides = [f"model={model}", f"rollout.kind={args.rollout}", "agent.lockstep=false"]
     cfg = load_config("rl", "tiny", [*overrides, "rollout.partial=true", f"rollout.partial_extra={args.extra}"])
@@ -72,11 +71,7 @@ def main() -> None:
     engine = HFEngine(model, max_batch_size=64, continuous_batching=True)
     rows = []
     with toy_tools(work, toy) as tools, build_executor(tools) as plain:
-        slow = ToolExecutor(
-            [SlowTool(t, args.slow_share, args.slow_s) for t in plain.tools.values()],
-            concurrency=plain.concurrency,
-            timeout_s=plain.timeout_s,
-        )
+        slow = slowed(plain, args.slow_share, args.slow_s)
         for label, executor in (("as they are", plain), (f"{args.slow_share:.0%} of calls take {args.slow_s:g} s", slow)):
             loop = AgentLoop(engine, executor, build(AgentConfig, cfg.agent), segment_entropy(settings))
             results = {}

@@ -43,7 +43,7 @@ from functools import partial
 from pathlib import Path
 
 import torch
-from toy_setup import SlowTool, toy_policy, toy_tools
+from toy_setup import policy_arguments, slowed, toy_policy, toy_tools
 
 
 async def lockstep(loop, states, static_batch: int | None) -> None:
@@ -93,8 +93,7 @@ def run_once(engine, executor, questions, n: int, batch_questions: int, way: str
 
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
-    parser.add_argument("--model", help="an SFT'd toy model directory (default: build the toy world and train one, minutes)")
-    parser.add_argument("--toy", help="the toy world directory the model belongs to")
+    policy_arguments(parser)
     parser.add_argument("--questions", type=int, default=256)
     parser.add_argument("--n", type=int, default=8)
     parser.add_argument("--batch-questions", type=int, default=32)
@@ -107,7 +106,7 @@ def main() -> None:
     toy, model = toy_policy(work, args.toy, args.model)
     from etagent.llm.hf import HFEngine
     from etagent.question_formats import read_questions
-    from etagent.tools.executor import ToolExecutor, build_executor
+    from etagent.tools.executor import build_executor
 
     questions = read_questions(toy / "questions" / "test.jsonl")
     questions = (questions * (args.questions // len(questions) + 1))[: args.questions]
@@ -126,11 +125,7 @@ def main() -> None:
         ways = [("lockstep, offline engine", "old"), ("lockstep, continuous", "new"), ("streamed, per trajectory", "new")]
     rows = []
     with toy_tools(work, toy) as tools, build_executor(tools) as plain:
-        slow = ToolExecutor(
-            [SlowTool(t, args.slow_share, args.slow_s) for t in plain.tools.values()],
-            concurrency=plain.concurrency,
-            timeout_s=plain.timeout_s,
-        )
+        slow = slowed(plain, args.slow_share, args.slow_s)
         for engine in engines.values():  # warm up (the sandbox, the model)
             run_once(engine, plain, questions[:4], 2, 4, "streamed, per trajectory")
         for label, executor in (("as they are", plain), (f"{args.slow_share:.0%} of calls take {args.slow_s:g} s", slow)):

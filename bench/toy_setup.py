@@ -96,6 +96,22 @@ class SlowTool:
         return output
 
 
+def slowed(executor, share: float, seconds: float):
+    """An executor over the same tools as ``executor``, ``share`` of whose calls answer after
+    ``seconds`` (:class:`SlowTool`)."""
+    from etagent.tools.executor import ToolExecutor
+
+    return ToolExecutor(
+        [SlowTool(t, share, seconds) for t in executor.tools.values()], concurrency=executor.concurrency, timeout_s=executor.timeout_s
+    )
+
+
+def policy_arguments(parser) -> None:
+    """``--model`` and ``--toy``: the SFT'd toy policy a rollout benchmark samples from."""
+    parser.add_argument("--model", help="an SFT'd toy model directory (default: build the toy world and train one, minutes)")
+    parser.add_argument("--toy", help="the toy world directory the model belongs to")
+
+
 def rl_prompts(toy: Path, count: int) -> list:
     """``count`` questions of the toy's RL pool, spread over it (so every kind of question), as RL prompts."""
     from etagent.question_formats import read_questions
