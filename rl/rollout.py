@@ -153,7 +153,18 @@ def grow(loop: AgentLoop, trees: list[_Tree], enough: Callable[[], bool] | None 
     asyncio.run(rounds() if loop.config.lockstep else streamed())
 
 
-class GroupRollout:
+class _Rollout:
+    """What both rollout kinds do with a step's prompts: start their trees (:meth:`start`), grow
+    every one to its end (in lockstep rounds or streamed, each path deciding on its own step:
+    the same trees either way) and count them (:meth:`tally`)."""
+
+    def generate(self, loop: AgentLoop, prompts: list[Prompt], step: int, seed: int) -> StepRollouts:
+        trees, counts = self.start(loop, prompts, step, seed)
+        grow(loop, trees)
+        return StepRollouts([tree.group for tree in trees], self.tally(trees, counts), prompts)
+
+
+class GroupRollout(_Rollout):
     """Plain GRPO rollouts: ``n`` independent samples per prompt (a tree of ``n`` roots that never
     forks)."""
 
@@ -170,11 +181,6 @@ class GroupRollout:
     def tally(self, trees: list[_Tree], counts: dict[str, float]) -> dict[str, float]:
         executed = sum(t.executed_here() for tree in trees for t in tree.group)
         return {**counts, "tool_calls_executed": counts.get("tool_calls_executed", 0.0) + executed}
-
-    def generate(self, loop: AgentLoop, prompts: list[Prompt], step: int, seed: int) -> StepRollouts:
-        trees, counts = self.start(loop, prompts, step, seed)
-        grow(loop, trees)
-        return StepRollouts([tree.group for tree in trees], self.tally(trees, counts), prompts)
 
 
 DELTA_H = ("after_result", "lagged")
@@ -202,7 +208,7 @@ def dynamic_root_count(n: int, h_root: float, h_tool: float) -> int:
     return min(n, max(1, math.floor(n / (1.0 + math.exp(-0.5 * (h_root - h_tool)))) + 1))
 
 
-class TreeRollout:
+class TreeRollout(_Rollout):
     """ARPO's tree rollout: ``initial_rollouts`` roots per prompt out of a budget of ``n``; at
     tool results a path may fork (a copy that then samples on independently: the agent loop seeds
     each segment by trajectory id), with probability clamp(p + w dH, 0, 1) where dH is read as
@@ -281,12 +287,6 @@ class TreeRollout:
         """The prompts' trees, their roots not yet run (AEPO's probes are, to count them)."""
         roots, counts = self.root_counts(loop, prompts, step, seed)
         return [_Tree(self, loop, p, step, seed, n_roots, self.s.n, i) for i, (p, n_roots) in enumerate(zip(prompts, roots))], counts
-
-    def generate(self, loop: AgentLoop, prompts: list[Prompt], step: int, seed: int) -> StepRollouts:
-        # in lockstep rounds or streamed, each path decides on its own step: the same trees
-        trees, counts = self.start(loop, prompts, step, seed)
-        grow(loop, trees)
-        return StepRollouts([tree.group for tree in trees], self.tally(trees, counts), prompts)
 
     def tally(self, trees: list[_Tree], counts: dict[str, float]) -> dict[str, float]:
         """The trees' counts, with those of their start (``counts``: AEPO's probes)."""
@@ -497,7 +497,9 @@ class PartialRollout:
         self.in_flight = [tree for tree in self.in_flight if all(tree is not t for t in taken)]
         counts = self.rollout.tally(taken, counts)
         trajectories = [t for tree in taken for t in tree.group]
-        stale = [version - v for t in trajectories for v, s in zip(t.token_versions(), stale_tokens(t, version)) if s]
+        stale = [
+            version - v for t in trajectories for o, v in zip(t.origin, t.token_versions()) if o == TokenOrigin.SAMPLED and v < version
+        ]
         sampled = sum(t.n_generated for t in trajectories)
         counts |= {
             "partial_trajectories": float(len(trajectories)),
