@@ -426,9 +426,15 @@ class _Tree:
         return added
 
 
+def token_staleness(t: TrajectoryState, version: int) -> list[int]:
+    """Per response token, how many versions older than ``version`` the weights that sampled it
+    are (0 for a token of these weights, or one the policy did not sample)."""
+    return [version - v if o == TokenOrigin.SAMPLED and v < version else 0 for o, v in zip(t.origin, t.token_versions())]
+
+
 def stale_tokens(t: TrajectoryState, version: int) -> list[bool]:
     """Per response token: sampled by weights older than ``version`` (partial rollouts)."""
-    return [o == TokenOrigin.SAMPLED and v < version for o, v in zip(t.origin, t.token_versions())]
+    return [staleness > 0 for staleness in token_staleness(t, version)]
 
 
 class PartialRollout:
@@ -497,9 +503,7 @@ class PartialRollout:
         self.in_flight = [tree for tree in self.in_flight if all(tree is not t for t in taken)]
         counts = self.rollout.tally(taken, counts)
         trajectories = [t for tree in taken for t in tree.group]
-        stale = [
-            version - v for t in trajectories for o, v in zip(t.origin, t.token_versions()) if o == TokenOrigin.SAMPLED and v < version
-        ]
+        stale = [staleness for t in trajectories for staleness in token_staleness(t, version) if staleness]
         sampled = sum(t.n_generated for t in trajectories)
         counts |= {
             "partial_trajectories": float(len(trajectories)),
