@@ -223,6 +223,28 @@ def _writer(path, worker, n):
     cache.close()
 
 
+def _open_and_write(path, barrier):
+    barrier.wait()  # every process opens the new file at the same moment
+    cache = ToolCache(path)
+    cache.put("search", "web", "query", {"k": 4}, {"text": "result"})
+    cache.close()
+
+
+def test_a_new_cache_opened_by_eight_processes_at_once(tmp_path):
+    """Opening switches the file to WAL, which SQLite refuses at once (no busy wait) while another
+    process is doing the same; without the retry every run of 40 trials here had failures."""
+    context = multiprocessing.get_context("fork")
+    for trial in range(40):
+        barrier = context.Barrier(8)
+        path = tmp_path / f"cache{trial}.sqlite"
+        workers = [context.Process(target=_open_and_write, args=(path, barrier)) for _ in range(8)]
+        for p in workers:
+            p.start()
+        for p in workers:
+            p.join(timeout=60)
+        assert [p.exitcode for p in workers] == [0] * 8, f"trial {trial}"
+
+
 def test_cache_with_four_processes_writing_at_once(tmp_path):
     path = tmp_path / "cache.sqlite"
     context = multiprocessing.get_context("spawn")

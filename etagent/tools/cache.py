@@ -68,11 +68,31 @@ class ToolCache:
             raise MissingInput(f"{self.path}: replay mode needs an existing cache file")
         self._lock = threading.Lock()
         self._db = sqlite3.connect(self.path, timeout=busy_timeout_s, check_same_thread=False, isolation_level=None)
-        self._db.execute("PRAGMA journal_mode=WAL")
-        self._db.execute("PRAGMA synchronous=NORMAL")
-        self._db.execute(f"PRAGMA busy_timeout={int(busy_timeout_s * 1000)}")
-        with self._lock:
-            self._db.execute(SCHEMA)
+        self._set_up(busy_timeout_s)
+
+    def _set_up(self, busy_timeout_s: float) -> None:
+        """Switch to WAL and create the table, retrying while another process holds the file.
+
+        SQLite answers "database is locked" at once, without waiting on the busy timeout, when
+        the journal mode changes or a WAL is being recovered while another connection opens the
+        same file; four processes opening a new cache together hit it. So the setup retries for
+        as long as a write would wait.
+        """
+        deadline = time.monotonic() + busy_timeout_s
+        delay = 0.01
+        while True:
+            try:
+                self._db.execute("PRAGMA journal_mode=WAL")
+                self._db.execute("PRAGMA synchronous=NORMAL")
+                self._db.execute(f"PRAGMA busy_timeout={int(busy_timeout_s * 1000)}")
+                with self._lock:
+                    self._db.execute(SCHEMA)
+                return
+            except sqlite3.OperationalError as error:
+                if ("locked" not in str(error) and "busy" not in str(error)) or time.monotonic() > deadline:
+                    raise
+                time.sleep(delay)
+                delay = min(delay * 2, 0.5)
 
     def get(self, tool: str, backend: str, query: str, params: dict[str, Any]) -> Any | None:
         """The stored value, or None on a miss (replay mode raises CacheMiss instead)."""
