@@ -16,7 +16,9 @@ if ! command -v chromium >/dev/null && [ "$(id -u)" = 0 ] && command -v apt-get 
   { apt-get install -y -q --no-install-recommends chromium || { apt-get update -q && apt-get install -y -q --no-install-recommends chromium; }; } >/dev/null 2>&1 ||
     echo "test.sh: could not install chromium; the report's browser tests will be skipped" >&2
 fi
-if [ $# -eq 0 ]; then set -- -m "not slow"; fi
+# The default run on two workers (pytest-xdist), beside the shared toy policy's SFT, which trains
+# in the background from the start (tests/conftest.py).
+if [ $# -eq 0 ]; then set -- -m "not slow" -n 2; fi
 "$VENV/bin/python" -m pytest "$@"
 status=$?
 if [ $status -eq 5 ]; then

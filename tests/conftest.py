@@ -1,12 +1,23 @@
 """Shared fixtures, each made once per test session: the default toy build, a retriever index
-over its corpus, and the retriever service running on 127.0.0.1."""
+over its corpus, the retriever service running on 127.0.0.1, and the SFT'd toy policy.
+
+The default run (scripts/test.sh) runs on two pytest-xdist workers, each with its own session
+and its own temporary directory. A policy that tests read is trained once per run, in the
+background from the start, while both workers run the tests that do not read it; those that do
+run last.
+"""
 
 from __future__ import annotations
 
+import fcntl
 import os
+import shlex
+import shutil
 import signal
 import subprocess
 import sys
+import tempfile
+import time
 from pathlib import Path
 
 import pytest
@@ -18,6 +29,24 @@ from tests.servers import free_port, wait_until_healthy
 
 # every stage's config schema, so that a test may load any stage's config (etagent/config.py)
 register_stage_schemas()
+
+
+def pytest_configure(config):
+    """Give each xdist worker its own temporary directory (and so its subprocesses): a test that
+    checks what is left in $TMPDIR (the sandbox's clean-up) must not see the other worker's files."""
+    worker = os.environ.get("PYTEST_XDIST_WORKER")
+    if worker:
+        private = tempfile.mkdtemp(prefix=f"etagent-tests-{worker}-")
+        os.environ["TMPDIR"] = private
+        tempfile.tempdir = None  # gettempdir() reads $TMPDIR again
+        config.add_cleanup(lambda: shutil.rmtree(private, ignore_errors=True))
+
+
+def pytest_collection_modifyitems(config, items):
+    """The tests that read a trained policy go last, so that the other tests run while it trains."""
+    readers = [item for item in items if POLICIES.keys() & set(item.fixturenames)]
+    first = set(readers)
+    items[:] = [item for item in items if item not in first] + readers
 
 
 @pytest.fixture(scope="session")
@@ -83,33 +112,102 @@ def serve_index(index_dir: Path):
 
 
 # The shared policy's recipe: the tiny preset cut to 4800 of its 7200 steps (cosine decay over the
-# shorter run; README, "The toy policy", run 6: about half the held-out questions right). It
-# writes the protocol, calls tools and is right on some questions and wrong on others, which is
+# shorter run; docs/toy-world.md, "The toy policy", run 6: about half the held-out questions right).
+# It writes the protocol, calls tools and is right on some questions and wrong on others, which is
 # what the tests downstream of SFT need (rollouts with tool calls, groups whose rewards differ,
 # questions Pareto finds eligible). Measured on 2 cores: 1200 or 2400 steps give a policy that
 # calls tools but is right on almost nothing (0% and 5% of 96 chains), so RL's advantages are 0
-# and no question is eligible. Whether the full recipe answers held-out questions is its
-# acceptance test (sft_model_full, marked slow) and the demo's table.
+# and no question is eligible; batches of 16 for 1200 steps (the same examples, 242 s against
+# 285 s) ended at a loss of 0.22 against 0.085. Whether the full recipe answers held-out questions
+# is its acceptance test (sft_model_full, marked slow) and the demo's table.
 SHARED_POLICY_RECIPE = ("train.max_steps=4800",)
+
+# The fixtures that train a policy (minutes each): their folder and the SFT overrides. One thread:
+# the tests run beside it. Two threads took 55 ms a step alone but about 250 ms beside two busy
+# test workers (each thread waits for the other at every operation); one thread takes 82 ms.
+POLICIES = {
+    "sft_model": ("sft", ("threads=1", *SHARED_POLICY_RECIPE)),
+    # the tiny preset as the demo runs it (7200 steps): for the slow run's tests (the held-out
+    # acceptance, the curriculum, GRPO's rise)
+    "sft_model_full": ("sft-full", ("threads=1",)),
+}
+
+
+def _shared_folder(tmp_path_factory) -> Path:
+    """A folder every xdist worker of this run sees (the parent of the workers' own folders)."""
+    base = tmp_path_factory.getbasetemp()
+    return base.parent if os.environ.get("PYTEST_XDIST_WORKER") else base
+
+
+def _start_policy(name: str, toy: Path, tmp_path_factory) -> subprocess.Popen | None:
+    """Start policy ``name``'s SFT as a background process whose exit status lands in a file,
+    unless some worker of this run already has (the first to take the lock starts it)."""
+    folder = _shared_folder(tmp_path_factory) / POLICIES[name][0]
+    folder.mkdir(exist_ok=True)
+    with open(folder / "lock", "w") as lock:
+        fcntl.flock(lock, fcntl.LOCK_EX)  # released when the file closes
+        if (folder / "started").exists():
+            return None
+        command = shlex.join(sft_command(toy, folder / "out", *POLICIES[name][1]))
+        status = shlex.quote(str(folder / "status"))
+        process = subprocess.Popen(
+            ["bash", "-c", f"{command} > {shlex.quote(str(folder / 'log'))} 2>&1; echo $? > {status}.part; mv {status}.part {status}"]
+        )
+        (folder / "started").touch()
+        return process
+
+
+@pytest.fixture(scope="session", autouse=True)
+def _policies_train_in_the_background(request, tmp_path_factory):
+    """Start, at the beginning of the run, the SFT of every policy some collected test reads, once
+    for all xdist workers. The tests that do not read it run meanwhile (they are ordered first);
+    the policy's fixture waits for it.
+
+    The tests then run at niceness 10, so that the training, the run's longest piece of work,
+    keeps a whole core: beside two test workers at the same priority it got two thirds of one.
+
+    The worker that started a training waits for it at the end of its session (another worker
+    may still need it), unless the run is stopping on a failure: then it stops the training."""
+    needed = [name for name in POLICIES if any(name in item.fixturenames for item in request.session.items)]
+    started = [process for name in needed if (process := _start_policy(name, request.getfixturevalue("toy"), tmp_path_factory))]
+    if needed:
+        os.nice(10)
+    yield
+    for process in started:
+        if request.session.shouldfail or request.session.shouldstop:
+            process.kill()
+        process.wait(timeout=1800)
+
+
+def _trained_policy(name: str, toy: Path, tmp_path_factory) -> Path:
+    """The output folder of policy ``name``'s SFT, once it has finished (started here if no test
+    collected at the start of the run asked for it)."""
+    _start_policy(name, toy, tmp_path_factory)
+    folder = _shared_folder(tmp_path_factory) / POLICIES[name][0]
+    deadline = time.monotonic() + 1800
+    while not (folder / "status").exists():
+        if time.monotonic() > deadline:
+            pytest.fail(f"the {name} policy's SFT did not finish within 30 minutes ({folder / 'log'})")
+        time.sleep(1)
+    status = (folder / "status").read_text().strip()
+    if status != "0":
+        tail = "".join((folder / "log").read_text(errors="replace").splitlines(keepends=True)[-20:])
+        pytest.fail(f"the {name} policy's SFT exited with {status}:\n{tail}")
+    return folder / "out"
 
 
 @pytest.fixture(scope="session")
 def sft_model(toy, tmp_path_factory) -> Path:
     """The toy model after a short run of the tiny SFT preset (SHARED_POLICY_RECIPE): a policy that
     writes the protocol and calls tools, for the tests of everything downstream of SFT."""
-    out = tmp_path_factory.mktemp("sft")
-    subprocess.run(sft_command(toy, out, "threads=2", *SHARED_POLICY_RECIPE), check=True, capture_output=True, timeout=1800)
-    return out
+    return _trained_policy("sft_model", toy, tmp_path_factory)
 
 
 @pytest.fixture(scope="session")
 def sft_model_full(toy, tmp_path_factory) -> Path:
-    """The toy model after the tiny SFT preset as the demo runs it (7200 steps, 6-9 minutes on
-    2 cores): for the slow run's tests (the held-out acceptance, the curriculum, GRPO's rise),
-    which use it alone, so the slow run trains one policy as the default run does."""
-    out = tmp_path_factory.mktemp("sft-full")
-    subprocess.run(sft_command(toy, out, "threads=2"), check=True, capture_output=True, timeout=1800)
-    return out
+    """The toy model after the tiny SFT preset as the demo runs it (7200 steps): for the slow run's
+    tests (the held-out acceptance, the curriculum, GRPO's rise)."""
+    return _trained_policy("sft_model_full", toy, tmp_path_factory)
 
 
 def sft_command(toy: Path, out: Path, *overrides: str) -> list[str]:

@@ -266,6 +266,17 @@ def test_200_concurrent_calls_are_correct_and_leak_nothing(sandbox):
     assert (fds(), temp_dirs()) == before
 
 
+def test_a_tmpdir_too_long_for_a_unix_socket_is_refused_naming_it(tmp_path, monkeypatch):
+    """The server listens on a unix socket in $TMPDIR, whose address holds 107 bytes: a longer
+    folder (pytest's own under xdist once) is refused at start with what to change."""
+    long_dir = tmp_path / ("d" * (120 - len(str(tmp_path))))
+    long_dir.mkdir()
+    monkeypatch.setattr(tempfile, "tempdir", str(long_dir))
+    with pytest.raises(SandboxError, match="TMPDIR is too long for the sandbox's unix socket"):
+        PythonSandbox().start()
+    assert list(long_dir.iterdir()) == []  # its folder is not left behind
+
+
 def test_concurrent_first_calls_wait_for_the_server_to_start():
     """The first calls on a sandbox nobody started all arrive while its server is starting: each
     must wait for it, not use a process that has not said it is ready (this once failed 46 calls

@@ -200,9 +200,8 @@ _ENGINES: weakref.WeakSet = weakref.WeakSet()
 def _stop_decoding_threads() -> None:
     for engine in list(_ENGINES):
         engine._closing = True
-        worker = engine._worker
-        if worker is not None:
-            worker.join(timeout=60)
+        for thread in engine._started_threads():
+            thread.join(timeout=60)
 
 
 class HFEngine:
@@ -256,7 +255,11 @@ class HFEngine:
         # the decoding thread (continuous batching: see _serve), started on demand, and its inbox
         self._inbox: queue.SimpleQueue[list[_Row]] = queue.SimpleQueue()
         self._lock = threading.Lock()
-        self._worker: threading.Thread | None = None
+        self._worker: threading.Thread | None = None  # the thread that takes new rows, if any
+        # Every decoding thread started and perhaps still ending: a thread clears _worker before it
+        # returns, so joining _worker alone could miss one still unwinding (interpreter exit then
+        # aborts the process; sleep would let the trainer change weights under it).
+        self._threads: list[threading.Thread] = []
         self._closing = False  # set at interpreter exit: the thread stops between two steps
         _ENGINES.add(self)
         # keys and values of rows that stopped, for the requests that continue them: at most what
@@ -298,10 +301,9 @@ class HFEngine:
         next step: RL's partial rollouts stop mid-segment), then free the keys and values kept
         for prefixes (a trainer's module changes its weights in place after this, and they would
         be stale); on a GPU, move the weights to host memory, unless the model is the trainer's."""
-        with self._lock:
-            worker = self._worker
-        if worker is not None and worker is not threading.current_thread():
-            worker.join()
+        for thread in self._started_threads():
+            if thread is not threading.current_thread():
+                thread.join()
         self.reset_prefix_cache()
         if self.owns_model and self.device.type == "cuda":
             self._home = self.device
@@ -369,8 +371,15 @@ class HFEngine:
             self._inbox.put(live)
             if self._worker is None:
                 self._worker = threading.Thread(target=self._serve, name="hf-engine-decoding", daemon=True)
+                self._threads.append(self._worker)
                 self._worker.start()
         return rows
+
+    def _started_threads(self) -> list[threading.Thread]:
+        """The decoding threads not yet known to have ended (the list keeps only those)."""
+        with self._lock:
+            self._threads = [thread for thread in self._threads if thread.is_alive() or thread is self._worker]
+            return list(self._threads)
 
     def _samples(self, requests: list[GenerationRequest], rows: list[_Row]) -> list[list[Sample]]:
         out, k = [], 0

@@ -157,6 +157,10 @@ class ExecutionResult:
         return self.error is None and not self.timed_out and self.exit_code == 0
 
 
+# A unix socket's address holds 108 bytes on Linux, the terminating NUL included.
+MAX_SOCKET_PATH_BYTES = 107
+
+
 class SandboxError(UserError, RuntimeError):
     """The sandbox cannot give the tool what it promises (the isolation asked for, or a Python
     that imports its standard library): the run is refused at start rather than degraded."""
@@ -244,6 +248,13 @@ class PythonSandbox:
             # the server owns this directory from now on: it removes it when it exits, since it
             # outlives a host killed by SIGKILL, which cannot (see zygote.py)
             self._dir = tempfile.mkdtemp(prefix="etagent-sandbox-")
+            socket_path = os.path.join(self._dir, "zygote.sock.new")  # the longest the server binds
+            if len(os.fsencode(socket_path)) > MAX_SOCKET_PATH_BYTES:
+                os.rmdir(self._dir)
+                raise SandboxError(
+                    f"TMPDIR is too long for the sandbox's unix socket: {socket_path} has {len(os.fsencode(socket_path))} bytes, "
+                    f"over the {MAX_SOCKET_PATH_BYTES} a socket address holds; set TMPDIR to a shorter folder"
+                )
             env = dict(SANDBOX_ENVIRONMENT, HOME=self._dir, TMPDIR=self._dir)
             command = [
                 self.python,
