@@ -9,7 +9,7 @@ service) over held-out toy questions with each engine, and reports:
 - generated / kept tokens: every token the engine generated, over the policy tokens kept in the
   final trajectories. With engine-side stops the two are the same tokens (1.00).
 - the reference design's generated / kept: the paper's client sent no stop strings and cut the
-  text at the first closing tag afterwards (paper_eval_radar_retriever.md §1.5.1), so every call
+  text at the first closing tag afterwards (docs/paper-code.md §B1.5.1), so every call
   decodes to EOS or max_tokens. We replay each of our generation calls from the same prefix with
   no stop strings (same engine, same seed, same per-call max_tokens) and count what it generates.
 - trajectories per second for each engine, same questions, same settings: ``hf``; ``vllm

@@ -10,7 +10,7 @@ chain around the question's own mean, lengths around 600 tokens.
    ``count`` questions (pareto/selection.py), timed phase by phase; then the same with a third,
    continuous objective (the general front sort instead of the two-objective sweep).
 2. Side by side on the first ``reference-questions`` questions' objectives: the reference's
-   algorithm as paper_data_stages.md §5.3 describes it (a pure-Python double loop recording, per
+   algorithm as docs/paper-code.md §A5.3 describes it (a pure-Python double loop recording, per
    question, whom it dominates and how many dominate it; fronts peeled by decrementing counters;
    crowding distance on the cut front), and ours on the same points. The fronts must agree; the
    ratio of the two times is printed.

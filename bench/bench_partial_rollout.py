@@ -16,7 +16,7 @@ weights and what differs is when a step stops. Two ways, with the tools as they 
 
 Printed: trajectories a step trains on per second (over all steps), partial / to the end, and for
 partial the share of trajectories carried over, stale token share and the share of groups
-dropped. Timings, never asserted; a held-out effect needs training (README, "RL").
+dropped. Timings, never asserted; a held-out effect needs training (docs/rl.md, "Partial rollouts").
 """
 
 from __future__ import annotations

@@ -2,7 +2,7 @@
 
     python bench/bench_python_sandbox.py [--calls 400] [--concurrency 32]
 
-The peer is the paper's method (paper_data_stages.md §1.5): `asyncio.create_subprocess_exec(
+The peer is the paper's method (docs/paper-code.md §A1.5): `asyncio.create_subprocess_exec(
 python, "-c", code)` per call, at most 32 at once, no isolation. Ours runs every call in a fresh
 forked process with the full isolation of etagent.tools.sandbox (namespaces where available).
 Same snippets, same machine, same run; printed, never asserted.

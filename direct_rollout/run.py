@@ -14,7 +14,7 @@ whose chains each carry the text, prediction, correctness (the judgement), tool 
 ``manifest.json`` with the summary, overall and per kind.
 
 Correctness is what the paper's Pareto step reads but its code never computes
-(paper_data_stages.md §4.1): math, 0 or 1 by math equivalence (the MATH string rules or
+(docs/paper-code.md §A4.1): math, 0 or 1 by math equivalence (the MATH string rules or
 math-verify) against any gold answer; QA, the best token F1 over the gold answers (SQuAD
 normalisation), whose verdict is F1 >= ``qa_pass_mark`` (0.75 in the presets, Pareto's bar).
 

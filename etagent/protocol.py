@@ -13,7 +13,7 @@ segment becomes a tool call or an answer, how a tool result is inserted, tool-ca
 format validation and answer extraction. Every stage (flywheel, SFT, direct rollout, RL,
 evaluation, radar) uses these functions; none re-implements them.
 
-Deliberate differences from the paper's code (see ../shared/reference/paper_data_stages.md §1):
+Deliberate differences from the paper's code (see docs/paper-code.md §A1):
 - One system prompt with single braces everywhere (the reference's flywheel and direct-rollout
   copies show the model a literal ``\\boxed{{}}``).
 - One result format, :func:`format_result`, for data generation, SFT and RL (the reference

@@ -1,7 +1,7 @@
 """Benchmark files in the formats the paper's evaluation reads, mapped to questions.
 
 Each benchmark lives in ``{data_dir}/{name}/test.jsonl`` (mmlu-pro: a parquet file) with the
-fields the paper's files have (paper_eval_radar_retriever.md §1.3, §5). :func:`load_benchmark`
+fields the paper's files have (docs/paper-code.md §B1.3, §B5). :func:`load_benchmark`
 turns one into :class:`etagent.records.Question` records: the question text (with lettered
 choices appended for multiple-choice formats), the acceptable answers, ``kind`` (``math`` is
 scored by math equivalence or the LLM judge, ``qa`` by F1) and ``source`` (the benchmark).

@@ -1,6 +1,6 @@
 """The flywheel's algorithm for one question: an initial rollout, then rounds of evolution.
 
-Per question (paper_data_stages.md §2.5, §2.6):
+Per question (docs/paper-code.md §A2.5, §A2.6):
 
 1. **initial**: the policy rolls out from the prompt (budgets 6 python, 6 search) and the answer
    is judged.

@@ -23,7 +23,7 @@ no tags inside the answer), has no failed tool call (``export.require_tool_succe
 an error or the budget message), and is not a copy of one already kept for its question; then at
 most ``export.max_per_question`` per question, fewer tool calls first
 (``export.prefer_fewer_calls``; the flywheel's order otherwise). The reference shipped no such
-step (paper_data_stages.md §2.7); these are the rules its unused helpers imply, with tool results
+step (docs/paper-code.md §A2.7); these are the rules its unused helpers imply, with tool results
 masked and the prompt in the system turn, where every other stage puts it.
 
 The export is a function of its input: rerunning it rewrites the same files.

@@ -1,6 +1,6 @@
 """The flywheel's prompts for the editor, the self-reflector and the summariser, and its hints.
 
-Written from the reference's intent (paper_data_stages.md §2.6), not copied: each prompt says what
+Written from the reference's intent (docs/paper-code.md §A2.6), not copied: each prompt says what
 the role must do and the exact reply format the parser in :mod:`etagent.flywheel.steps` reads. Steps are
 shown as ``#### Step i: <text>`` blocks, 1-indexed, as the reference shows them.
 """

@@ -8,7 +8,7 @@ edit, so that every cut point can be tested by hand:
 - editor replies are parsed strictly (:class:`EditorReplyError` says why one is refused). Unlike
   the reference, ``Step: now`` is not ``Step: no``, a reply without ``Analysis:`` is read without
   slicing at -1, and a step number out of range is refused rather than appending a result after
-  the final answer (paper_data_stages.md §8.18).
+  the final answer (docs/paper-code.md §A8 (item 18)).
 - a step written by a model is cleaned before anything runs (:func:`clean_step`): cut after its
   first tool call or answer, nothing it wrote as a ``<result>`` kept, ``<think>`` opened and
   closed. The reference trusted this text as it came (§8.19).

@@ -18,7 +18,7 @@ its K judged chains) and writes into ``out_dir``:
     scatter.png     the first two objectives, every question, the selected ones marked
     manifest.json
 
-The method (paper_data_stages.md §5): per question, the population variance of its chains'
+The method (docs/paper-code.md §A5): per question, the population variance of its chains'
 correctness and of their executed tool calls (``objectives``, both maximised; more in
 pareto/selection.py), NSGA-II fronts, the first front that does not fit cut by crowding distance.
 The paper's mixed-outcome filter (math: a right and a wrong chain; QA: a chain at or above F1

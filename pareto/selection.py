@@ -2,7 +2,7 @@
 NSGA-II fronts and crowding distance. Pure functions over numpy arrays, no files.
 
 One point per question, computed from its chains (the rollouts of ``direct_rollout/``), every
-objective maximised. The paper's two (paper_data_stages.md §5.2) are the population variance of
+objective maximised. The paper's two (docs/paper-code.md §A5.2) are the population variance of
 the chains' correctness and of their executed tool calls; :data:`OBJECTIVES` has a few more.
 
 Selection (:func:`select`) is NSGA-II's: whole fronts in order while they fit, then the first

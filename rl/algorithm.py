@@ -12,7 +12,7 @@ of the masked token losses divided by ``tokens``, the number of policy tokens in
 mini-batch (all micro-batches, all ranks), so that summing the micro-batch losses (and averaging
 gradients over ranks, times the world size) gives the mean over every token of the mini-batch.
 The reference approximates this under dynamic batching by weighting each micro-batch's own
-token mean by its share of sequences (paper_rl.md §5.3).
+token mean by its share of sequences (docs/paper-code.md §C5.3).
 
 What this module does not do: compute rewards (rl/reward.py), generate, or step an optimizer.
 """

@@ -2,7 +2,7 @@
 of :mod:`etagent.rl.reward`, and the paper's validation score.
 
 The released code (ET-Agent's ``verl/utils/reward_score/``: ``efficiency.compute_score`` for
-training, ``default_compute_score`` for validation; paper_rl.md §4.3-4.4) reads answers in ways
+training, ``default_compute_score`` for validation; docs/paper-code.md §C4.3-C4.4) reads answers in ways
 that differ from the rest of this toolkit. The paper's numbers depend on them, so they are
 reproduced here exactly, quirks included:
 

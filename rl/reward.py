@@ -12,7 +12,7 @@ Both factors are 1 at the group mean and above 1 below it (fewer calls, shorter)
 The sigmas decay linearly within a curriculum stage (:func:`sigma_factor`). T counts the tool
 calls as the paper does (:func:`etagent.protocol.count_tool_calls`: paired tags anywhere).
 
-Two modes, named as such (paper_rl.md §4.3):
+Two modes, named as such (docs/paper-code.md §C4.3):
 
 - ``paper``: the released code, behaviour for behaviour (:mod:`etagent.rl.paper_reward` reads the answer
   as it did). It scores the whole decoded response, tool results included (an answer block a

@@ -6,7 +6,7 @@ paper's files are) into questions for the agent loop. Two rollouts, one interfac
 prompt, and the step's rollout metrics), chosen by ``rollout.kind``:
 
 - :class:`GroupRollout`: plain GRPO sampling, ``n`` independent rollouts per prompt;
-- :class:`TreeRollout`: ARPO's entropy branching (paper_rl.md §1.3), with AEPO's dynamic root
+- :class:`TreeRollout`: ARPO's entropy branching (docs/paper-code.md §C1.3), with AEPO's dynamic root
   budget and consecutive-branch penalty as switches (§2.1, §2.2). Where the branch decision
   looks (``rollout.delta_h``): ``after_result``, ARPO's paper (the default): after a tool result
   the path generates its next segment, the entropy of that segment's first tokens against the

@@ -1,5 +1,5 @@
 #!/usr/bin/env bash
-# The RL curriculum (paper_rl.md §5.5): for k = 1..STAGES, the stage-k data from model k-1 (direct
+# The RL curriculum (docs/paper-code.md §C5.5): for k = 1..STAGES, the stage-k data from model k-1 (direct
 # rollout and Pareto selection: scripts/prepare_rl_stage.sh), RL stage k from model k-1 (a fresh
 # run: its own optimizer, step counter and sigma schedule), then an evaluation of model k.
 #

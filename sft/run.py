@@ -15,7 +15,7 @@ train (the transformers Trainer: full fine-tuning by default, DeepSpeed ZeRO-3 o
 GPUs, bf16, gradient checkpointing, length-grouped batches, or packed batches with correct
 attention boundaries under flash-attention) -> save. A run resumes from its last checkpoint.
 
-Deliberate differences from the paper's SFT (LLaMA-Factory, paper_data_stages.md §3): tool
+Deliberate differences from the paper's SFT (LLaMA-Factory, docs/paper-code.md §A3): tool
 results are masked out of the loss (the paper trained on them), and the protocol prompt is in the
 system turn as at rollout time (the paper's alpaca layout put it in the user turn).
 """

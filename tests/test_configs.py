@@ -1,6 +1,6 @@
 """Presets complete in themselves (configs/<stage>/_base.yaml plus the preset, never another
 preset), their committed resolved form current, and the paper presets against the paper's numbers
-(../shared/reference/paper_data_stages.md §3, paper_rl.md §5.3-5.5), with no toy value left."""
+(docs/paper-code.md §A3, §C5.3-C5.5), with no toy value left."""
 
 from __future__ import annotations
 

