@@ -82,25 +82,12 @@ def update(
     ``batch.rollout_logprobs``; each token's loss is weighted by truncated importance sampling
     (:func:`etagent.rl.algorithm.truncated_importance_weights`, ``old`` over the rollout's, capped), and
     the metrics say how large the ratios were and how many were cut."""
-    from torch.distributed.tensor import DTensor
-
     world = dist.get_world_size()
     size = plan.mini_batch_sequences_per_rank
     minis = [list(range(k * size, (k + 1) * size)) for k in range(plan.optimizer_steps)]
     assert minis[-1][-1] == batch.input_ids.shape[0] - 1, "a rank's rollouts are not the plan's"
     sums = dict.fromkeys(("loss", "clipped_tokens", "dual_clipped_tokens", "entropy", "kl", "policy_tokens", "grad_norm", "mismatch"), 0.0)
-    weights = None
-    if tis_cap is not None:
-        weights = truncated_importance_weights(old, batch.rollout_logprobs, tis_cap)
-        ratio = torch.exp(old.float() - batch.rollout_logprobs.float())
-        tis = sum_all(
-            [
-                float(masked_sum(ratio, batch.loss_mask)),
-                float(masked_sum((ratio > tis_cap).float(), batch.loss_mask)),
-                float(batch.loss_mask.sum()),
-            ],
-            device,
-        )
+    weights = None if tis_cap is None else truncated_importance_weights(old, batch.rollout_logprobs, tis_cap)
     row_tokens = batch.tokens()
     for number, mini in enumerate(minis):
         problems: list[str] = []  # micro-batches whose loss was not finite, and which of its inputs
@@ -141,43 +128,15 @@ def update(
                 loss = loss + cfg.algorithm.kl_coef * kl / (tokens / world)
                 sums["kl"] += weight * kl.item()
             if not math.isfinite(loss.item()):
-                inputs = {"log-probabilities": logprobs.detach(), "old log-probabilities": old[rows, : micro.response_width]}
-                inputs["advantages"] = micro_advantages[:, None].expand_as(logprobs) if micro_advantages.dim() == 1 else micro_advantages
-                if weights is not None:
-                    inputs["importance weights"] = weights[rows, : micro.response_width]
-                found = non_finite(inputs, micro.loss_mask)
-                outside = int((~torch.isfinite(logprobs.detach()[micro.loss_mask == 0])).sum())
-                if outside:  # masked positions still reach the sum (0 x NaN is NaN)
-                    found.append(f"log-probabilities outside the loss mask: {outside}")
-                problems.append(f"rows {rows}: loss {loss.item()}; " + ("; ".join(found) or "its inputs finite"))
-            policy_tokens = micro.loss_mask.bool()
-            if policy_tokens.any():  # a ratio exp(log-prob - old) that overflows has a NaN gradient even where clipped
-                gap = (logprobs.detach().float() - old[rows, : micro.response_width].float())[policy_tokens].abs().max()
-                largest_gap = max(largest_gap, float(gap))
+                problems.append(describe_non_finite_loss(loss, rows, logprobs, old, micro_advantages, weights, micro.loss_mask))
+            largest_gap = max(largest_gap, largest_logprob_gap(logprobs, old[rows, : micro.response_width], micro.loss_mask))
             (loss * weight).backward()
             sums["loss"] += weight * loss.item() / world
             sums["clipped_tokens"] += weight * terms.clipped_tokens.item()
             sums["dual_clipped_tokens"] += weight * terms.dual_clipped_tokens.item()
             sums["entropy"] += weight * float(masked_sum(entropy, micro.loss_mask))
-        grad_norm = torch.nn.utils.clip_grad_norm_(policy.parameters(), cfg.optim.grad_clip)
-        if isinstance(grad_norm, DTensor):
-            grad_norm = grad_norm.full_tensor()
-        if not math.isfinite(float(grad_norm)):  # the same norm on every rank: all of them stop here
-            optimizer.zero_grad(set_to_none=True)
-            raise NonFiniteUpdate(
-                f"mini-batch {number + 1} of {len(minis)}: gradient norm {float(grad_norm)}, so its optimizer step was not taken "
-                f"(the weights are those before it). On this rank: {' | '.join(problems) or 'every micro-batch loss finite'}; "
-                f"largest |log-prob - old log-prob| at a policy token {largest_gap:.4g}"
-            )
-        optimizer.step()
-        optimizer.zero_grad(set_to_none=True)
-        # a finite gradient can still take a step that overflows (a learning rate far too high)
-        broken = max_all([float(non_finite_values(policy))], device)[0]
-        if broken:
-            raise NonFiniteUpdate(
-                f"mini-batch {number + 1} of {len(minis)}: its optimizer step (gradient norm {float(grad_norm):.4g}) left "
-                f"{int(broken)} parameter values that are not finite on a rank"
-            )
+        where = f"mini-batch {number + 1} of {len(minis)}"
+        grad_norm = optimizer_step(policy, optimizer, cfg.optim.grad_clip, device, where, problems, largest_gap)
         sums["policy_tokens"] += trained_tokens
         sums["grad_norm"] += float(grad_norm) / len(minis)
     first_tokens = float(batch.loss_mask[minis[0]].sum())
@@ -189,9 +148,7 @@ def update(
     if rollout_mismatch:
         extra["rollout/logprob_mismatch"] = mismatch / max(first_tokens, 1.0)
     if tis_cap is not None:
-        ratio_sum, truncated, policy_tokens = tis
-        extra["rollout_correction/ratio_mean"] = ratio_sum / max(policy_tokens, 1.0)
-        extra["rollout_correction/truncated_share"] = truncated / max(policy_tokens, 1.0)
+        extra.update(importance_ratio_metrics(old, batch, tis_cap, device))
     return extra | {
         "actor/loss": loss_sum / len(minis),
         "actor/clip_fraction": clipped / max(sums["policy_tokens"], 1.0),
@@ -201,4 +158,76 @@ def update(
         "actor/grad_norm": sums["grad_norm"],
         "actor/optimizer_steps": len(minis),
         "actor/policy_tokens": sums["policy_tokens"],
+    }
+
+
+def optimizer_step(
+    policy: Policy, optimizer: torch.optim.Optimizer, grad_clip: float, device: torch.device, where: str, problems: list[str], gap: float
+) -> float:
+    """Clip the gradient and step, or raise :class:`NonFiniteUpdate` without stepping when its norm
+    is not finite (the same norm on every rank: all of them stop), saying what the micro-batches
+    found (``problems``, the largest |log-prob - old| ``gap``); also when the step itself left
+    weights that are not finite. The clipped gradient's norm before clipping."""
+    from torch.distributed.tensor import DTensor
+
+    grad_norm = torch.nn.utils.clip_grad_norm_(policy.parameters(), grad_clip)
+    if isinstance(grad_norm, DTensor):
+        grad_norm = grad_norm.full_tensor()
+    if not math.isfinite(float(grad_norm)):
+        optimizer.zero_grad(set_to_none=True)
+        raise NonFiniteUpdate(
+            f"{where}: gradient norm {float(grad_norm)}, so its optimizer step was not taken "
+            f"(the weights are those before it). On this rank: {' | '.join(problems) or 'every micro-batch loss finite'}; "
+            f"largest |log-prob - old log-prob| at a policy token {gap:.4g}"
+        )
+    optimizer.step()
+    optimizer.zero_grad(set_to_none=True)
+    # a finite gradient can still take a step that overflows (a learning rate far too high)
+    broken = max_all([float(non_finite_values(policy))], device)[0]
+    if broken:
+        raise NonFiniteUpdate(
+            f"{where}: its optimizer step (gradient norm {float(grad_norm):.4g}) left "
+            f"{int(broken)} parameter values that are not finite on a rank"
+        )
+    return float(grad_norm)
+
+
+def describe_non_finite_loss(loss, rows, logprobs, old, advantages, weights, mask) -> str:
+    """Which of a micro-batch's loss inputs were not finite, and where (for the error the
+    optimizer step raises if the gradient is not finite either)."""
+    width = logprobs.shape[1]
+    inputs = {"log-probabilities": logprobs.detach(), "old log-probabilities": old[rows, :width]}
+    inputs["advantages"] = advantages[:, None].expand_as(logprobs) if advantages.dim() == 1 else advantages
+    if weights is not None:
+        inputs["importance weights"] = weights[rows, :width]
+    found = non_finite(inputs, mask)
+    outside = int((~torch.isfinite(logprobs.detach()[mask == 0])).sum())
+    if outside:  # masked positions still reach the sum (0 x NaN is NaN)
+        found.append(f"log-probabilities outside the loss mask: {outside}")
+    return f"rows {rows}: loss {loss.item()}; " + ("; ".join(found) or "its inputs finite")
+
+
+def largest_logprob_gap(logprobs: torch.Tensor, old: torch.Tensor, mask: torch.Tensor) -> float:
+    """The largest |log-prob - old log-prob| at a policy token: a ratio exp(gap) that overflows
+    has a NaN gradient even where clipped."""
+    policy_tokens = mask.bool()
+    if not policy_tokens.any():
+        return 0.0
+    return float((logprobs.detach().float() - old.float())[policy_tokens].abs().max())
+
+
+def importance_ratio_metrics(old: torch.Tensor, batch: Batch, tis_cap: float, device: torch.device) -> dict:
+    """How large the trainer-over-rollout probability ratios were, and the share TIS cut."""
+    ratio = torch.exp(old.float() - batch.rollout_logprobs.float())
+    ratio_sum, truncated, policy_tokens = sum_all(
+        [
+            float(masked_sum(ratio, batch.loss_mask)),
+            float(masked_sum((ratio > tis_cap).float(), batch.loss_mask)),
+            float(batch.loss_mask.sum()),
+        ],
+        device,
+    )
+    return {
+        "rollout_correction/ratio_mean": ratio_sum / max(policy_tokens, 1.0),
+        "rollout_correction/truncated_share": truncated / max(policy_tokens, 1.0),
     }

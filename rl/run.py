@@ -43,8 +43,9 @@ One step, as named and timed phases (``timing_s/<phase>`` in the metrics):
    (micro-batches: rows of similar length within a token budget, packed without padding under
    flash-attention), one AdamW step with gradient clipping, none when the gradient is not finite
    (the run stops there);
-8. sync (vllm only): the updated weights streamed from their shards into the engine
-   (rl/weights.py);
+8. sync: the engine brought to the updated weights (vllm: streamed from their shards,
+   rl/weights.py; hf: nothing, it is the policy). What differs between the engines is in one
+   object, rl/engine.py, which the trainer calls without asking which kind it is;
 9. validate: every ``validate_every`` steps;
 10. save: the rollouts, then the sharded checkpoint every ``save_every`` steps (rl/checkpoint.py),
    then the exported model when one is due.
@@ -69,7 +70,6 @@ import os
 import random
 import time
 from collections import Counter
-from contextlib import nullcontext
 from dataclasses import dataclass, replace
 from pathlib import Path
 
@@ -90,11 +90,11 @@ from etagent.rl.batch import TRUNCATED, Batch, BatchPlan, balanced_partition, ba
 from etagent.rl.checkpoint import export_model, latest_checkpoint, load_checkpoint, load_in_flight, save_checkpoint
 from etagent.rl.config import RewardSettings, RLConfig, RolloutSettings
 from etagent.rl.distributed import gather_objects, init_distributed, sum_all, training_device
+from etagent.rl.engine import ColocatedEngine, check_engine_settings, colocated_engine
 from etagent.rl.paper_reward import validation_score
 from etagent.rl.policy import Policy, gathered, load_policy
 from etagent.rl.reward import efficiency_reward, kind_of, raw_correctness, sigma_factor
 from etagent.rl.rollout import PartialRollout, Prompt, make_rollout, read_prompts, rollout_metrics, segment_entropy
-from etagent.rl.weights import sync_engine
 from etagent.rundir import claim_output
 from etagent.settings import check_paths
 from etagent.timing import phase
@@ -129,8 +129,7 @@ class Trainer:
     optimizer: torch.optim.Optimizer
     prompts: list[Prompt]
     validation: list[Prompt]
-    engine: object
-    weight_dtype: torch.dtype | None  # what the engine is sent
+    engine: ColocatedEngine
     export_dtype: torch.dtype
     bucket_bytes: int
 
@@ -140,40 +139,12 @@ def check_settings(cfg: DictConfig) -> None:
     declarations (rl/config.py, checked at load) cannot say alone: how settings go together.
     (RL trains ``model``; the engine group's ``model`` is not read.)"""
     check_paths(RLConfig, OmegaConf.to_container(cfg, resolve=True))
-    if cfg.engine.kind == "openai":
-        raise SettingError("engine.kind", "must be hf or vllm: RL's engine runs in the trainer's process")
-    if cfg.engine.kind == "vllm":
-        from etagent.llm.vllm_engine import MAX_LOGPROBS  # the module imports vLLM only when an engine is built
-
-        if cfg.rollout.top_logprobs > MAX_LOGPROBS:
-            raise SettingError(
-                "rollout.top_logprobs",
-                f"is {cfg.rollout.top_logprobs}, over the vllm engine's limit of {MAX_LOGPROBS} (its max_logprobs): vLLM would refuse "
-                f"every request; set it <= {MAX_LOGPROBS} (ARPO: 10)",
-            )
-    if cfg.engine.kind == "vllm" and cfg.engine.vllm.tensor_parallel_size != 1:
-        # under the external launcher a tensor-parallel group is several trainer ranks, which
-        # would all have to send the same requests at the same steps; each rank samples its own
-        raise SettingError(
-            "engine.vllm.tensor_parallel_size",
-            f"is {cfg.engine.vllm.tensor_parallel_size}: RL's colocated engine is one per rank, each generating its own prompts; set it to 1",
-        )
-    if cfg.engine.kind == "vllm" and "RANK" not in os.environ:
-        raise SettingError(
-            "engine.kind", "vllm runs one engine per rank under torchrun: launch with scripts/rl.sh or torchrun -m etagent.rl.run"
-        )
+    check_engine_settings(cfg)
     if cfg.train.attn_implementation == "flash_attention_2" and importlib.util.find_spec("flash_attn") is None:
         raise SettingError(
             "train.attn_implementation",
             "flash_attention_2 needs the flash-attn package (pip install flash-attn --no-build-isolation, on a GPU machine); "
             "without it set train.attn_implementation=sdpa",
-        )
-    if cfg.engine.kind == "vllm" and cfg.algorithm.tis_cap is not None and cfg.agent.sampling.temperature != 1:
-        # vLLM reports raw log-probabilities; only at T = 1 are they of the distribution sampled from
-        raise SettingError(
-            "algorithm.tis_cap",
-            f"needs vLLM's log-probabilities of the sampled distribution, which it reports at agent.sampling.temperature 1 only "
-            f"(it is {cfg.agent.sampling.temperature}): set algorithm.tis_cap=null or agent.sampling.temperature=1",
         )
     if cfg.rollout.partial and cfg.rollout.stale_tokens == "tis" and cfg.algorithm.tis_cap is None:
         raise SettingError(
@@ -277,12 +248,9 @@ def setup(cfg: DictConfig) -> Trainer:
         raise SettingError("data.prompts_per_step", f"{per_step}, more than the {len(prompts)} prompts of {cfg.data.train}")
     total = int(cfg.train.max_steps or len(prompts) // per_step * cfg.data.epochs)
 
-    engine = build_rollout_engine(cfg, policy, tokenizer)
-    weight_dtype = None if cfg.engine.dtype == "auto" else getattr(torch, cfg.engine.dtype)
-    bucket_bytes = int(cfg.train.weight_bucket_mb) << 20
-    if cfg.engine.kind == "vllm" and checkpoint:
-        # the engine loaded the stage's starting weights; the resumed policy has moved on
-        sync_engine(engine, policy.lm, device, weight_dtype, bucket_bytes)
+    engine = colocated_engine(cfg, policy, tokenizer, device, int(cfg.train.weight_bucket_mb) << 20)
+    if checkpoint:  # the engine started from the stage's starting weights; the resumed policy has moved on
+        engine.sync()
     return Trainer(
         cfg=cfg,
         out=out,
@@ -303,34 +271,9 @@ def setup(cfg: DictConfig) -> Trainer:
         prompts=prompts,
         validation=validation,
         engine=engine,
-        weight_dtype=weight_dtype,
         export_dtype=getattr(torch, cfg.train.export_dtype),
-        bucket_bytes=bucket_bytes,
+        bucket_bytes=int(cfg.train.weight_bucket_mb) << 20,
     )
-
-
-def build_rollout_engine(cfg: DictConfig, policy: Policy, tokenizer):
-    """The colocated rollout engine. ``hf`` samples with the policy module itself; ``vllm`` is one
-    engine per rank in this process (vLLM's external launcher under torchrun: every rank
-    generates on its own), loaded from the stage's starting policy and then kept in step by the
-    sync phase after every update."""
-    from etagent.llm import EngineConfig, make_engine
-    from etagent.llm.hf import HFEngine
-
-    if cfg.engine.kind == "hf":
-        return HFEngine.from_model(
-            policy.lm, tokenizer, max_batch_size=cfg.engine.max_batch_size, continuous_batching=cfg.engine.continuous_batching
-        )
-    # colocated: vLLM in this process, where the trainer's weights can reach it (engine.model is
-    # the policy's own path: configs/rl/_base.yaml)
-    engine = build(EngineConfig, cfg.engine)
-    return make_engine(replace(engine, vllm=replace(engine.vllm, colocated=True)))
-
-
-def engine_reads_policy(trainer: Trainer):
-    """What generation needs around it: the hf engine runs the sharded policy, so every layer
-    stays gathered; vLLM holds its own copy."""
-    return gathered(trainer.policy) if trainer.cfg.engine.kind == "hf" else nullcontext()
 
 
 # ---------------------------------------------------------------------------------------------
@@ -345,11 +288,9 @@ def train_step(trainer: Trainer, step: int, loop: AgentLoop, greedy: AgentLoop, 
     started = time.perf_counter()
     chosen = step_prompts(trainer.prompts, step, cfg.data.prompts_per_step, trainer.seed)[trainer.rank :: trainer.world]
 
-    with phase("generate", metrics), engine_reads_policy(trainer):
+    with phase("generate", metrics), trainer.engine.reading():
         rollouts = rollout.generate(loop, chosen, step, trainer.seed)
-        # vLLM frees its GPU memory for the trainer: level 2 drops the weights too (the sync
-        # brings new ones), a no-op elsewhere
-        trainer.engine.sleep(level=2)
+        trainer.engine.sleep()  # vLLM frees its GPU memory for the trainer
     metrics.update(check_tool_failures(trainer, step, rollouts.groups))
     metrics.update(check_engine_failures(trainer, step, rollouts.groups))
     metrics.update(finish_shares(rollouts.groups))
@@ -378,7 +319,7 @@ def train_step(trainer: Trainer, step: int, loop: AgentLoop, greedy: AgentLoop, 
     masked_before = step - 1 if cfg.rollout.partial and cfg.rollout.stale_tokens == "mask" else None
     batch = pack(trajectories, pad_id, untrained, masked_before).to(trainer.device)
     comparable = tempered_rollouts(trajectories)  # the engine's log-probabilities are at the sampling temperature
-    if cfg.engine.kind == "hf" and not stale_tis:
+    if trainer.engine.rollout_logprobs_are_old(stale_tis):
         # sampled by this module with these weights (under the temperature; stale tokens are
         # masked): recomputing would repeat the rollout's forwards
         old = batch.rollout_logprobs
@@ -391,14 +332,14 @@ def train_step(trainer: Trainer, step: int, loop: AgentLoop, greedy: AgentLoop, 
             ref = response_logprobs(trainer.reference, batch, cfg.train.micro_batch_tokens)
     # rollouts from vLLM, or partial ones: corrected by truncated importance sampling against the
     # trainer's old log-probabilities
-    tis_cap = cfg.algorithm.tis_cap if cfg.engine.kind == "vllm" or stale_tis else None
+    tis_cap = cfg.algorithm.tis_cap if trainer.engine.applies_tis(stale_tis) else None
     if tis_cap is not None and not comparable:
         raise RuntimeError("truncated importance sampling needs the rollout's log-probabilities under the sampling temperature")
     with phase("update", metrics):
         trainer.policy.train()
         # the hf engine's log-probabilities are the old ones: their gap to the trainer's forward
         # (batch shapes, dtype) is measured in the update's first mini-batch
-        hf_mismatch = cfg.engine.kind == "hf" and comparable and not stale_tis
+        hf_mismatch = trainer.engine.rollout_logprobs_are_old(stale_tis) and comparable
         try:
             metrics.update(
                 update(
@@ -412,9 +353,8 @@ def train_step(trainer: Trainer, step: int, loop: AgentLoop, greedy: AgentLoop, 
                 f"{last or 'none (the run starts from model)'}. Lower optim.lr (or look at the loss's inputs above) and rerun "
                 "with --restart or into a new out_dir"
             ) from None
-    if cfg.engine.kind == "vllm":
-        with phase("sync", metrics):
-            sync_engine(trainer.engine, trainer.policy.lm, trainer.device, trainer.weight_dtype, trainer.bucket_bytes)
+    with phase("sync", metrics):
+        trainer.engine.sync()
 
     metrics.update(step_metrics(trainer, rows, batch, old, factor, metrics["timing_s/generate"], comparable))
     metrics.update(rollout_metrics(gather_objects(rollouts.counts)))  # tallies differ in keys between ranks
@@ -581,7 +521,7 @@ def step_metrics(
         sum(r["f_format"] < 0 for r in rows),
         float(mask.sum()),
     ]
-    if trainer.cfg.engine.kind == "vllm" and comparable:
+    if not trainer.engine.samples_live_policy and comparable:  # its gap to the recomputed old log-probabilities
         local.append(logprob_mismatch(batch.rollout_logprobs, old, mask)["mean_abs"] * float(mask.sum()))
     n, reward, raw, calls, length, bad_format, policy_tokens, *mismatch = sum_all(local, trainer.device)
     metrics = {
@@ -602,7 +542,7 @@ def validate(trainer: Trainer, loop: AgentLoop, step: int) -> dict:
     """Greedy rollouts of the validation prompts (this rank's share), the paper's validation score."""
     prompts = trainer.validation[trainer.rank :: trainer.world]
     states = [loop.new(p.question, f"val{step}/{p.index}", seed=0, stage="rl-validation") for p in prompts]
-    with engine_reads_policy(trainer):
+    with trainer.engine.reading():
         asyncio.run(loop.run(states))
     texts = [loop.text(s) for s in states]
     decoded = [trainer.tokenizer.decode(s.response_ids, skip_special_tokens=True) for s in states]  # as the paper's
@@ -691,9 +631,9 @@ def train(cfg: DictConfig) -> list[dict]:
     history = []
     with build_executor(cfg.tools) as executor:
         rollout_settings = build(RolloutSettings, cfg.rollout)
-        loop = AgentLoop(trainer.engine, executor, config, segment_entropy(rollout_settings))
+        loop = AgentLoop(trainer.engine.generator, executor, config, segment_entropy(rollout_settings))
         # validation reads no entropies
-        greedy = AgentLoop(trainer.engine, executor, replace(config, sampling=replace(config.sampling, temperature=0.0)))
+        greedy = AgentLoop(trainer.engine.generator, executor, replace(config, sampling=replace(config.sampling, temperature=0.0)))
         rollout = make_rollout(rollout_settings)
         if rollout_settings.partial:
             rollout = PartialRollout(rollout, rollout_settings, trainer.plan.prompts_per_rank, trainer.prompts, trainer.rank)
@@ -727,8 +667,7 @@ def train(cfg: DictConfig) -> list[dict]:
     if not (trainer.out / "model").exists():
         # a rerun of a run killed between its last checkpoint and its final export
         export_model(trainer.out / "model", trainer.policy.lm, trainer.tokenizer, trainer.export_dtype, trainer.bucket_bytes)
-    if cfg.engine.kind == "vllm":
-        trainer.engine.shutdown()
+    trainer.engine.close()
     if trainer.rank == 0:
         write_manifest(
             trainer.out,

@@ -1,0 +1,150 @@
+"""RL's colocated rollout engine: one object that the trainer calls without asking which kind it is.
+
+The two kinds (``engine.kind``) differ in one fact, whether the engine samples with the policy
+module itself, and everything the trainer does around generation follows from it:
+
+==============================  ==========================================  ==========================================
+                                ``hf``: the live policy                      ``vllm``: a copy of the weights
+==============================  ==========================================  ==========================================
+around generation               every layer gathered (it runs the shards)   nothing (it holds its own copy)
+after generation (``sleep``)    its decoding thread ends, caches dropped    asleep, level 2: the weights dropped
+after the update (``sync``)     nothing: it is the policy                    the new weights streamed in (rl/weights.py)
+old log-probabilities           the rollout's own                            recomputed by the trainer
+truncated importance sampling   only for stale tokens of partial rollouts    always (``algorithm.tis_cap``)
+its log-probabilities' gap      measured in the update's first mini-batch    measured against the recomputed ones
+==============================  ==========================================  ==========================================
+
+:func:`check_engine_settings` refuses what an engine kind cannot do; :func:`colocated_engine` builds
+one. What this does not do: generate (the agent loop calls :attr:`ColocatedEngine.generator`) or
+shape the rollout (rl/rollout.py).
+"""
+
+from __future__ import annotations
+
+import os
+from contextlib import AbstractContextManager, nullcontext
+from dataclasses import replace
+
+import torch
+from omegaconf import DictConfig
+
+from etagent.config import build
+from etagent.errors import SettingError
+from etagent.rl.policy import Policy, gathered
+from etagent.rl.weights import sync_engine
+
+
+class ColocatedEngine:
+    """What the trainer asks of its rollout engine. ``samples_live_policy``: True when the engine
+    samples with the trainer's module and its current weights, so that its log-probabilities are
+    the old ones; False when it samples with a copy, kept in step by :meth:`sync`."""
+
+    samples_live_policy: bool
+
+    def __init__(self, generator, policy: Policy):
+        self.generator = generator  # what the agent loop calls (etagent.llm's Engine)
+        self.policy = policy
+
+    def reading(self) -> AbstractContextManager:
+        """What generation and validation run inside."""
+        return nullcontext()
+
+    def sleep(self) -> None:
+        """Called when generation is over: the trainer changes the weights after this returns."""
+        self.generator.sleep(level=2)
+
+    def sync(self) -> None:
+        """Bring the engine to the policy's current weights (after an update, or on resume)."""
+
+    def close(self) -> None:
+        """At the end of the run."""
+
+    def applies_tis(self, stale_tokens_tis: bool) -> bool:
+        """Whether the update corrects the rollout's log-probabilities by truncated importance
+        sampling (partial rollouts with ``stale_tokens=tis`` always are)."""
+        return stale_tokens_tis or not self.samples_live_policy
+
+    def rollout_logprobs_are_old(self, stale_tokens_tis: bool) -> bool:
+        """Whether the rollout's log-probabilities are the policy's before the update, so that the
+        trainer need not recompute them (not when some were sampled by older weights)."""
+        return self.samples_live_policy and not stale_tokens_tis
+
+
+class LivePolicyEngine(ColocatedEngine):
+    """``hf``: the policy module generates (etagent/llm/hf.py); it shares the weights."""
+
+    samples_live_policy = True
+
+    def reading(self) -> AbstractContextManager:
+        # the engine runs the sharded module: every layer stays gathered, so that ranks decoding
+        # different lengths never wait on each other's all-gathers
+        return gathered(self.policy)
+
+
+class CopiedWeightsEngine(ColocatedEngine):
+    """``vllm``: one vLLM engine per rank in the trainer's process (the external launcher under
+    torchrun), loaded from the stage's starting policy and sent the weights after every update."""
+
+    samples_live_policy = False
+
+    def __init__(self, generator, policy: Policy, device: torch.device, weight_dtype: torch.dtype | None, bucket_bytes: int):
+        super().__init__(generator, policy)
+        self.device, self.weight_dtype, self.bucket_bytes = device, weight_dtype, bucket_bytes
+
+    def sync(self) -> None:
+        sync_engine(self.generator, self.policy.lm, self.device, self.weight_dtype, self.bucket_bytes)
+
+    def close(self) -> None:
+        self.generator.shutdown()
+
+
+def check_engine_settings(cfg: DictConfig) -> None:
+    """Refuse, before any work, an engine RL cannot run colocated or settings it cannot serve."""
+    if cfg.engine.kind == "openai":
+        raise SettingError("engine.kind", "must be hf or vllm: RL's engine runs in the trainer's process")
+    if cfg.engine.kind != "vllm":
+        return
+    from etagent.llm.vllm_engine import MAX_LOGPROBS  # the module imports vLLM only when an engine is built
+
+    if cfg.rollout.top_logprobs > MAX_LOGPROBS:
+        raise SettingError(
+            "rollout.top_logprobs",
+            f"is {cfg.rollout.top_logprobs}, over the vllm engine's limit of {MAX_LOGPROBS} (its max_logprobs): vLLM would refuse "
+            f"every request; set it <= {MAX_LOGPROBS} (ARPO: 10)",
+        )
+    if cfg.engine.vllm.tensor_parallel_size != 1:
+        # under the external launcher a tensor-parallel group is several trainer ranks, which
+        # would all have to send the same requests at the same steps; each rank samples its own
+        raise SettingError(
+            "engine.vllm.tensor_parallel_size",
+            f"is {cfg.engine.vllm.tensor_parallel_size}: RL's colocated engine is one per rank, each generating its own prompts; set it to 1",
+        )
+    if "RANK" not in os.environ:
+        raise SettingError(
+            "engine.kind", "vllm runs one engine per rank under torchrun: launch with scripts/rl.sh or torchrun -m etagent.rl.run"
+        )
+    if cfg.algorithm.tis_cap is not None and cfg.agent.sampling.temperature != 1:
+        # vLLM reports raw log-probabilities; only at T = 1 are they of the distribution sampled from
+        raise SettingError(
+            "algorithm.tis_cap",
+            f"needs vLLM's log-probabilities of the sampled distribution, which it reports at agent.sampling.temperature 1 only "
+            f"(it is {cfg.agent.sampling.temperature}): set algorithm.tis_cap=null or agent.sampling.temperature=1",
+        )
+
+
+def colocated_engine(cfg: DictConfig, policy: Policy, tokenizer, device: torch.device, bucket_bytes: int) -> ColocatedEngine:
+    """The engine ``engine.kind`` names. A vLLM engine starts from the stage's starting weights
+    (``engine.model`` is the policy's own path: configs/rl/_base.yaml) and is sent them in
+    ``engine.dtype`` (``auto``: as the policy holds them); a resumed run syncs it."""
+    from etagent.llm import EngineConfig, make_engine
+    from etagent.llm.hf import HFEngine
+
+    if cfg.engine.kind == "hf":
+        generator = HFEngine.from_model(
+            policy.lm, tokenizer, max_batch_size=cfg.engine.max_batch_size, continuous_batching=cfg.engine.continuous_batching
+        )
+        return LivePolicyEngine(generator, policy)
+    weight_dtype = None if cfg.engine.dtype == "auto" else getattr(torch, cfg.engine.dtype)
+    settings = build(EngineConfig, cfg.engine)
+    generator = make_engine(replace(settings, vllm=replace(settings.vllm, colocated=True)))
+    return CopiedWeightsEngine(generator, policy, device, weight_dtype, bucket_bytes)
