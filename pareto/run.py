@@ -200,9 +200,8 @@ def run(cfg: DictConfig) -> dict:
         return choose(cfg, out, config)
 
 
-def choose(cfg: DictConfig, out: Path, config: dict) -> dict:
-    started = time.time()
-    names = list(cfg.objectives)
+def finished_rollouts(cfg: DictConfig) -> Path:
+    """The direct rollout's trajectories.jsonl, refused unless that run finished and was not degraded."""
     rollouts = Path(cfg.rollouts)
     if rollouts.is_dir():
         rollouts = rollouts / "trajectories.jsonl"
@@ -214,7 +213,15 @@ def choose(cfg: DictConfig, out: Path, config: dict) -> dict:
         raise UserError(f"{manifest}: the direct rollout has not finished (status running); rerun it to complete, then select")
     if status == "degraded":
         raise UserError(f"{manifest}: the direct rollout is degraded (its tools failed too often); redo it before selecting")
+    return rollouts
 
+
+def choose(cfg: DictConfig, out: Path, config: dict) -> dict:
+    """Select the stage's questions, write the RL parquet, each question's scores, the report,
+    the scatter plot and the manifest; the report."""
+    started = time.time()
+    names = list(cfg.objectives)
+    rollouts = finished_rollouts(cfg)
     questions, arrays, left_out = read_rollouts(rollouts)
     chains = Chains(**arrays, n_questions=len(questions))
     kinds = np.array([q.kind for q in questions])
@@ -257,26 +264,7 @@ def choose(cfg: DictConfig, out: Path, config: dict) -> dict:
 
     selected = np.zeros(len(questions), dtype=bool)
     selected[chosen] = True
-    count = chains.per_question_count()
-    mean_correctness = chains.mean(chains.correctness)
-    scores = []
-    for i, q in enumerate(questions):
-        scores.append(
-            {
-                "id": q.id,
-                "source": q.source,
-                "kind": q.kind,
-                "chains": int(count[i]),
-                "mean_correctness": round(float(mean_correctness[i]), 6),
-                "objectives": {name: float(points[i, j]) for j, name in enumerate(names)},
-                "eligible": reasons[i] is None,
-                "ineligible_because": reasons[i],
-                "front": int(front[i]) if front[i] >= 0 else None,
-                "crowding_distance": None if np.isnan(distance[i]) else float(distance[i]),
-                "selected": bool(selected[i]),
-            }
-        )
-    write_jsonl(out / "scores.jsonl", scores)
+    write_jsonl(out / "scores.jsonl", question_scores(questions, chains, points, names, reasons, front, distance, selected))
 
     status = ["selected" if selected[i] else "eligible" if reasons[i] is None else "ineligible" for i in range(len(questions))]
     dropped = Counter(r for r in reasons if r is not None)
@@ -327,6 +315,29 @@ def choose(cfg: DictConfig, out: Path, config: dict) -> dict:
         metrics={"dropped": dict(dropped), "front_sizes": fronts.get("sizes", [])},
     )
     return report
+
+
+def question_scores(questions, chains: Chains, points, names, reasons, front, distance, selected) -> list[dict]:
+    """scores.jsonl: per question its chains, objectives, eligibility (or why not), front,
+    crowding distance and whether it was selected."""
+    count = chains.per_question_count()
+    mean_correctness = chains.mean(chains.correctness)
+    return [
+        {
+            "id": q.id,
+            "source": q.source,
+            "kind": q.kind,
+            "chains": int(count[i]),
+            "mean_correctness": round(float(mean_correctness[i]), 6),
+            "objectives": {name: float(points[i, j]) for j, name in enumerate(names)},
+            "eligible": reasons[i] is None,
+            "ineligible_because": reasons[i],
+            "front": int(front[i]) if front[i] >= 0 else None,
+            "crowding_distance": None if np.isnan(distance[i]) else float(distance[i]),
+            "selected": bool(selected[i]),
+        }
+        for i, q in enumerate(questions)
+    ]
 
 
 @exit_on_user_error
