@@ -25,7 +25,9 @@ import pytest
 from etagent.config import load_config
 from etagent.launcher.main import register_stage_schemas
 from etagent.toy.build import run
-from tests.servers import free_port, wait_until_healthy
+from tests.support.browser import Browser, find_chromium
+from tests.support.commands import TOKEN, build_index, sft_command
+from tests.support.servers import free_port, wait_until_healthy
 
 # every stage's config schema, so that a test may load any stage's config (etagent/config.py)
 register_stage_schemas()
@@ -43,10 +45,14 @@ def pytest_configure(config):
 
 
 def pytest_collection_modifyitems(config, items):
-    """The tests that read a trained policy go last, so that the other tests run while it trains."""
-    readers = [item for item in items if POLICIES.keys() & set(item.fixturenames)]
-    first = set(readers)
-    items[:] = [item for item in items if item not in first] + readers
+    """The tests that read a trained policy go last, in the order the policies train (POLICIES),
+    so that the other tests run while they train."""
+
+    def trained_before(item) -> int:
+        """0 for a test that reads no policy, else 1 + the index of the last policy it reads."""
+        return max((i + 1 for i, name in enumerate(POLICIES) if name in item.fixturenames), default=0)
+
+    items.sort(key=trained_before)  # stable: each group keeps its order
 
 
 @pytest.fixture(scope="session")
@@ -55,14 +61,6 @@ def toy(tmp_path_factory) -> Path:
     out = tmp_path_factory.mktemp("toy")
     run(load_config("toy", "tiny", [f"out_dir={out}"]))
     return out
-
-
-TOKEN = "test-token-123"
-
-
-def build_index(corpus: Path, index_dir: Path, *overrides: str, check=True) -> subprocess.CompletedProcess:
-    args = [sys.executable, "-m", "etagent.retriever.build", f"corpus={corpus}", f"index_dir={index_dir}", *overrides]
-    return subprocess.run(args, capture_output=True, text=True, timeout=600, check=check)
 
 
 @pytest.fixture(scope="session")
@@ -139,22 +137,24 @@ def _shared_folder(tmp_path_factory) -> Path:
     return base.parent if os.environ.get("PYTEST_XDIST_WORKER") else base
 
 
-def _start_policy(name: str, toy: Path, tmp_path_factory) -> subprocess.Popen | None:
-    """Start policy ``name``'s SFT as a background process whose exit status lands in a file,
-    unless some worker of this run already has (the first to take the lock starts it)."""
-    folder = _shared_folder(tmp_path_factory) / POLICIES[name][0]
-    folder.mkdir(exist_ok=True)
-    with open(folder / "lock", "w") as lock:
+def _start_policies(names: list[str], toy: Path, tmp_path_factory) -> subprocess.Popen | None:
+    """Start the SFT of each policy in ``names`` that no worker of this run has started (the first
+    to take the lock starts it), one after another in one background process, each exit status
+    landing in a file of its folder. One at a time: two trainings beside tests at niceness 10
+    would leave the tests almost no CPU (a test's 15-minute timeout could run out)."""
+    shared = _shared_folder(tmp_path_factory)
+    with open(shared / "policies.lock", "w") as lock:
         fcntl.flock(lock, fcntl.LOCK_EX)  # released when the file closes
-        if (folder / "started").exists():
-            return None
-        command = shlex.join(sft_command(toy, folder / "out", *POLICIES[name][1]))
-        status = shlex.quote(str(folder / "status"))
-        process = subprocess.Popen(
-            ["bash", "-c", f"{command} > {shlex.quote(str(folder / 'log'))} 2>&1; echo $? > {status}.part; mv {status}.part {status}"]
-        )
-        (folder / "started").touch()
-        return process
+        trainings = []
+        for name in names:
+            folder = shared / POLICIES[name][0]
+            if folder.exists():  # started by another worker, or earlier
+                continue
+            folder.mkdir()
+            command = shlex.join(sft_command(toy, folder / "out", *POLICIES[name][1]))
+            log, status = shlex.quote(str(folder / "log")), shlex.quote(str(folder / "status"))
+            trainings.append(f"{command} > {log} 2>&1; echo $? > {status}.part; mv {status}.part {status}")
+        return subprocess.Popen(["bash", "-c", "; ".join(trainings)]) if trainings else None
 
 
 @pytest.fixture(scope="session", autouse=True)
@@ -166,28 +166,28 @@ def _policies_train_in_the_background(request, tmp_path_factory):
     The tests then run at niceness 10, so that the training, the run's longest piece of work,
     keeps a whole core: beside two test workers at the same priority it got two thirds of one.
 
-    The worker that started a training waits for it at the end of its session (another worker
-    may still need it), unless the run is stopping on a failure: then it stops the training."""
+    The worker that started the trainings waits for them at the end of its session (another
+    worker may still need them), unless the run is stopping on a failure: then it stops them."""
     needed = [name for name in POLICIES if any(name in item.fixturenames for item in request.session.items)]
-    started = [process for name in needed if (process := _start_policy(name, request.getfixturevalue("toy"), tmp_path_factory))]
+    process = _start_policies(needed, request.getfixturevalue("toy"), tmp_path_factory) if needed else None
     if needed:
         os.nice(10)
     yield
-    for process in started:
+    if process is not None:
         if request.session.shouldfail or request.session.shouldstop:
             process.kill()
-        process.wait(timeout=1800)
+        process.wait(timeout=3600)
 
 
 def _trained_policy(name: str, toy: Path, tmp_path_factory) -> Path:
     """The output folder of policy ``name``'s SFT, once it has finished (started here if no test
     collected at the start of the run asked for it)."""
-    _start_policy(name, toy, tmp_path_factory)
+    _start_policies([name], toy, tmp_path_factory)
     folder = _shared_folder(tmp_path_factory) / POLICIES[name][0]
-    deadline = time.monotonic() + 1800
+    deadline = time.monotonic() + 3600
     while not (folder / "status").exists():
         if time.monotonic() > deadline:
-            pytest.fail(f"the {name} policy's SFT did not finish within 30 minutes ({folder / 'log'})")
+            pytest.fail(f"the {name} policy's SFT did not finish within an hour ({folder / 'log'})")
         time.sleep(1)
     status = (folder / "status").read_text().strip()
     if status != "0":
@@ -210,15 +210,14 @@ def sft_model_full(toy, tmp_path_factory) -> Path:
     return _trained_policy("sft_model_full", toy, tmp_path_factory)
 
 
-def sft_command(toy: Path, out: Path, *overrides: str) -> list[str]:
-    """The SFT stage's command line on the toy world (the tiny preset plus overrides)."""
-    return [
-        sys.executable,
-        "-m",
-        "etagent.sft.run",
-        f"model={toy / 'model'}",
-        f"data.path={toy / 'sft.jsonl'}",
-        f"out_dir={out}",
-        "train.progress_bar=false",
-        *overrides,
-    ]
+@pytest.fixture(scope="module")
+def browser():
+    """Headless Chromium (tests/support/browser.py), for the report's tests; skipped, saying why, where there is none."""
+    binary = find_chromium()
+    if binary is None:
+        pytest.skip(
+            "no Chromium: scripts/test.sh installs Debian's chromium package where it runs as root with apt-get; install it to run this test"
+        )
+    chromium = Browser(binary)
+    yield chromium
+    chromium.close()

@@ -20,7 +20,7 @@ from etagent.direct_rollout.run import run as run_direct_rollout
 from etagent.pareto.run import run as run_pareto
 from etagent.question_formats import read_questions
 from etagent.records import TrajectoryGroup, read_jsonl
-from tests.conftest import TOKEN
+from tests.support.commands import TOKEN
 
 
 def rollout_overrides(sft_model: Path, toy: Path, server: str, out: Path, *extra: str) -> list[str]:

@@ -17,7 +17,7 @@ from etagent.llm import GenerationRequest, Sampling
 from etagent.llm.hf import HFEngine
 from etagent.llm.openai_engine import OpenAIEngine
 from etagent.net import ExternalCallError
-from tests.servers import free_port, serve
+from tests.support.servers import free_port, serve
 
 
 @pytest.fixture(scope="module")
@@ -220,7 +220,7 @@ def test_entropy_helpers():
 
 
 def test_hf_weight_update(toy):
-    from tests.weight_updates import assert_weight_update, check_weight_update
+    from tests.support.weight_updates import assert_weight_update, check_weight_update
 
     assert_weight_update(check_weight_update(HFEngine(str(toy / "model")), toy / "model"))
 

@@ -35,7 +35,7 @@ from etagent.llm import GREEDY, Sample, Sampling, SharedBatches
 from etagent.llm.text import TextModel
 from etagent.records import Question, TokenOrigin
 from etagent.tools.executor import build_executor
-from tests.trajectories import mask_runs
+from tests.support.trajectories import mask_runs
 
 ANSWER = "<answer>The final answer is \\[ \\boxed{{{}}} \\]</answer>"
 RIGHT = Question(id="right", question="What is 51 multiplied by 12?", answer=["612"], source="toy_python", kind="math")
@@ -387,7 +387,7 @@ def test_search_results_are_summarised_by_the_summariser(tokenizer, toy, server,
 
     from etagent.flywheel.run import SummarisedSearch
     from etagent.protocol import ToolCall
-    from tests.conftest import TOKEN
+    from tests.support.commands import TOKEN
 
     monkeypatch.setenv("RETRIEVER_TOKEN", TOKEN)
     name = json.loads((toy / "corpus.jsonl").read_text().splitlines()[0])["title"]

@@ -16,7 +16,7 @@ from pathlib import Path
 import pytest
 
 from etagent.records import SFTExample, TrajectoryGroup, read_jsonl, read_records
-from tests.conftest import TOKEN
+from tests.support.commands import TOKEN
 
 ROOT = Path(__file__).resolve().parents[1]
 

@@ -20,7 +20,7 @@ from omegaconf import OmegaConf
 from etagent.config import SCHEMAS, load_config
 from etagent.errors import SettingError
 from etagent.settings import PathKind, check_paths, settings_of
-from tests.test_refusals import etagent, evaluate_args, refused, rollout_args
+from tests.support.commands import etagent, evaluate_args, refused, rollout_args
 
 STAGES = sorted(name for name, (_, package) in SCHEMAS.items() if package == "_global_")
 
@@ -319,7 +319,7 @@ def test_a_selection_or_an_export_of_nothing_is_refused(tmp_path):
     """Asked for questions, Pareto finds none eligible (every chain of every question wrong, or
     all right): exit 2 naming why, and no rl.parquet that an RL stage would train on for
     nothing. A flywheel export that keeps no trajectory is refused the same way."""
-    from tests.test_pareto import rollout_line
+    from tests.support.trajectories import rollout_line
 
     rollouts = tmp_path / "rollouts" / "trajectories.jsonl"
     rollouts.parent.mkdir()

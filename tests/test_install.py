@@ -16,7 +16,7 @@ from pathlib import Path
 
 import pytest
 
-from tests.conftest import TOKEN
+from tests.support.commands import TOKEN
 
 REPO = Path(__file__).resolve().parents[1]
 

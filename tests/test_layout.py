@@ -8,13 +8,10 @@ from __future__ import annotations
 
 import ast
 import re
-import time
 from pathlib import Path
 
 import pytest
 import tomllib
-
-from etagent.timing import phase
 
 ROOT = Path(__file__).resolve().parents[1]
 STAGES = ("flywheel", "direct_rollout", "pareto", "sft", "rl", "retriever", "evaluation", "radar", "report")
@@ -151,20 +148,6 @@ def test_no_file_names_a_stage_module_by_its_folder_alone():
     assert not offences, "name stage modules as etagent.<stage>.<module>:\n" + "\n".join(offences)
 
 
-def test_phases_add_up_and_survive_errors():
-    metrics: dict[str, float] = {}
-    with phase("generate", metrics):
-        time.sleep(0.02)
-        with phase("reward", metrics):
-            time.sleep(0.01)
-    with phase("generate", metrics):
-        time.sleep(0.01)
-    with pytest.raises(RuntimeError), phase("update", metrics):
-        raise RuntimeError("boom")
-    assert set(metrics) == {"timing_s/generate", "timing_s/reward", "timing_s/update"}
-    assert metrics["timing_s/generate"] >= 0.03 and 0.01 <= metrics["timing_s/reward"] < metrics["timing_s/generate"]
-
-
 def imported_modules(path: Path) -> set[str]:
     """Every module an ``etagent`` file imports, by its full name, inside functions too."""
     names = set()
@@ -185,3 +168,18 @@ def test_the_declarations_sit_at_the_bottom_and_config_imports_no_group():
     assert imported_modules(core / "settings.py") <= {"etagent.errors"}
     assert imported_modules(core / "config.py") <= {"etagent.errors", "etagent.settings", "etagent.rundir"}
     assert imported_modules(core / "rundir.py") <= {"etagent.errors", "etagent.settings", "etagent.records"}
+
+
+def test_no_test_module_imports_another_or_the_conftest():
+    """What tests share lives in tests/support/ (helpers, doubles, command lines) or is a fixture
+    of tests/conftest.py; a test module importing another (or the conftest) hides that chain."""
+    offenders = []
+    for path in sorted((ROOT / "tests").rglob("*.py")):
+        for node in ast.walk(ast.parse(path.read_text())):
+            names = [node.module or ""] if isinstance(node, ast.ImportFrom) else [a.name for a in getattr(node, "names", [])]
+            if not isinstance(node, (ast.Import, ast.ImportFrom)):
+                continue
+            for name in names:
+                if re.fullmatch(r"tests\.(conftest|test_\w+)", name):
+                    offenders.append(f"{path.relative_to(ROOT)}:{node.lineno} imports {name}")
+    assert not offenders, offenders

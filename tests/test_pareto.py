@@ -8,6 +8,7 @@ from hypothesis import given, settings
 from hypothesis import strategies as st
 
 from etagent.pareto.selection import Chains, crowding_distance, mixed_outcome, objectives, pareto_ranks, select
+from tests.support.trajectories import rollout_line
 
 
 def brute_force_ranks(points: np.ndarray) -> np.ndarray:
@@ -173,30 +174,6 @@ def test_mixed_outcome_filter():
     ]
     threshold = np.array([1.0, 1.0, 1.0, 0.75, 0.75, 0.75, 1.0])
     assert mixed_outcome(chains_of(groups), threshold).tolist() == [True, False, False, True, True, False, False]
-
-
-def rollout_line(qid: str, kind: str, chains: list[tuple[float, int]], **extra) -> dict:
-    """One line of direct_rollout's trajectories.jsonl with the fields Pareto reads."""
-    return {
-        "id": qid,
-        "question": f"question {qid}?",
-        "answer": ["7"],
-        "source": "toy_python" if kind == "math" else "toy_search",
-        "kind": kind,
-        "trajectories": [
-            {
-                "id": f"{qid}/{k}",
-                "text": "...",
-                "judgement": {"metric": "f1", "score": c, "verdict": c >= 0.75},
-                "tool_calls_executed": t,
-                "tool_calls_written": t,
-                "n_generated": 50 + t,
-                "finish_reason": "answer",
-            }
-            for k, (c, t) in enumerate(chains)
-        ],
-        **extra,
-    }
 
 
 def test_pareto_stage_on_a_hand_made_rollout_file(tmp_path):

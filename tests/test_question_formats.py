@@ -22,7 +22,7 @@ from etagent.evaluation.run import run as run_evaluation
 from etagent.question_formats import QuestionFormat, read_question_rows, read_questions
 from etagent.records import Question, RecordError, RLRow, read_jsonl, write_rl_parquet
 from etagent.rl.rollout import read_prompts
-from tests.conftest import TOKEN
+from tests.support.commands import TOKEN
 
 # Search-R1's prompt template (scripts/data_process/nq_search.py, template_type base), as its
 # files carry it in the user turn

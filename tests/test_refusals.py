@@ -7,7 +7,6 @@ probes run the real stages on the toy world (the SFT'd toy policy, the real retr
 from __future__ import annotations
 
 import json
-import os
 import subprocess
 import sys
 from pathlib import Path
@@ -16,56 +15,9 @@ import pytest
 
 from etagent.question_formats import read_questions
 from etagent.records import RLRow, write_rl_parquet
-from tests.conftest import TOKEN
+from tests.support.commands import DEGRADED, etagent, evaluate_args, refused, rollout_args
 
 ROOT = Path(__file__).resolve().parents[1]
-USER_ERROR, DEGRADED = 2, 3
-
-
-def etagent(*args: str, stdin: bytes | None = None, timeout: float = 300) -> subprocess.CompletedProcess:
-    """``etagent ARGS`` as a user types it; stdout and stderr as text."""
-    env = dict(os.environ, RETRIEVER_TOKEN=TOKEN, HF_HUB_OFFLINE="1", TRANSFORMERS_OFFLINE="1")
-    result = subprocess.run(
-        [sys.executable, "-m", "etagent.launcher", *args], input=stdin, capture_output=True, cwd=ROOT, env=env, timeout=timeout
-    )
-    return subprocess.CompletedProcess(
-        result.args, result.returncode, result.stdout.decode(errors="replace"), result.stderr.decode(errors="replace")
-    )
-
-
-def refused(result: subprocess.CompletedProcess, message: str, status: int = USER_ERROR) -> None:
-    """The command ended with ``status`` and one line on stderr containing ``message``, and no
-    traceback."""
-    assert result.returncode == status, result.stderr[-3000:]
-    assert message in result.stderr, result.stderr[-3000:]
-    assert "Traceback" not in result.stderr, result.stderr[-3000:]
-
-
-def rollout_args(model: Path, questions: Path, out: Path, server: str = "http://127.0.0.1:9", *extra: str) -> list[str]:
-    return [
-        "direct-rollout",
-        f"model={model}",
-        f"questions={questions}",
-        f"out_dir={out}",
-        f"tools.search.local.url={server}",
-        "tools.search.local.token_env=RETRIEVER_TOKEN",
-        "agent.max_response_tokens=256",
-        *extra,
-    ]
-
-
-def evaluate_args(model: Path, questions: Path, out: Path, server: str = "http://127.0.0.1:9", *extra: str) -> list[str]:
-    return [
-        "evaluate",
-        f"model={model}",
-        f"files.toy={questions}",
-        f"out_dir={out}",
-        f"tools.search.local.url={server}",
-        "tools.search.local.token_env=RETRIEVER_TOKEN",
-        "agent.max_response_tokens=256",
-        "bootstrap_rounds=10",
-        *extra,
-    ]
 
 
 # --- settings out of range: refused before any work, naming the key ------------------------------

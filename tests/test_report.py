@@ -17,24 +17,9 @@ import pytest
 
 from etagent.question_formats import read_questions
 from etagent.records import RLRow, input_identity, write_manifest, write_rl_parquet
-from tests.browser import Browser, find_chromium
-from tests.conftest import TOKEN
-from tests.test_evaluation import eval_command
-from tests.test_rl import rl_overrides
+from tests.support.commands import TOKEN, eval_command, report, rl_overrides
 
 ROOT = Path(__file__).resolve().parents[1]
-
-
-@pytest.fixture(scope="module")
-def browser():
-    binary = find_chromium()
-    if binary is None:
-        pytest.skip(
-            "no Chromium: scripts/test.sh installs Debian's chromium package where it runs as root with apt-get; install it to run this test"
-        )
-    chromium = Browser(binary)
-    yield chromium
-    chromium.close()
 
 
 @pytest.fixture(scope="module")
@@ -59,12 +44,6 @@ def small_run(sft_model, toy, server, tmp_path_factory) -> Path:
     result = subprocess.run([sys.executable, "-m", "etagent.rl.run", *overrides], env=env, capture_output=True, text=True, timeout=900)
     assert result.returncode == 0, result.stderr[-3000:]
     return run
-
-
-def report(run: Path, *args: str) -> subprocess.CompletedProcess:
-    return subprocess.run(
-        [sys.executable, "-m", "etagent.report.run", str(run), *args], cwd=ROOT, capture_output=True, text=True, timeout=300
-    )
 
 
 def test_the_report_of_a_small_run_in_chromium(small_run, browser, tmp_path):

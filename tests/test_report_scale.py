@@ -20,7 +20,7 @@ from etagent.records import Question, RLRow, git_revision, write_manifest, write
 from etagent.report.collect import collect, even_shares, sample_positions
 from etagent.report.run import ReportSettings
 from etagent.settings import out_of_range_values, settings_of, validate
-from tests.test_report import browser, report  # noqa: F401 (browser: the Chromium fixture)
+from tests.support.commands import report
 
 STEPS, ROLLOUTS_PER_STEP, QUESTIONS = 50, 1000, 16
 EVALUATIONS = {"eval": ("sft", 80.5), "eval-rl-stage1": ("rl-stage1", 88.0), "eval-rl-stage2": ("rl-stage2", 90.25)}
@@ -185,7 +185,7 @@ def test_a_100k_trajectory_run_keeps_an_even_sample_with_every_step(large_run):
     assert time.time() - started < 20
 
 
-def test_the_report_of_a_large_run_reads_from_the_results_down(large_run, browser, tmp_path):  # noqa: F811
+def test_the_report_of_a_large_run_reads_from_the_results_down(large_run, browser, tmp_path):
     result = report(large_run, "--out", str(tmp_path / "report.html"))
     assert result.returncode == 0, result.stderr[-3000:]
     assert "20000 trajectories (a sample of the run's 100120)" in result.stdout

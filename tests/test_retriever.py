@@ -25,8 +25,8 @@ from etagent.config import build, load_config
 from etagent.question_formats import read_questions
 from etagent.retriever.config import RetrieverConfig
 from etagent.tools.search import RetrieverClient, SearchTool
-from tests.conftest import TOKEN, build_index
-from tests.servers import free_port, wait_until_healthy
+from tests.support.commands import TOKEN, build_index
+from tests.support.servers import free_port, wait_until_healthy
 
 
 def post(url, path, body, token=TOKEN, timeout=30, **kw):

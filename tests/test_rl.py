@@ -13,26 +13,11 @@ import torch
 
 from etagent.question_formats import read_questions
 from etagent.records import RLRow, write_rl_parquet
-from tests.conftest import TOKEN
+from tests.support.commands import TOKEN, rl_overrides
 
 # The slow guard's threshold: half the rise measured on its own run (0.598 -> 0.744 on 2 CPU
 # cores; see test_grpo_raises_the_raw_reward).
 MIN_RISE = 0.07
-
-
-def rl_overrides(sft_model: Path, parquet: Path, server: str, out: Path, *extra: str) -> list[str]:
-    return [
-        f"model={sft_model / 'model'}",
-        f"data.train={parquet}",
-        f"out_dir={out}",
-        f"tools.search.local.url={server}",
-        "tools.search.local.token_env=RETRIEVER_TOKEN",
-        "tools.python.limits.timeout_s=10",
-        "data.prompts_per_step=4",
-        "rollout.n=4",
-        "train.mini_batch_prompts=2",
-        *extra,
-    ]
 
 
 def run_in_subprocess(overrides: list[str]) -> None:
@@ -138,7 +123,7 @@ def test_a_kill_during_a_save_resumes_from_the_last_complete_checkpoint(sft_mode
     overrides = rl_overrides(sft_model_full, parquet, server, killed, *extra)
     root = Path(__file__).parents[1]
     crash = subprocess.run(
-        [sys.executable, "-m", "tests.rl_killed_in_save", "2", *overrides], capture_output=True, text=True, timeout=900, cwd=root
+        [sys.executable, "-m", "tests.support.rl_killed_in_save", "2", *overrides], capture_output=True, text=True, timeout=900, cwd=root
     )
     assert crash.returncode == -9, crash.stderr[-3000:]
     assert (killed / "checkpoints" / "step_2.tmp" / "state.json").exists() and not (killed / "checkpoints" / "step_2").exists()

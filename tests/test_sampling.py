@@ -14,8 +14,8 @@ from etagent.agent import AgentConfig, AgentLoop, SegmentEntropy
 from etagent.config import load_config
 from etagent.question_formats import read_questions
 from etagent.tools.executor import build_executor
-from tests.conftest import TOKEN
-from tests.trajectories import mask_runs
+from tests.support.commands import TOKEN
+from tests.support.trajectories import mask_runs
 
 
 @pytest.fixture

@@ -21,7 +21,7 @@ import pytest
 from fastapi import FastAPI, Request
 
 from etagent.tools.sandbox import PythonSandbox, PythonTool, SandboxError, SandboxFusion, SandboxLimits
-from tests.servers import serve
+from tests.support.servers import serve
 
 TIMEOUT = 3.0
 LIMITS = SandboxLimits(timeout_s=TIMEOUT, memory_mb=1024, processes=32, open_files=128)

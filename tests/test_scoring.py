@@ -32,7 +32,7 @@ from etagent.scoring import (
     strip_string,
     tool_productivity,
 )
-from tests.servers import serve
+from tests.support.servers import serve
 
 # --- token metrics ------------------------------------------------------------------------------
 
@@ -286,7 +286,7 @@ def test_llm_judge_against_a_real_server():
 
 
 def test_llm_judge_unreachable_server_fails_cleanly():
-    from tests.servers import free_port
+    from tests.support.servers import free_port
 
     judge = served_judge(f"http://127.0.0.1:{free_port()}/v1", timeout_s=0.5, attempts=2)
     [verdict] = judge.judge_many([("q", ["a"], "b")])

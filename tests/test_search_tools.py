@@ -21,7 +21,7 @@ from etagent.tools import ToolOutput
 from etagent.tools.cache import CacheMiss, ToolCache, import_reference_json
 from etagent.tools.executor import ToolExecutor, budget_exhausted_record
 from etagent.tools.search import BM25Index, RateLimiter, RetrieverClient, SearchTool, WebSearch, format_documents, format_snippets
-from tests.servers import serve
+from tests.support.servers import serve
 
 CORPUS = [
     {"id": "0", "contents": '"Zorvak Telmin"\nZorvak Telmin is a cartographer. Zorvak Telmin was born in 1873 in Quellport.'},
@@ -106,7 +106,7 @@ def test_retriever_documents_are_truncated_like_the_reference(retriever):
 
 
 def test_unreachable_retriever_is_an_error_result():
-    from tests.servers import free_port
+    from tests.support.servers import free_port
 
     tool = SearchTool(RetrieverClient(f"http://127.0.0.1:{free_port()}", attempts=2, timeout_s=1))
     out = asyncio.run(tool("anything"))

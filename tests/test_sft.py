@@ -20,7 +20,7 @@ from etagent import protocol
 from etagent.records import SFTExample, export_llamafactory
 from etagent.sft.data import IGNORE, build_dataset, load_examples, tokenize_example
 from etagent.sft.run import Collator
-from tests.conftest import sft_command
+from tests.support.commands import sft_command
 
 TRAJECTORY = (
     "<think>I need the year.</think><search>Zorvak Telmin</search>"
@@ -92,7 +92,7 @@ def test_label_mask_lines_up_with_the_agent_loops_mask(tokenizer, toy):
 
     from etagent.agent import AgentConfig, AgentLoop
     from etagent.tools.executor import ToolExecutor
-    from tests.test_agent import SCRIPTS, FakePython, FakeSearch, ScriptedEngine, question
+    from tests.support.scripted import SCRIPTS, FakePython, FakeSearch, ScriptedEngine, question
 
     rng = random.Random(0)
     loop = AgentLoop(ScriptedEngine(tokenizer, SCRIPTS), ToolExecutor([FakeSearch(rng), FakePython(rng)]), AgentConfig())

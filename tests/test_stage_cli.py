@@ -17,7 +17,7 @@ from etagent.config import SCHEMAS, config_dir, load_config, presets
 from etagent.errors import UserError
 from etagent.settings import settings_of
 from etagent.stage_cli import documented_file, settings_help, stage_configs, sweep, yaml_docs
-from tests.conftest import TOKEN
+from tests.support.commands import TOKEN
 
 STAGES = sorted(name for name, (_, package) in SCHEMAS.items() if package == "_global_" and presets(name))
 MODULES = {

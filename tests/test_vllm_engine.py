@@ -24,7 +24,7 @@ from transformers import AutoModelForCausalLM  # noqa: E402
 from etagent import protocol  # noqa: E402
 from etagent.llm import GenerationRequest, Sampling  # noqa: E402
 from etagent.llm.vllm_engine import VLLMEngine  # noqa: E402
-from tests.weight_updates import assert_weight_update, check_weight_update  # noqa: E402
+from tests.support.weight_updates import assert_weight_update, check_weight_update  # noqa: E402
 
 pytestmark = pytest.mark.vllm
 
@@ -83,7 +83,7 @@ def test_weight_update_in_process(engine, toy):
 def test_weight_update_colocated_under_torchrun(toy):
     """The RL mode: vLLM's external launcher inside the (torchrun-started) trainer process."""
     env = {**os.environ, "VLLM_ENABLE_V1_MULTIPROCESSING": "1", "OMP_NUM_THREADS": "1"}
-    script = Path(__file__).with_name("weight_updates.py")
+    script = Path(__file__).parent / "support" / "weight_updates.py"
     proc = subprocess.run(
         [sys.executable, "-m", "torch.distributed.run", "--nproc_per_node=1", str(script), str(toy / "model")],
         capture_output=True,

@@ -22,7 +22,7 @@ from etagent.llm.vllm_engine import VLLMEngine
 from etagent.rl.distributed import init_distributed
 from etagent.rl.policy import load_policy
 from etagent.rl.weights import sync_engine
-from tests.vllm_standin import StandInLLM, check_against_vllm
+from tests.support.vllm_standin import StandInLLM, check_against_vllm
 
 BUCKET = 256 << 10  # bytes: a tenth of the toy model in bf16
 
@@ -111,7 +111,7 @@ def test_sync_on_two_ranks_gives_each_engine_the_whole_model(toy, tmp_path):
         "--standalone",
         "--nproc_per_node=2",
         "-m",
-        "tests.weight_sync_ranks",
+        "tests.support.weight_sync_ranks",
         str(toy / "model"),
         str(BUCKET),
     ]

@@ -1,6 +1,6 @@
 """etagent.rl.run, killed with SIGKILL in the middle of saving a checkpoint: after every rank has written
 its shards and state.json into ``checkpoints/step_{k}.tmp``, before the folder is renamed (what a
-kill during a save leaves). Run by tests/test_rl.py as ``python -m tests.rl_killed_in_save STEP
+kill during a save leaves). Run by tests/test_rl.py as ``python -m tests.support.rl_killed_in_save STEP
 [overrides]``; a test double of the crash only, the trainer is the real one."""
 
 from __future__ import annotations

@@ -2,7 +2,7 @@
 moves its weights, syncs them into its own stand-in vLLM engine; rank 0 prints what each rank
 found as ``SYNC {json}`` lines.
 
-    python -m torch.distributed.run --standalone --nproc_per_node=2 -m tests.weight_sync_ranks MODEL_DIR BUCKET_BYTES
+    python -m torch.distributed.run --standalone --nproc_per_node=2 -m tests.support.weight_sync_ranks MODEL_DIR BUCKET_BYTES
 """
 
 from __future__ import annotations
@@ -19,7 +19,7 @@ from etagent.llm.vllm_engine import VLLMEngine
 from etagent.rl.distributed import gather_objects, init_distributed
 from etagent.rl.policy import load_policy
 from etagent.rl.weights import sync_engine
-from tests.vllm_standin import StandInLLM
+from tests.support.vllm_standin import StandInLLM
 
 
 def main(model_dir: str, bucket: int) -> None:
