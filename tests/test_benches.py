@@ -10,6 +10,7 @@ from __future__ import annotations
 import importlib.util
 import os
 import shutil
+import signal
 import subprocess
 import sys
 import tempfile
@@ -124,12 +125,25 @@ def run_benchmark(bench: str, toy: Path, model: Path, tmp_path: Path) -> None:
     # its own temporary folder, short: the sandbox's unix socket lives there (107 bytes at most)
     private_tmp = tempfile.mkdtemp(prefix="bench-")
     env = {**os.environ, "OMP_NUM_THREADS": "1", "TOKENIZERS_PARALLELISM": "false", "HF_HUB_OFFLINE": "1", "TMPDIR": private_tmp}
+    # its own process group: a benchmark that runs out of time takes the servers it started with it
+    process = subprocess.Popen(
+        [sys.executable, str(ROOT / "bench" / bench), *arguments],
+        stdout=subprocess.PIPE,
+        stderr=subprocess.PIPE,
+        text=True,
+        cwd=ROOT,
+        env=env,
+        start_new_session=True,
+    )
     try:
-        done = subprocess.run(
-            [sys.executable, str(ROOT / "bench" / bench), *arguments], capture_output=True, text=True, timeout=600, cwd=ROOT, env=env
-        )
+        stdout, stderr = process.communicate(timeout=600)
+    except subprocess.TimeoutExpired:
+        os.killpg(process.pid, signal.SIGKILL)
+        stdout, stderr = process.communicate()
+        pytest.fail(f"{bench} ran past 600 s: {stdout[-2000:]}{stderr[-3000:]}")
     finally:
         shutil.rmtree(private_tmp, ignore_errors=True)
+    done = subprocess.CompletedProcess(process.args, process.returncode, stdout, stderr)
     assert done.returncode == 0, done.stdout[-2000:] + done.stderr[-3000:]
     assert done.stdout.strip(), f"{bench} printed nothing"
     assert " FAIL " not in done.stdout, done.stdout[-2000:]  # gpu_acceptance.py's verdict lines

@@ -176,8 +176,11 @@ def test_no_test_module_imports_another_or_the_conftest():
     offenders = []
     for path in sorted((ROOT / "tests").rglob("*.py")):
         for node in ast.walk(ast.parse(path.read_text())):
-            names = [node.module or ""] if isinstance(node, ast.ImportFrom) else [a.name for a in getattr(node, "names", [])]
-            if not isinstance(node, (ast.Import, ast.ImportFrom)):
+            if isinstance(node, ast.ImportFrom):
+                names = [node.module or ""]
+            elif isinstance(node, ast.Import):
+                names = [alias.name for alias in node.names]
+            else:
                 continue
             for name in names:
                 if re.fullmatch(r"tests\.(conftest|test_\w+)", name):
