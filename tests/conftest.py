@@ -55,6 +55,20 @@ def pytest_collection_modifyitems(config, items):
     items.sort(key=trained_before)  # stable: each group keeps its order
 
 
+@pytest.fixture(scope="module", autouse=True)
+def _no_process_group_left_behind(request):
+    """A module leaves no torch.distributed process group to the next module in its process (a
+    vLLM engine made one; shutting it down takes it away). Which module runs next in a worker
+    depends on the scheduling, and a group destroyed under a live vLLM state broke the next
+    engine loaded in that process."""
+    yield
+    import torch.distributed as dist
+
+    if dist.is_initialized():
+        dist.destroy_process_group()
+        pytest.fail(f"{request.module.__name__} left a torch.distributed process group initialized (destroyed now)")
+
+
 @pytest.fixture(scope="session")
 def toy(tmp_path_factory) -> Path:
     """The default toy world and tiny model (the one the demo and the later stages use)."""

@@ -88,6 +88,9 @@ def test_token_invariants_with_the_vllm_engine(sft_model, toy, tools_cfg):
     from etagent.llm.vllm_engine import VLLMEngine
 
     engine = VLLMEngine.load(str(sft_model / "model"), dtype="float32", max_model_len=2048, cpu_kv_cache_gb=0.5, enforce_eager=True)
-    loop, states = run_agent(engine, tools_cfg, toy)
+    try:
+        loop, states = run_agent(engine, tools_cfg, toy)
+    finally:
+        engine.shutdown()  # its process group goes with it (conftest: no module leaves one behind)
     check_token_invariants(loop, states, AutoModelForCausalLM.from_pretrained(sft_model / "model").eval())
     assert sum(s.finish_reason == "answer" for s in states) >= 0.8 * len(states)

@@ -32,7 +32,9 @@ pytestmark = pytest.mark.vllm
 @pytest.fixture(scope="module")
 def engine(toy):
     os.environ.setdefault("VLLM_ENABLE_V1_MULTIPROCESSING", "0")
-    return VLLMEngine.load(str(toy / "model"), dtype="float32", max_model_len=2048, cpu_kv_cache_gb=0.5, enforce_eager=True)
+    engine = VLLMEngine.load(str(toy / "model"), dtype="float32", max_model_len=2048, cpu_kv_cache_gb=0.5, enforce_eager=True)
+    yield engine
+    engine.shutdown()  # its process group goes with it (conftest: no module leaves one behind)
 
 
 @pytest.fixture(scope="module")

@@ -29,13 +29,15 @@ BUCKET = 256 << 10  # bytes: a tenth of the toy model in bf16
 
 @pytest.fixture(scope="module")
 def policy(toy):
+    created = not dist.is_initialized()  # a group someone else made is theirs to destroy
     init_distributed(torch.device("cpu"))
     policy, _ = load_policy(toy / "model", torch.device("cpu"), compute_dtype=torch.float32, chunk_tokens=512)
     with torch.no_grad():  # weights the engine does not have yet, as after an update
         for p in policy.parameters():
             p.add_(0.01)
     yield policy
-    dist.destroy_process_group()
+    if created:
+        dist.destroy_process_group()
 
 
 def full_weights(policy, dtype):
