@@ -27,6 +27,7 @@ of PASS: it checks the script, not the GPU path.
 from __future__ import annotations
 
 import argparse
+import gc
 import json
 import math
 import os
@@ -107,28 +108,81 @@ def sft(work: Path, smoke: bool) -> None:
 
 
 def rl(work: Path, smoke: bool, engine: str) -> None:
-    import torch
-    from transformers import AutoModelForCausalLM
-
-    from etagent.question_formats import read_questions
-    from etagent.records import RLRow, write_rl_parquet
-
     item = "rl" if engine == "hf" else "rl-vllm"
     if engine == "vllm" and not installed("vllm"):
         return result(item, None, "vLLM is not installed on this machine")
     if not (work / "sft" / "model").exists():
         return result(item, None, "no model: the sft item failed")
+    overrides = ["--preset", "paper", f"engine.kind={engine}"]
+    if engine == "vllm":
+        overrides += ["engine.vllm.max_model_len=2560", "engine.vllm.gpu_memory_utilization=0.3"]
+    rl_run(item, work, work / "sft" / "model", work / f"rl-{engine}", overrides, smoke)
+
+
+def rl_partial(work: Path, smoke: bool) -> None:
+    """The RL paper preset with partial rollouts (hf engine) on a random-init model of
+    Qwen2.5-0.5B's shape: 2 steps, then a resume that carries the groups in flight."""
+    model = random_model(work / "start-0.5b", work, QWEN_05B if not smoke else TINY)
+    overrides = ["--preset", "paper", "engine.kind=hf", "rollout.partial=true", "rollout.partial_extra=2", "algorithm.tis_cap=2"]
+    rl_run(
+        "rl-partial",
+        work,
+        model,
+        work / "rl-partial",
+        overrides,
+        smoke,
+        extra_metrics=("partial/carried_share", "partial/stale_token_share"),
+    )
+
+
+def rl_lora(work: Path, smoke: bool) -> None:
+    """configs/rl/paper_1gpu.yaml (LoRA) with the hf engine (vLLM cannot be carried to the machine)
+    on a random-init model of Qwen2.5-7B's widths and depth over the toy vocabulary: 2 steps,
+    then a resume for a third, the adapters exported; each step's peak GPU memory."""
+    model = random_model(work / "start-7b", work, QWEN_7B if not smoke else TINY)
+    overrides = ["--preset", "paper_1gpu", "engine.kind=hf", "lora.export=adapter"]
+    rl_run("rl-lora", work, model, work / "rl-lora", overrides, smoke, extra_metrics=("memory/peak_allocated_gib",))
+
+
+QWEN_05B = dict(hidden_size=896, layers=24, heads=14, kv_heads=2, intermediate_size=4864)
+QWEN_7B = dict(hidden_size=3584, layers=28, heads=28, kv_heads=4, intermediate_size=18944)
+TINY = dict(hidden_size=128, layers=2, heads=4, kv_heads=2, intermediate_size=256)
+
+
+def random_model(folder: Path, work: Path, shape: dict) -> Path:
+    """A random-init Qwen2 of ``shape`` over the toy tokenizer, saved in bf16 (built on the GPU
+    where there is one: a 7B model initialises there in seconds)."""
+    import torch
+    from transformers import AutoTokenizer
+
+    from etagent.toy.model import build_model
+
+    if not (folder / "config.json").exists():
+        tokenizer = AutoTokenizer.from_pretrained(work / "toy" / "model")
+        with torch.device("cuda" if torch.cuda.is_available() else "cpu"):
+            model = build_model(tokenizer, **shape, max_positions=8192, seed=0)
+        model.to(torch.bfloat16).save_pretrained(folder)
+        tokenizer.save_pretrained(folder)
+        del model
+        torch.cuda.empty_cache()
+    return folder
+
+
+def rl_run(item: str, work: Path, model: Path, out: Path, preset_overrides: list[str], smoke: bool, extra_metrics=()) -> None:
+    """2 RL steps on toy Python questions, then a rerun that resumes for a third: finite losses,
+    the checkpoint written and resumed, the model exported."""
+    import torch
+
+    from etagent.question_formats import read_questions
+    from etagent.records import RLRow, write_rl_parquet
+
     questions = [q for q in read_questions(work / "toy" / "questions" / "test.jsonl") if q.source == "toy_python"][:8]
     parquet = write_rl_parquet([RLRow.for_question(q, i, "train") for i, q in enumerate(questions)], work / "rl.parquet")
-    out = work / f"rl-{engine}"
-    on_gpu = torch.cuda.is_available()
     overrides = [
-        "--preset",
-        "paper",
-        f"model={work / 'sft' / 'model'}",
+        *preset_overrides,
+        f"model={model}",
         f"data.train={parquet}",
         f"out_dir={out}",
-        f"engine.kind={engine}",
         "data.prompts_per_step=4",
         "rollout.n=4",
         "rollout.initial_rollouts=2",
@@ -145,10 +199,9 @@ def rl(work: Path, smoke: bool, engine: str) -> None:
     flash = installed("flash_attn")
     if not flash:
         overrides.append("train.attn_implementation=sdpa")  # the preset's flash-attention packs micro-batches
-    if engine == "vllm":
-        overrides += ["engine.vllm.max_model_len=2560", "engine.vllm.gpu_memory_utilization=0.3"]
-    if not on_gpu:
-        overrides += ["train.device=cpu", "engine.dtype=float32"]  # engine.device follows train.device
+    if not torch.cuda.is_available():
+        overrides += ["train.device=cpu", "engine.dtype=float32", "train.compute_dtype=float32"]  # engine.device follows train.device
+    started = time.perf_counter()
     for steps in (2, 3):
         proc = run(torchrun("etagent.rl.run", *overrides, f"train.max_steps={steps}"), work / f"{item}-{steps}.log", 1200)
         if proc.returncode != 0:
@@ -156,18 +209,34 @@ def rl(work: Path, smoke: bool, engine: str) -> None:
     history = [json.loads(line) for line in (out / "metrics.jsonl").read_text().splitlines()]
     resumed = "resuming after step 2" in (work / f"{item}-3.log").read_text()
     finite = all(math.isfinite(m["actor/loss"]) and math.isfinite(m["actor/grad_norm"]) for m in history)
-    dtypes = {p.dtype for p in AutoModelForCausalLM.from_pretrained(out / "model").parameters()}
-    ok = [m["step"] for m in history] == [1, 2, 3] and finite and resumed and (out / "checkpoints" / "step_3").exists()
+    exported = sorted(p.name for p in (out / "model").iterdir()) if (out / "model").is_dir() else []
+    ok = [m["step"] for m in history] == [1, 2, 3] and finite and resumed and (out / "checkpoints" / "step_3").exists() and exported
     detail = (
         f"losses {[round(m['actor/loss'], 4) for m in history]}, grad norms {[round(m['actor/grad_norm'], 4) for m in history]} "
-        f"(0 when a group's rollouts all score alike), resumed {resumed}, exported {sorted(str(d) for d in dtypes)}, "
-        f"micro-batches {'packed (flash-attention)' if flash else 'padded (sdpa; flash-attn not installed)'}"
+        f"(0 when a group's rollouts all score alike), resumed {resumed}, model/ holds {exported}, "
+        f"micro-batches {'packed (flash-attention)' if flash else 'padded (sdpa; flash-attn not installed)'}, "
+        f"{time.perf_counter() - started:.0f} s for both runs"
     )
-    if engine == "vllm":
+    for key in extra_metrics:
+        detail += f", {key} {[round(m[key], 3) if key in m else None for m in history]}"
+    if item == "rl-vllm":
         mismatch = [m["rollout/logprob_mismatch"] for m in history]
         ok = ok and max(mismatch) < 0.05  # bf16 kernels on both sides: rounding, not stale weights
         detail += f", engine/trainer log-prob mismatch {[round(x, 4) for x in mismatch]}"
-    result(item, ok, detail, smoke)
+    result(item, bool(ok), detail, smoke)
+
+
+def hf_engine(work: Path) -> None:
+    """bench/bench_hf_engine.py on Qwen2.5-0.5B's shape in bf16: the hf engine's continuous
+    batching against transformers' generate, tokens/s."""
+    import torch
+
+    if not torch.cuda.is_available():
+        return result("hf-engine", None, "no CUDA GPU")
+    shape = ["--hidden", "896", "--layers", "24", "--heads", "14", "--kv-heads", "2", "--dtype", "bfloat16", "--device", "cuda"]
+    proc = run([sys.executable, str(ROOT / "bench" / "bench_hf_engine.py"), *shape], work / "hf-engine.log", 900)
+    lines = [line for line in (work / "hf-engine.log").read_text().splitlines() if "tokens/s" in line][-6:]
+    result("hf-engine", proc.returncode == 0, " | ".join(line.strip() for line in lines) or f"exit {proc.returncode}")
 
 
 def memory(work: Path) -> None:
@@ -196,12 +265,16 @@ def memory(work: Path) -> None:
         torch.cuda.empty_cache()
     device = torch.device("cuda", 0)
     init_distributed(device)
-    policy, _ = load_policy(folder, device, compute_dtype=torch.bfloat16, chunk_tokens=chunk, gradient_checkpointing=True)
-    optimizer = torch.optim.AdamW(policy.parameters(), lr=1e-6)
-    params = sum(p.numel() for p in policy.parameters())
     ids = torch.randint(0, config.vocab_size, (1, tokens), device=device)
     mask, positions = torch.ones_like(ids), torch.arange(tokens, device=device)[None]
     scored = torch.arange(63, tokens - 1, device=device)[None]  # a 64-token prompt, the rest response
+    # the same update with LoRA first (configs/rl/paper_1gpu.yaml's adapters; the frozen base in bf16)
+    memory_lora(folder, planned, tokens, chunk, ids, mask, positions, scored)
+    gc.collect()  # the LoRA policy's FSDP2 hooks hold it in reference cycles: its memory back first
+    torch.cuda.empty_cache()
+    policy, _ = load_policy(folder, device, compute_dtype=torch.bfloat16, chunk_tokens=chunk, gradient_checkpointing=True)
+    optimizer = torch.optim.AdamW(policy.parameters(), lr=1e-6)
+    params = sum(p.numel() for p in policy.parameters())
 
     def step():
         logprobs, _ = policy(ids, mask, positions, scored, with_entropy=True)
@@ -264,9 +337,54 @@ def memory(work: Path) -> None:
     )
 
 
+def memory_lora(folder: Path, planned, tokens: int, chunk: int, ids, mask, positions, scored) -> None:
+    """One LoRA update on the 7B-wide slice (rl/adapters.py through rl/policy.py, as the trainer
+    loads it): its peak against bench/memory_plan.py's LoRA update for the slice, and its
+    gradients finite and not all zero."""
+    import torch
+    from memory_plan import lora_update_parts
+
+    from etagent.config import build, load_config
+    from etagent.rl.config import RLLoraSettings
+    from etagent.rl.policy import load_policy
+
+    lora = build(RLLoraSettings, load_config("rl", "paper_1gpu").lora)
+    device = ids.device
+    policy, _ = load_policy(folder, device, compute_dtype=torch.bfloat16, chunk_tokens=chunk, gradient_checkpointing=True, lora=lora)
+    trained = [p for p in policy.parameters() if p.requires_grad]
+    optimizer = torch.optim.AdamW(trained, lr=1e-5)
+
+    def step() -> float:
+        logprobs, _ = policy(ids, mask, positions, scored, with_entropy=True)
+        (-logprobs.mean()).backward()
+        norm = float(torch.nn.utils.clip_grad_norm_(trained, 1e9))
+        optimizer.step()
+        optimizer.zero_grad(set_to_none=True)
+        return norm
+
+    policy.train()
+    norms = [step()]
+    torch.cuda.synchronize()
+    torch.cuda.reset_peak_memory_stats()
+    started = time.perf_counter()
+    norms += [step(), step()]
+    torch.cuda.synchronize()
+    seconds = (time.perf_counter() - started) / 2
+    peak = torch.cuda.max_memory_allocated()
+    plan = sum(lora_update_parts(planned, lora, tokens, chunk).values())
+    ok = peak <= plan * 1.1 and all(math.isfinite(n) and n > 0 for n in norms)
+    result(
+        "memory-lora",
+        ok,
+        f"LoRA rank {lora.rank} on the slice ({sum(p.numel() for p in trained) / 1e6:.1f}M adapter parameters), {tokens} tokens: "
+        f"peak {peak / 2**30:.2f} GiB, plan {plan / 2**30:.2f} GiB, gradient norms {[round(n, 3) for n in norms]}, "
+        f"{tokens / seconds:.0f} tokens/s",
+    )
+
+
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
-    parser.add_argument("item", choices=["sft", "rl", "rl-vllm", "memory"])
+    parser.add_argument("item", choices=["sft", "rl", "rl-vllm", "rl-partial", "rl-lora", "hf-engine", "memory"])
     parser.add_argument("--work", type=Path, required=True)
     parser.add_argument("--smoke", action="store_true")
     args = parser.parse_args()
@@ -275,6 +393,12 @@ def main() -> None:
             sft(args.work, args.smoke)
         elif args.item in ("rl", "rl-vllm"):
             rl(args.work, args.smoke, "hf" if args.item == "rl" else "vllm")
+        elif args.item == "rl-partial":
+            rl_partial(args.work, args.smoke)
+        elif args.item == "rl-lora":
+            rl_lora(args.work, args.smoke)
+        elif args.item == "hf-engine":
+            hf_engine(args.work)
         else:
             memory(args.work)
     except Exception as error:  # an item that crashes is a FAIL with its reason, and the next item runs

@@ -98,9 +98,10 @@ def elements(shapes) -> int:
     return sum(math.prod(s) for s in shapes)
 
 
-def layer_activation_bytes(config, tokens: int) -> int:
+def layer_activation_bytes(config, tokens: int, lora=None) -> int:
     """Bytes one Qwen2 decoder layer saves for its backward pass on a micro-batch of ``tokens``
-    tokens in bf16, measured on the meta device."""
+    tokens in bf16, measured on the meta device (with ``lora``: its adapters injected by peft, as
+    rl/adapters.py does)."""
     import torch
     from transformers import AttentionInterface
     from transformers.models.qwen2.modeling_qwen2 import Qwen2DecoderLayer, Qwen2RotaryEmbedding
@@ -116,6 +117,11 @@ def layer_activation_bytes(config, tokens: int) -> int:
     config._attn_implementation = "memory_plan_flash"
     with torch.device("meta"):
         layer = Qwen2DecoderLayer(config, 0).to(torch.bfloat16)
+        if lora is not None:
+            from peft import inject_adapter_in_model
+
+            inject_adapter_in_model(lora.peft_config(), layer, low_cpu_mem_usage=True)
+            layer.to(torch.bfloat16)  # FSDP2's mixed precision gathers the float32 adapters in bf16
         rotary = Qwen2RotaryEmbedding(config)
         hidden = torch.empty(1, tokens, config.hidden_size, dtype=torch.bfloat16, requires_grad=True)
         positions = torch.arange(tokens)[None]
@@ -216,6 +222,88 @@ def rl_plan(model: Model, world: int, args) -> dict:
     }
 
 
+def adapter_elements(config, lora) -> int:
+    """Elements of LoRA's adapters on the whole model: peft's own layers, on the meta device."""
+    import torch
+    from peft import inject_adapter_in_model
+    from transformers import AutoModelForCausalLM
+
+    with torch.device("meta"):
+        lm = AutoModelForCausalLM.from_config(config, dtype=torch.bfloat16)
+    inject_adapter_in_model(lora.peft_config(), lm, low_cpu_mem_usage=True)
+    return sum(p.numel() for name, p in lm.named_parameters() if ".lora_" in name)
+
+
+def lora_update_parts(model: Model, lora, tokens: int, chunk: int) -> dict[str, int]:
+    """One GPU's bytes during a LoRA update on a micro-batch of ``tokens`` tokens, with gradient
+    checkpointing (rl/run.py's update over rl/adapters.py's policy, FSDP2 over one rank)."""
+    hidden, layers, vocab = model.config.hidden_size, model.config.num_hidden_layers, model.config.vocab_size
+    adapters = adapter_elements(model.config, lora)
+    layer, root = elements(model.layer_groups[0]) + adapters // layers, elements(model.root_group)
+    act_layer = layer_activation_bytes(model.config, tokens, lora)
+    return {
+        "frozen base bf16": 2 * model.params,
+        "adapters+grads+AdamW": (4 + 4 + 8) * adapters,
+        # two layer groups (the current and the prefetched) and the root, gathered in bf16
+        "gathered bf16": 2 * (2 * layer) + 2 * root,
+        "reduce-scatter": (2 + 4) * (adapters // layers),
+        "activations": layers * tokens * hidden * 2 + 2 * act_layer + 2 * tokens * hidden * 2,
+        "log-prob chunk": 4 * chunk * vocab * 4,
+    }
+
+
+def rl_lora_plan(model: Model, args) -> dict:
+    """configs/rl/paper_1gpu.yaml on one GPU: the frozen base in bf16 (rl/policy.py keeps it in the
+    compute dtype), the adapters with their float32 gradients and AdamW moments, FSDP2 over one
+    rank (it still gathers each group into a bf16 copy), the colocated vLLM engine sent the merged
+    weights (rl/weights.py merges one layer at a time: W, B A and the sum in float32)."""
+    from etagent.config import build, load_config
+    from etagent.rl.config import RLLoraSettings
+
+    cfg = load_config("rl", "paper_1gpu")
+    lora = build(RLLoraSettings, cfg.lora)
+    tokens = int(cfg.train.micro_batch_tokens)
+    chunk = int(cfg.train.logprob_chunk_tokens)
+    bucket = int(cfg.train.weight_bucket_mb) << 20
+    vocab, hidden = model.config.vocab_size, model.config.hidden_size
+    adapters = adapter_elements(model.config, lora)
+    base = 2 * model.params
+    adapter_state = (4 + 4 + 8) * adapters  # float32 parameters, gradients, AdamW's two moments
+    act_layer = layer_activation_bytes(model.config, tokens, lora)
+    vllm_awake = float(cfg.engine.vllm.gpu_memory_utilization) * args.gpu_gib * GIB
+    vllm_asleep, context = args.vllm_asleep_gib * GIB, args.context_gib * GIB
+    # the bucket, a held tensor, and one merge of the largest adapted weight (a decoder layer's
+    # largest): W in float32 and addmm's float32 result at once (B A is not materialised)
+    largest_adapted = max(math.prod(shape) for shape in model.layer_groups[0])
+    sync_extra = bucket + 2 * model.largest + 2 * 4 * largest_adapted
+    trainer = {"frozen base bf16": base, "adapters+grads+AdamW": adapter_state}
+    phases = {
+        "generate (vLLM awake)": {**trainer, "vLLM": vllm_awake, "context": context},
+        "old_logprobs (whole policy gathered)": {
+            **trainer,
+            "gathered bf16": 2 * model.params,
+            "activations (no grad)": act_layer // 2 + tokens * hidden * 2,
+            "log-prob chunk": 4 * chunk * vocab * 4,
+            "vLLM asleep": vllm_asleep,
+            "context": context,
+        },
+        "update": {**lora_update_parts(model, lora, tokens, chunk), "vLLM asleep": vllm_asleep, "context": context},
+        "sync (weights awake, KV cache asleep)": {
+            **trainer,
+            "vLLM weights": base,
+            "bucket + held tensor + merge": sync_extra,
+            "vLLM asleep": vllm_asleep,
+            "context": context,
+        },
+        "save + export (vLLM awake)": {**trainer, "vLLM": vllm_awake, "bucket + held tensor + merge": sync_extra, "context": context},
+    }
+    return {
+        "phases": {name: {"total": sum(parts.values()), **parts} for name, parts in phases.items()},
+        "sync_extra": sync_extra,
+        "facts": {"adapter_parameters": adapters, "rank": lora.rank, "micro_batch_tokens": tokens, "layer_activations": act_layer},
+    }
+
+
 def sft_plan(model: Model, world: int, args) -> dict:
     from etagent.config import load_config
 
@@ -249,8 +337,9 @@ def main() -> None:
         args.vllm_fraction = float(load_config("rl", "paper").engine.vllm.gpu_memory_utilization)
     model = build_model()
     plans = {world: {"rl": rl_plan(model, world, args), "sft": sft_plan(model, world, args)} for world in args.gpus}
+    plans[1] = {"rl paper_1gpu (LoRA)": rl_lora_plan(model, args)}
     ok = all(p["total"] < args.limit_gib * GIB for w in plans.values() for s in w.values() for p in s["phases"].values())
-    ok = ok and all(w["rl"]["sync_extra"] < 2 * GIB for w in plans.values())
+    ok = ok and all(s["sync_extra"] < 2 * GIB for w in plans.values() for name, s in w.items() if name.startswith("rl"))
     if args.json:
         print(json.dumps({"params": model.params, "plans": plans, "ok": ok}))
         return
@@ -266,7 +355,7 @@ def main() -> None:
                 detail = ", ".join(f"{k} {v / GIB:.1f}" for k, v in parts.items() if k != "total")
                 verdict = "ok" if parts["total"] < args.limit_gib * GIB else "OVER"
                 print(f"  {name:<40} {parts['total'] / GIB:6.1f} GiB  {verdict:<4}  ({detail})")
-            if stage == "rl":
+            if stage.startswith("rl"):
                 print(
                     f"  {'weight sync extra':<40} {plan['sync_extra'] / GIB:6.2f} GiB  {'ok' if plan['sync_extra'] < 2 * GIB else 'OVER'}"
                 )

@@ -26,7 +26,7 @@ from typing import Annotated, TypeVar
 from omegaconf import MISSING, DictConfig, OmegaConf
 
 from etagent.errors import MissingInput, SettingError, UserError
-from etagent.settings import FREE, OneOf, group, validate
+from etagent.settings import FREE, Ge, Lt, OneOf, PositiveInt, group, validate
 
 T = TypeVar("T")
 
@@ -67,6 +67,31 @@ class TensorBoardConfig:
     the logger that needs no account (view them with ``tensorboard --logdir``)."""
 
     enabled: Annotated[bool, FREE] = MISSING
+
+
+@group
+class LoraSettings:
+    """The ``lora`` group of the training stages (sft, rl): low-rank adapters (peft's LoRA) on
+    ``target_modules`` instead of training every weight; each stage's _base.yaml says what it
+    saves."""
+
+    enabled: bool = MISSING
+    rank: PositiveInt = MISSING
+    alpha: PositiveInt = MISSING
+    dropout: Annotated[float, Ge(0), Lt(1)] = MISSING
+    target_modules: list[str] = MISSING
+
+    def peft_config(self):
+        """These settings as peft's ``LoraConfig`` for a causal LM."""
+        from peft import LoraConfig
+
+        return LoraConfig(
+            r=self.rank,
+            lora_alpha=self.alpha,
+            lora_dropout=self.dropout,
+            target_modules=list(self.target_modules),
+            task_type="CAUSAL_LM",
+        )
 
 
 # Every config's schema by name: a stage's whole config (its package registers it on import) or a

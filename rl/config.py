@@ -12,7 +12,7 @@ from typing import Annotated
 from omegaconf import MISSING
 
 from etagent.agent import AgentConfig
-from etagent.config import TensorBoardConfig, WandbConfig
+from etagent.config import LoraSettings, TensorBoardConfig, WandbConfig
 from etagent.llm import EngineConfig
 from etagent.question_formats import QuestionFormat
 from etagent.settings import (
@@ -123,6 +123,13 @@ class RLTrainSettings:
 
 
 @group
+class RLLoraSettings(LoraSettings):
+    """LoRA on the policy (rl/adapters.py), and what the exported models hold."""
+
+    export: Annotated[str, OneOf("merged", "adapter"), FREE] = MISSING
+
+
+@group
 class RLConfig:
     engine: EngineConfig = field(default_factory=EngineConfig)
     agent: AgentConfig = field(default_factory=AgentConfig)
@@ -136,5 +143,6 @@ class RLConfig:
     algorithm: AlgorithmSettings = field(default_factory=AlgorithmSettings)
     optim: OptimSettings = field(default_factory=OptimSettings)
     train: RLTrainSettings = field(default_factory=RLTrainSettings)
+    lora: RLLoraSettings = field(default_factory=RLLoraSettings)
     wandb: WandbConfig = field(default_factory=WandbConfig)
     tensorboard: TensorBoardConfig = field(default_factory=TensorBoardConfig)

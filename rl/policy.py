@@ -27,7 +27,7 @@ state (logit soft-capping, scaled logits), or tensor/sequence parallelism.
 from __future__ import annotations
 
 import json
-from contextlib import contextmanager
+from contextlib import contextmanager, nullcontext
 from pathlib import Path
 
 import torch
@@ -36,6 +36,8 @@ import torch.nn.functional as F
 from torch import nn
 from torch.utils.checkpoint import checkpoint
 
+from etagent.config import LoraSettings
+from etagent.rl.adapters import adapters_disabled, add_adapters, initial_weights
 from etagent.rl.algorithm import entropy_from_logprobs
 
 
@@ -141,13 +143,17 @@ def load_policy(
     trainable: bool = True,
     weights: bool = True,
     temperature: float = 1.0,
+    lora: LoraSettings | None = None,
+    seed: int = 0,
 ):
     """The policy in ``path`` (a save_pretrained folder), sharded with FSDP2 over every rank, with
     float32 parameters (the optimizer's copy) and ``compute_dtype`` for the forward and backward.
     ``weights=False`` leaves the shards unfilled for a resume to overwrite. A frozen copy
     (``trainable=False``) serves as the KL reference. ``attn_implementation`` is transformers'
     (flash_attention_2 makes :attr:`Policy.packs_sequences` true). ``temperature`` is the rollouts' sampling
-    temperature (:class:`Policy`). Returns (policy, tokenizer)."""
+    temperature (:class:`Policy`). With ``lora``, adapters on the base (rl/adapters.py): the
+    frozen base in ``compute_dtype``, the float32 adapters drawn from ``seed``; a resume reads the
+    base and overwrites the adapters. Returns (policy, tokenizer)."""
     from accelerate import init_empty_weights
     from torch.distributed.checkpoint.state_dict import StateDictOptions, set_model_state_dict
     from torch.distributed.device_mesh import init_device_mesh
@@ -159,8 +165,12 @@ def load_policy(
     # parameters on the meta device; buffers (rotary frequencies) computed for real, because no
     # checkpoint holds them
     with init_empty_weights():
-        lm = AutoModelForCausalLM.from_config(config, dtype=torch.float32, attn_implementation=attn_implementation)
+        # with LoRA the base is frozen: kept in the compute dtype, as the forward uses it
+        base_dtype = compute_dtype if lora else torch.float32
+        lm = AutoModelForCausalLM.from_config(config, dtype=base_dtype, attn_implementation=attn_implementation)
     lm.tie_weights()  # accelerate's meta parameters replace the shared one: tie the output embedding again
+    if lora:
+        add_adapters(lm, lora)
     if not trainable:
         lm.requires_grad_(False).eval()
     elif gradient_checkpointing:
@@ -178,6 +188,8 @@ def load_policy(
             buffer.copy_(buffers[name])
     if weights:
         full = read_checkpoint(Path(path), config) if dist.get_rank() == 0 else {}
+        if lora and full:
+            full = initial_weights(lm, full, seed)
         set_model_state_dict(lm, full, options=StateDictOptions(full_state_dict=True, broadcast_from_rank0=True))
         del full
     # FSDP2 settles which module is its root at the first forward through it; the hf engine runs
@@ -225,3 +237,18 @@ def gathered(module: nn.Module):
         for m in modules:
             m.reshard()
             m.set_reshard_after_forward(True)
+
+
+class Reference:
+    """The KL term's reference policy: a frozen copy of the stage's starting policy or, with
+    LoRA, the policy itself with its adapters off (its base is the starting policy)."""
+
+    def __init__(self, policy: Policy, adapters_off: bool):
+        self.policy, self.adapters_off = policy, adapters_off
+
+    @contextmanager
+    def reading(self):
+        """The module to compute reference log-probabilities with, gathered, without gradients."""
+        switch = adapters_disabled(self.policy.lm) if self.adapters_off else nullcontext()
+        with gathered(self.policy), switch, torch.no_grad():
+            yield self.policy

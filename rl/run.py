@@ -70,6 +70,7 @@ import os
 import random
 import time
 from collections import Counter
+from collections.abc import Callable
 from dataclasses import dataclass, replace
 from pathlib import Path
 
@@ -87,12 +88,12 @@ from etagent.records import origin_segments, policy_text, write_manifest
 from etagent.rl.actor import NonFiniteUpdate, response_logprobs, update
 from etagent.rl.algorithm import grpo_advantages, logprob_mismatch
 from etagent.rl.batch import TRUNCATED, Batch, BatchPlan, balanced_partition, batch_plan, pack, tempered_rollouts
-from etagent.rl.checkpoint import export_model, latest_checkpoint, load_checkpoint, load_in_flight, save_checkpoint
-from etagent.rl.config import RewardSettings, RLConfig, RolloutSettings
+from etagent.rl.checkpoint import AdapterExport, export_model, latest_checkpoint, load_checkpoint, load_in_flight, save_checkpoint
+from etagent.rl.config import RewardSettings, RLConfig, RLLoraSettings, RolloutSettings
 from etagent.rl.distributed import gather_objects, init_distributed, sum_all, training_device
 from etagent.rl.engine import ColocatedEngine, check_engine_settings, colocated_engine
 from etagent.rl.paper_reward import validation_score
-from etagent.rl.policy import Policy, gathered, load_policy
+from etagent.rl.policy import Policy, Reference, gathered, load_policy
 from etagent.rl.reward import efficiency_reward, kind_of, raw_correctness, sigma_factor
 from etagent.rl.rollout import PartialRollout, Prompt, make_rollout, read_prompts, rollout_metrics, segment_entropy
 from etagent.rundir import claim_output
@@ -124,14 +125,13 @@ class Trainer:
     in_flight: list | None  # partial rollouts' groups in flight at the checkpoint resumed from
     reward: RewardSettings
     policy: Policy
-    reference: Policy | None
+    reference: Reference | None
     tokenizer: object
     optimizer: torch.optim.Optimizer
     prompts: list[Prompt]
     validation: list[Prompt]
     engine: ColocatedEngine
-    export_dtype: torch.dtype
-    bucket_bytes: int
+    export: Callable[[Path], None]  # the policy as the stage's output model, into a folder
 
 
 def check_settings(cfg: DictConfig) -> None:
@@ -162,6 +162,13 @@ def check_settings(cfg: DictConfig) -> None:
                 f"is {cfg.rollout.max_staleness}, and with on_stale=wait a step's groups can be up to ceil(partial_extra / "
                 f"prompts per process) = {oldest} versions old: raise it to {oldest}, lower rollout.partial_extra, or set on_stale=drop",
             )
+    if cfg.lora.enabled and cfg.lora.dropout != 0:
+        # dropout makes the trainer's forward a different function from the one that sampled
+        raise SettingError(
+            "lora.dropout",
+            f"is {cfg.lora.dropout}: RL's ratio compares the trainer's log-probabilities with the sampler's, "
+            "which dropout would make differ; set lora.dropout=0",
+        )
     if cfg.rollout.kind == "tree" and cfg.rollout.top_logprobs == 0:  # the engines measure entropy only where asked for them
         raise SettingError("rollout.top_logprobs", "is 0, and the tree branches on entropies measured with them: set it >= 1 (ARPO: 10)")
     # the policy gradient is of the distribution the rollouts were drawn from: softmax(logits / T).
@@ -200,6 +207,7 @@ def setup(cfg: DictConfig) -> Trainer:
 
     checkpoint = latest_checkpoint(out)
     compute = getattr(torch, cfg.train.compute_dtype)
+    lora = build(RLLoraSettings, cfg.lora) if cfg.lora.enabled else None
     policy, tokenizer = load_policy(
         cfg.model,
         device,
@@ -207,11 +215,18 @@ def setup(cfg: DictConfig) -> Trainer:
         chunk_tokens=cfg.train.logprob_chunk_tokens,
         gradient_checkpointing=cfg.train.gradient_checkpointing,
         attn_implementation=cfg.train.attn_implementation,
-        weights=checkpoint is None,
+        # a checkpoint holds what is trained: with LoRA the adapters, over the base read here
+        weights=checkpoint is None or lora is not None,
         temperature=cfg.agent.sampling.temperature,
+        lora=lora,
+        seed=seed,
     )
     optimizer = torch.optim.AdamW(
-        policy.parameters(), lr=cfg.optim.lr, betas=tuple(cfg.optim.betas), weight_decay=cfg.optim.weight_decay, eps=cfg.optim.eps
+        [p for p in policy.parameters() if p.requires_grad],
+        lr=cfg.optim.lr,
+        betas=tuple(cfg.optim.betas),
+        weight_decay=cfg.optim.weight_decay,
+        eps=cfg.optim.eps,
     )
     state = {"step": 0, "metrics": {}}
     in_flight = None
@@ -220,10 +235,13 @@ def setup(cfg: DictConfig) -> Trainer:
         in_flight = load_in_flight(checkpoint) if cfg.rollout.partial else None
         if rank == 0:
             log.info("resuming after step %d from %s", state["step"], checkpoint)
-    # the KL term's reference is the stage's starting policy, also after a resume
+    # the KL term's reference is the stage's starting policy, also after a resume: with LoRA its
+    # base, the policy with the adapters off
     reference = None
-    if cfg.algorithm.kl_coef > 0:
-        reference, _ = load_policy(
+    if cfg.algorithm.kl_coef > 0 and lora:
+        reference = Reference(policy, adapters_off=True)
+    elif cfg.algorithm.kl_coef > 0:
+        frozen, _ = load_policy(
             cfg.model,
             device,
             compute_dtype=compute,
@@ -232,6 +250,7 @@ def setup(cfg: DictConfig) -> Trainer:
             trainable=False,
             temperature=cfg.agent.sampling.temperature,
         )
+        reference = Reference(frozen, adapters_off=False)
 
     question_format = build(QuestionFormat, cfg.data.question_format)
     read = functools.partial(
@@ -271,8 +290,14 @@ def setup(cfg: DictConfig) -> Trainer:
         prompts=prompts,
         validation=validation,
         engine=engine,
-        export_dtype=getattr(torch, cfg.train.export_dtype),
-        bucket_bytes=int(cfg.train.weight_bucket_mb) << 20,
+        export=functools.partial(
+            export_model,
+            lm=policy.lm,
+            tokenizer=tokenizer,
+            dtype=getattr(torch, cfg.train.export_dtype),
+            bucket_bytes=int(cfg.train.weight_bucket_mb) << 20,
+            adapter=AdapterExport(lora, str(cfg.model)) if lora and lora.export == "adapter" else None,
+        ),
     )
 
 
@@ -328,8 +353,8 @@ def train_step(trainer: Trainer, step: int, loop: AgentLoop, greedy: AgentLoop, 
             old = response_logprobs(trainer.policy, batch, cfg.train.micro_batch_tokens)
     ref = None
     if trainer.reference is not None:
-        with phase("ref_logprobs", metrics), gathered(trainer.reference), torch.no_grad():
-            ref = response_logprobs(trainer.reference, batch, cfg.train.micro_batch_tokens)
+        with phase("ref_logprobs", metrics), trainer.reference.reading() as reference:
+            ref = response_logprobs(reference, batch, cfg.train.micro_batch_tokens)
     # rollouts from vLLM, or partial ones: corrected by truncated importance sampling against the
     # trainer's old log-probabilities
     tis_cap = cfg.algorithm.tis_cap if trainer.engine.applies_tis(stale_tis) else None
@@ -364,7 +389,18 @@ def train_step(trainer: Trainer, step: int, loop: AgentLoop, greedy: AgentLoop, 
     with phase("save", metrics):
         save(trainer, step, rows, metrics, rollout.state() if cfg.rollout.partial else None)
     metrics["timing_s/step"] = time.perf_counter() - started
+    metrics.update(peak_memory(trainer.device))
     return metrics
+
+
+def peak_memory(device: torch.device) -> dict:
+    """The step's peak of the GPU memory PyTorch allocated on this rank (the log has rank 0's;
+    vLLM's own pool is not in it), the count restarted for the next step. Nothing off CUDA."""
+    if device.type != "cuda":
+        return {}
+    peak = torch.cuda.max_memory_allocated(device) / 2**30
+    torch.cuda.reset_peak_memory_stats(device)
+    return {"memory/peak_allocated_gib": peak}
 
 
 def check_tool_failures(trainer: Trainer, step: int, groups: list[list[TrajectoryState]]) -> dict:
@@ -569,11 +605,9 @@ def save(trainer: Trainer, step: int, rows: list[dict], metrics: dict, in_flight
     if step % cfg.train.save_every == 0 or step == trainer.total:
         save_checkpoint(trainer.out, step, trainer.policy, trainer.optimizer, metrics, cfg.train.keep_checkpoints, in_flight)
     if step == trainer.total:
-        export_model(trainer.out / "model", trainer.policy.lm, trainer.tokenizer, trainer.export_dtype, trainer.bucket_bytes)
+        trainer.export(trainer.out / "model")
     elif cfg.train.export_every and step % cfg.train.export_every == 0:
-        export_model(
-            trainer.out / "models" / f"step_{step}", trainer.policy.lm, trainer.tokenizer, trainer.export_dtype, trainer.bucket_bytes
-        )
+        trainer.export(trainer.out / "models" / f"step_{step}")
 
 
 # ---------------------------------------------------------------------------------------------
@@ -666,7 +700,7 @@ def train(cfg: DictConfig) -> list[dict]:
         progress.close()
     if not (trainer.out / "model").exists():
         # a rerun of a run killed between its last checkpoint and its final export
-        export_model(trainer.out / "model", trainer.policy.lm, trainer.tokenizer, trainer.export_dtype, trainer.bucket_bytes)
+        trainer.export(trainer.out / "model")
     trainer.engine.close()
     if trainer.rank == 0:
         write_manifest(

@@ -11,7 +11,7 @@ from typing import Annotated
 
 from omegaconf import MISSING
 
-from etagent.config import TensorBoardConfig, WandbConfig
+from etagent.config import LoraSettings, TensorBoardConfig, WandbConfig
 from etagent.settings import (
     FREE,
     Fraction,
@@ -20,7 +20,6 @@ from etagent.settings import (
     InputData,
     InputFile,
     Le,
-    Lt,
     ModelPath,
     NonNegativeFloat,
     NonNegativeInt,
@@ -64,15 +63,6 @@ class SFTTrainSettings:
     deepspeed: InputFile | None = MISSING
     fsdp: str = MISSING
     progress_bar: Annotated[bool, FREE] = MISSING
-
-
-@group
-class LoraSettings:
-    enabled: bool = MISSING
-    rank: PositiveInt = MISSING
-    alpha: PositiveInt = MISSING
-    dropout: Annotated[float, Ge(0), Lt(1)] = MISSING
-    target_modules: list[str] = MISSING
 
 
 @group

@@ -32,14 +32,14 @@ from pathlib import Path
 import torch
 from omegaconf import DictConfig, OmegaConf
 
-from etagent.config import WandbConfig, build
+from etagent.config import LoraSettings, WandbConfig, build
 from etagent.divergence import non_finite_values
 from etagent.errors import SettingError, TrainingDiverged, UserError, exit_on_user_error
 from etagent.progress import Progress
 from etagent.records import write_manifest
 from etagent.rundir import claim_output, completed, restore_manifest
 from etagent.settings import check_paths
-from etagent.sft.config import LoraSettings, SFTConfig, SFTTrainSettings
+from etagent.sft.config import SFTConfig, SFTTrainSettings
 from etagent.sft.data import IGNORE, build_dataset, load_examples
 
 log = logging.getLogger("sft")
@@ -195,16 +195,9 @@ def load_model(name: str, dtype: str, attn_implementation: str | None, lora: Lor
         kwargs["attn_implementation"] = attn_implementation
     model = AutoModelForCausalLM.from_pretrained(name, **kwargs)
     if lora.enabled:
-        from peft import LoraConfig, get_peft_model
+        from peft import get_peft_model
 
-        adapters = LoraConfig(
-            r=lora.rank,
-            lora_alpha=lora.alpha,
-            lora_dropout=lora.dropout,
-            target_modules=list(lora.target_modules),
-            task_type="CAUSAL_LM",
-        )
-        model = get_peft_model(model, adapters)
+        model = get_peft_model(model, lora.peft_config())
     return model
 
 

@@ -32,3 +32,8 @@ def test_the_paper_presets_fit_an_80_gb_gpu_at_7b():
             "sync (weights awake, KV cache asleep)",
             "save + export (vLLM awake)",
         }
+    # configs/rl/paper_1gpu.yaml: LoRA on one GPU, the same phases, the frozen base in bf16
+    one = plan["plans"]["1"]["rl paper_1gpu (LoRA)"]
+    assert set(one["phases"]) == set(plan["plans"]["4"]["rl"]["phases"]) and one["sync_extra"] < 2 * 2**30
+    assert all(phase["total"] < 70 * 2**30 and phase["frozen base bf16"] == 2 * plan["params"] for phase in one["phases"].values())
+    assert 0 < one["facts"]["adapter_parameters"] < 0.02 * plan["params"]

@@ -88,6 +88,40 @@ def test_steps_checkpoints_and_an_exact_resume(sft_model, parquet, server, tmp_p
     assert [numbers(m) for m in metrics_of(resumed)] == [numbers(m) for m in history]
 
 
+@pytest.mark.slow  # three RL runs, about a minute: kept out of the default run's 10 minutes
+def test_lora_steps_resume_exactly_after_kill_and_export_merged(sft_model, parquet, server, tmp_path, monkeypatch):
+    """lora.enabled with ARPO's tree, the efficiency reward and the KL term (its reference the
+    base with the adapters off): the steps train (gradient, KL growing from 0), a run killed with
+    SIGKILL after its first checkpoint resumes to the uninterrupted run's numbers, the
+    checkpoints hold adapters only, and model/ is a plain merged model that differs from the
+    stage's starting one."""
+    from torch.distributed.checkpoint import FileSystemReader
+    from transformers import AutoModelForCausalLM
+
+    monkeypatch.setenv("RETRIEVER_TOKEN", TOKEN)
+    lora = ("lora.enabled=true", "lora.rank=8", "lora.alpha=16", "optim.lr=1e-3", "algorithm.kl_coef=0.05", "rollout.kind=tree")
+    straight = tmp_path / "straight"
+    run_in_subprocess(rl_overrides(sft_model, parquet, server, straight, *lora, "train.max_steps=3", "train.save_every=1"))
+    history = metrics_of(straight)
+    assert [m["step"] for m in history] == [1, 2, 3]
+    assert all(m["actor/grad_norm"] > 0 and "actor/kl" in m for m in history)
+    assert history[0]["actor/kl"] < history[-1]["actor/kl"]
+    assert all(m["rollout/logprob_mismatch"] < 1e-4 for m in history)  # the hf engine samples the adapted module
+    keys = FileSystemReader(str(straight / "checkpoints" / "step_3" / "state")).read_metadata().state_dict_metadata
+    assert [k for k in keys if k.startswith("model.") and ".lora_" not in k] == []
+    final = AutoModelForCausalLM.from_pretrained(straight / "model")
+    start = AutoModelForCausalLM.from_pretrained(sft_model / "model")
+    assert set(final.state_dict()) == set(start.state_dict())
+    assert not all(torch.equal(a, b) for a, b in zip(final.state_dict().values(), start.state_dict().values()))
+
+    resumed = tmp_path / "resumed"
+    overrides = rl_overrides(sft_model, parquet, server, resumed, *lora, "train.max_steps=3", "train.save_every=1")
+    kill_after_checkpoint(overrides, resumed, 1)
+    assert not (resumed / "checkpoints" / "step_3").exists()
+    run_in_subprocess(overrides)
+    assert [numbers(m) for m in metrics_of(resumed)] == [numbers(m) for m in history]
+
+
 def kill_after_checkpoint(overrides: list[str], out: Path, step: int) -> None:
     """An RL run killed with SIGKILL one second after it checkpointed ``step`` (into the next step)."""
     import signal
