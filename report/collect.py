@@ -449,19 +449,22 @@ def rl_questions(run: Run, folder: Path) -> dict[int, dict]:
     if not inside(run.root, Path(data)):
         run.problems.append(f"{folder}: its RL data {data} lies outside the run folder; rollouts are shown without their questions")
         return {}
-    from etagent.records import RLRow, read_records
+    from etagent.config import build
+    from etagent.question_formats import QuestionFormat, read_question_rows
 
+    # read as RL read it: any questions format, with the run's own question_format
+    settings = build(QuestionFormat, (manifest["config"]["data"].get("question_format") or {}))
     try:
-        rows = read_records(data, RLRow)
+        rows, _ = read_question_rows(data, settings)
     except Exception as exc:  # a report shows what it can: the data's own error names the row
         run.problems.append(f"{data}: {exc}")
         return {}
     return {
-        row.extra_info.index: {
-            "question": row.extra_info.question,
-            "answer": row.reward_model.ground_truth,
-            "source": row.data_source,
-            "kind": row.ability,
+        row.index: {
+            "question": row.question.question,
+            "answer": row.question.answer,
+            "source": row.question.source,
+            "kind": row.question.kind,
         }
         for row in rows
     }

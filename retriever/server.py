@@ -373,6 +373,92 @@ def bind(host: str, port: int) -> socket.socket:
     return sock
 
 
+def check_limits(queries: list[str], k: int, serve: ServeConfig) -> None:
+    """A request over the service's limits is refused with 422, naming the limit's setting."""
+    if len(queries) > serve.max_queries:
+        raise HTTPException(422, f"{len(queries)} queries in one request; the limit is {serve.max_queries} (serve.max_queries)")
+    chars = sum(len(q) for q in queries)
+    if chars > serve.max_query_chars:
+        raise HTTPException(
+            422, f"{chars} characters of queries in one request; the limit is {serve.max_query_chars} (serve.max_query_chars)"
+        )
+    if not 1 <= k <= serve.max_topk:
+        raise HTTPException(422, f"topk must be between 1 and {serve.max_topk} (serve.max_topk), got {k}")
+
+
+async def run_queries(
+    state: dict, serve: ServeConfig, http: Request, queries: list[str], k: int, method: str
+) -> tuple[list[list[tuple[dict, float]]], dict]:
+    """Hits per query, searched ``serve.max_batch`` at a time, with the chunks' summed timings.
+    An empty or blank query has no hits (a model wrote ``<search></search>``); the others are
+    searched as usual. Raises ClientLeft when the client disconnects before the last chunk."""
+    index: Index = state["index"]
+    if method not in index.methods():
+        raise HTTPException(422, f"method {method!r} is not available (this index has: {', '.join(index.methods())})")
+    asked = [i for i, q in enumerate(queries) if q.strip()]
+    rows: list[list[tuple[dict, float]]] = [[] for _ in queries]
+    timing = {"encode_ms": 0.0, "search_ms": 0.0}
+    for start in range(0, len(asked), serve.max_batch):
+        # Starlette's check is a receive() cancelled before it can wait: it sees only a disconnect
+        # uvicorn has already recorded, never blocks, and costs microseconds per chunk
+        if start and await http.is_disconnected():
+            raise ClientLeft(f"{start} of {len(asked)} queries searched, {len(asked) - start} abandoned")
+        chunk = asked[start : start + serve.max_batch]
+        found, chunk_timing = await search_non_blank(state, [queries[i] for i in chunk], k, method)
+        for i, row in zip(chunk, found):
+            rows[i] = row
+        for key in timing:
+            timing[key] += chunk_timing[key]
+    return rows, timing
+
+
+async def search_non_blank(state: dict, queries: list[str], k: int, method: str) -> tuple[list[list[tuple[dict, float]]], dict]:
+    """Hits of non-blank queries by ``method``: dense through the micro-batcher, bm25 in a thread,
+    hybrid as the reciprocal-rank fusion of both (each 50 deep at least)."""
+    index: Index = state["index"]
+    timing = {"encode_ms": 0.0, "search_ms": 0.0}
+    if method in ("dense", "hybrid"):
+        depth = k if method == "dense" else max(k, 50)
+        answers = await state["batcher"].search(queries, depth)
+        dense = [hits for hits, _ in answers]
+        timing = {key: max(t[key] for _, t in answers) for key in ("encode_ms", "search_ms")}
+    if method == "dense":
+        return dense, timing
+    depth = k if method == "bm25" else max(k, 50)
+    t0 = time.perf_counter()
+    lexical = await asyncio.to_thread(lambda: index.with_documents(index.lexical(queries, depth)))
+    timing["search_ms"] += (time.perf_counter() - t0) * 1000
+    if method == "bm25":
+        return lexical, timing
+    return [reciprocal_rank_fusion([d, b], k) for d, b in zip(dense, lexical)], timing
+
+
+def timed_response(body, timing: dict) -> JSONResponse:
+    """``body`` as JSON with the encode and search times in headers (and as Server-Timing)."""
+    headers = {
+        "X-Encode-Ms": f"{timing['encode_ms']:.2f}",
+        "X-Search-Ms": f"{timing['search_ms']:.2f}",
+        "Server-Timing": f"encode;dur={timing['encode_ms']:.2f}, search;dur={timing['search_ms']:.2f}",
+    }
+    return JSONResponse(body, headers=headers)
+
+
+def add_error_handlers(app: FastAPI) -> None:
+    @app.exception_handler(RequestValidationError)
+    async def invalid_request(http: Request, exc: RequestValidationError) -> Response:
+        # the reasons without the values: a value that is not text (a lone surrogate) cannot be
+        # written back into a JSON answer, and the client has it anyway
+        detail = [{"loc": list(e["loc"]), "msg": e["msg"], "type": e["type"]} for e in exc.errors()]
+        return JSONResponse({"detail": detail}, status_code=422)
+
+    @app.exception_handler(ClientLeft)
+    async def client_left(http: Request, exc: ClientLeft) -> Response:
+        client = f"{http.client.host}:{http.client.port}" if http.client else "?"
+        log.info("client %s left %s before its answer: %s", client, http.url.path, exc)
+        # 499 (nginx's "client closed request"): nobody reads it, but uvicorn wants a response
+        return Response(status_code=499)
+
+
 def create_app(index_dir: Path, serve: ServeConfig, encoder: EncoderSettings, index: Index | None = None) -> FastAPI:
     """The app over the index in ``index_dir``, loaded at start-up unless given."""
     token = os.environ.get(serve.token_env) if serve.token_env else None
@@ -400,104 +486,31 @@ def create_app(index_dir: Path, serve: ServeConfig, encoder: EncoderSettings, in
 
     app = FastAPI(title="etagent retriever", docs_url=None, redoc_url=None, lifespan=lifespan)
     app.add_middleware(Guard, max_bytes=serve.max_body_bytes, token=token, state=state)
-
-    def check(queries: list[str], k: int) -> None:
-        if len(queries) > serve.max_queries:
-            raise HTTPException(422, f"{len(queries)} queries in one request; the limit is {serve.max_queries} (serve.max_queries)")
-        chars = sum(len(q) for q in queries)
-        if chars > serve.max_query_chars:
-            raise HTTPException(
-                422, f"{chars} characters of queries in one request; the limit is {serve.max_query_chars} (serve.max_query_chars)"
-            )
-        if not 1 <= k <= serve.max_topk:
-            raise HTTPException(422, f"topk must be between 1 and {serve.max_topk} (serve.max_topk), got {k}")
-
-    async def run(http: Request, queries: list[str], k: int, method: str) -> tuple[list[list[tuple[dict, float]]], dict]:
-        """Hits per query, searched ``serve.max_batch`` at a time, with the chunks' summed timings.
-        An empty or blank query has no hits (a model wrote ``<search></search>``); the others are
-        searched as usual. Raises ClientLeft when the client disconnects before the last chunk."""
-        index: Index = state["index"]
-        if method not in index.methods():
-            raise HTTPException(422, f"method {method!r} is not available (this index has: {', '.join(index.methods())})")
-        asked = [i for i, q in enumerate(queries) if q.strip()]
-        rows: list[list[tuple[dict, float]]] = [[] for _ in queries]
-        timing = {"encode_ms": 0.0, "search_ms": 0.0}
-        for start in range(0, len(asked), serve.max_batch):
-            # Starlette's check is a receive() cancelled before it can wait: it sees only a disconnect
-            # uvicorn has already recorded, never blocks, and costs microseconds per chunk
-            if start and await http.is_disconnected():
-                raise ClientLeft(f"{start} of {len(asked)} queries searched, {len(asked) - start} abandoned")
-            chunk = asked[start : start + serve.max_batch]
-            found, chunk_timing = await search_non_blank([queries[i] for i in chunk], k, method)
-            for i, row in zip(chunk, found):
-                rows[i] = row
-            for key in timing:
-                timing[key] += chunk_timing[key]
-        return rows, timing
-
-    async def search_non_blank(queries: list[str], k: int, method: str) -> tuple[list[list[tuple[dict, float]]], dict]:
-        index: Index = state["index"]
-        timing = {"encode_ms": 0.0, "search_ms": 0.0}
-        if method in ("dense", "hybrid"):
-            depth = k if method == "dense" else max(k, 50)
-            answers = await state["batcher"].search(queries, depth)
-            dense = [hits for hits, _ in answers]
-            timing = {key: max(t[key] for _, t in answers) for key in ("encode_ms", "search_ms")}
-        if method == "dense":
-            return dense, timing
-        depth = k if method == "bm25" else max(k, 50)
-        t0 = time.perf_counter()
-        lexical = await asyncio.to_thread(lambda: index.with_documents(index.lexical(queries, depth)))
-        timing["search_ms"] += (time.perf_counter() - t0) * 1000
-        if method == "bm25":
-            return lexical, timing
-        return [reciprocal_rank_fusion([d, b], k) for d, b in zip(dense, lexical)], timing
-
-    def respond(body, timing: dict) -> JSONResponse:
-        headers = {
-            "X-Encode-Ms": f"{timing['encode_ms']:.2f}",
-            "X-Search-Ms": f"{timing['search_ms']:.2f}",
-            "Server-Timing": f"encode;dur={timing['encode_ms']:.2f}, search;dur={timing['search_ms']:.2f}",
-        }
-        return JSONResponse(body, headers=headers)
-
-    @app.exception_handler(RequestValidationError)
-    async def invalid_request(http: Request, exc: RequestValidationError) -> Response:
-        # the reasons without the values: a value that is not text (a lone surrogate) cannot be
-        # written back into a JSON answer, and the client has it anyway
-        detail = [{"loc": list(e["loc"]), "msg": e["msg"], "type": e["type"]} for e in exc.errors()]
-        return JSONResponse({"detail": detail}, status_code=422)
-
-    @app.exception_handler(ClientLeft)
-    async def client_left(http: Request, exc: ClientLeft) -> Response:
-        client = f"{http.client.host}:{http.client.port}" if http.client else "?"
-        log.info("client %s left %s before its answer: %s", client, http.url.path, exc)
-        # 499 (nginx's "client closed request"): nobody reads it, but uvicorn wants a response
-        return Response(status_code=499)
+    add_error_handlers(app)
 
     @app.post("/retrieve")
     async def retrieve(request: RetrieveRequest, http: Request):
-        check(request.queries, request.topk)
-        rows, timing = await run(http, request.queries, request.topk, request.method or serve.default_method)
+        check_limits(request.queries, request.topk, serve)
+        rows, timing = await run_queries(state, serve, http, request.queries, request.topk, request.method or serve.default_method)
         if request.return_scores:
             result = [[{"document": doc, "score": score} for doc, score in row] for row in rows]
         else:
             result = [[doc for doc, _ in row] for row in rows]
-        return respond({"result": result}, timing)
+        return timed_response({"result": result}, timing)
 
     @app.post("/search")
     async def search(request: SearchRequest, http: Request):
-        check([request.query], request.top_n)
-        [row], timing = await run(http, [request.query], request.top_n, serve.default_method)
+        check_limits([request.query], request.top_n, serve)
+        [row], timing = await run_queries(state, serve, http, [request.query], request.top_n, serve.default_method)
         docs = [doc for doc, _ in row]
-        return respond([docs, [s for _, s in row]] if request.return_score else docs, timing)
+        return timed_response([docs, [s for _, s in row]] if request.return_score else docs, timing)
 
     @app.post("/batch_search")
     async def batch_search(request: BatchSearchRequest, http: Request):
-        check(request.query, request.top_n)
-        rows, timing = await run(http, request.query, request.top_n, serve.default_method)
+        check_limits(request.query, request.top_n, serve)
+        rows, timing = await run_queries(state, serve, http, request.query, request.top_n, serve.default_method)
         docs = [[doc for doc, _ in row] for row in rows]
-        return respond([docs, [[s for _, s in row] for row in rows]] if request.return_score else docs, timing)
+        return timed_response([docs, [[s for _, s in row] for row in rows]] if request.return_score else docs, timing)
 
     @app.get("/health")
     async def health():

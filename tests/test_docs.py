@@ -78,3 +78,101 @@ def test_every_docs_page_is_linked_from_the_readme():
     linked = {(ROOT / target.split("#")[0]).resolve() for target in links(README)}
     missing = [p.name for p in sorted((ROOT / "docs").glob("*.md")) if p.resolve() not in linked]
     assert not missing, f"docs pages the README does not link: {missing}"
+
+
+# ---------------------------------------------------------------------------------------------
+# Every command in the docs' code blocks
+
+
+# a stage's config folder for each way the docs launch it
+CONFIG_OF = {
+    "etagent.retriever.build": "retriever",
+    "etagent.retriever.server": "retriever",
+    "etagent.flywheel.run": "flywheel",
+    "etagent.flywheel.export": "flywheel",
+    "etagent.direct_rollout.run": "direct_rollout",
+    "etagent.pareto.run": "pareto",
+    "etagent.sft.run": "sft",
+    "etagent.rl.run": "rl",
+    "etagent.evaluation.run": "evaluation",
+    "etagent.radar.run": "radar",
+    "scripts/sft.sh": "sft",
+    "scripts/rl.sh": "rl",
+}
+
+
+def documented_commands() -> list[tuple[str, list[str]]]:
+    """(page, argv) of every command line in a bash code block of README.md and docs/*.md, with
+    continuation lines joined, comments and leading VAR=value assignments dropped."""
+    import shlex
+
+    commands = []
+    for page in [README, *sorted((ROOT / "docs").glob("*.md"))]:
+        for block in re.findall(r"^```(?:bash|sh)\n(.*?)^```", page.read_text(), re.S | re.M):
+            for line in block.replace("\\\n", " ").splitlines():
+                try:
+                    words = shlex.split(line, comments=True)
+                except ValueError:  # a line of a multi-line string (a here-document, python -c): not a command
+                    continue
+                while words and re.match(r"^[A-Z_]+=", words[0]):
+                    words.pop(0)
+                if words:
+                    commands.append((page.name, words))
+    return commands
+
+
+def check_command(words: list[str]) -> str | None:
+    """What is wrong with one documented command, or None: the script, bench, make target,
+    `etagent` command or module exists, and a stage's settings load with its preset and
+    overrides (every key a declared setting, every value of its type and range)."""
+    from etagent.config import load_config
+    from etagent.launcher.main import STAGES, UTILITIES
+
+    if words[0] == "make":
+        targets = re.findall(r"^([a-z-]+):", (ROOT / "Makefile").read_text(), re.M)
+        return None if words[1] in targets else f"no make target {words[1]}"
+    if words[0] == "etagent":
+        known = words[1] in UTILITIES or words[1] in STAGES or " ".join(words[1:3]) in STAGES
+        return None if known else f"no etagent command {words[1]}"
+    if words[0] in ("python", "torchrun") and "-m" in words:
+        target, args = words[words.index("-m") + 1], words[words.index("-m") + 2 :]
+        if not target.startswith("etagent"):
+            return None  # pip, torch.distributed.run, a peer's trainer: not ours
+        if not (ROOT / (target.removeprefix("etagent.").replace(".", "/") + ".py")).exists() and target != "etagent.launcher":
+            return f"no module {target}"
+    elif words[0] in ("python", "bash"):
+        target, args = words[1], words[2:]
+        if not (ROOT / target).is_file():
+            return f"no file {target}"
+    else:
+        return None  # pip, cd, git, ...: not ours
+    stage = CONFIG_OF.get(target)
+    if stage is None:
+        return None
+    preset = args[args.index("--preset") + 1] if "--preset" in args else "tiny"
+    overrides = [a for a in args if "=" in a and not a.startswith("-") and a != "..."]
+    try:
+        load_config(stage, preset, overrides)
+    except Exception as error:  # the message names the setting
+        return f"{type(error).__name__}: {error}"
+    return None
+
+
+def test_every_command_in_the_docs_names_what_exists_and_loads_its_settings():
+    """Each command line in the README's and docs/'s bash blocks: its script, module, make target
+    or `etagent` command exists, and a stage's preset and overrides load (a renamed setting, a
+    removed preset or a value out of range fails here). What the commands compute is the demo's
+    and the stages' tests' to check."""
+    import etagent.direct_rollout  # noqa: F401  (each stage package registers its schema)
+    import etagent.evaluation  # noqa: F401
+    import etagent.flywheel  # noqa: F401
+    import etagent.pareto  # noqa: F401
+    import etagent.radar  # noqa: F401
+    import etagent.retriever  # noqa: F401
+    import etagent.rl  # noqa: F401
+    import etagent.sft  # noqa: F401
+
+    commands = documented_commands()
+    assert len(commands) > 30
+    wrong = [f"{page}: {' '.join(words)}\n    {problem}" for page, words in commands if (problem := check_command(words))]
+    assert not wrong, "documented commands that would fail:\n" + "\n".join(wrong)

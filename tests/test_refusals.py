@@ -136,6 +136,8 @@ def rl_parquet(toy, tmp_path) -> Path:
             "rollout.partial=true rollout.on_stale=wait rollout.partial_extra=9",
             "setting rollout.max_staleness: is 1, and with on_stale=wait a step's groups can be up to ceil(partial_extra / prompts per process) = 2",
         ),
+        # LoRA's dropout would make the trainer's forward differ from the sampler's
+        ("lora.enabled=true lora.dropout=0.05", "setting lora.dropout: is 0.05: RL's ratio compares the trainer's log-probabilities"),
         # the engine runs in the trainer's process: RL takes no servers' settings
         ("engine.openai.urls=[http://127.0.0.1:8011/v1]", "Could not override 'engine.openai.urls': engine.openai is null in this stage"),
         ("engine.openai={urls:[http://127.0.0.1:8011/v1]}", "Could not override 'engine.openai': engine.openai is null in this stage"),

