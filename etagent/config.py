@@ -116,12 +116,21 @@ def register_stage_schema(stage: str, schema: type) -> None:
     SCHEMAS[stage] = (schema, "_global_")
 
 
+# What Hydra's ConfigStore holds already, by name: storing a schema converts its dataclass into a
+# config (about 0.1 s for the whole set), so each is stored once per process, and again only when
+# its registration changed. The store outlives GlobalHydra.clear().
+_STORED: dict[str, tuple[type, str | None]] = {}
+
+
 def _store_schemas() -> None:
     from hydra.core.config_store import ConfigStore
 
     store = ConfigStore.instance()
-    for name, (schema, package) in SCHEMAS.items():
-        store.store(group=name, name="_schema", node=schema, package=package)
+    for name, entry in SCHEMAS.items():
+        if _STORED.get(name) != entry:
+            schema, package = entry
+            store.store(group=name, name="_schema", node=schema, package=package)
+            _STORED[name] = entry
 
 
 def load_config(stage: str, preset: str = "tiny", overrides: Sequence[str] = ()) -> DictConfig:

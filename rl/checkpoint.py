@@ -16,7 +16,7 @@
 
 A shared filesystem is assumed across nodes (every rank writes into the same folder).
 
-What it does not do: decide when to save (rl/run.py).
+What it does not do: decide when to save (rl/trainer.py).
 """
 
 from __future__ import annotations

@@ -17,7 +17,7 @@ driver (the trainer's freed activations and gradients would otherwise stay reser
 invisible to vLLM's allocator), the weights wake, the new ones stream in, the cache is emptied
 again (the gathered buckets), and only then does the KV cache wake.
 
-What it does not do: decide when to sync (rl/run.py) or keep anything between calls.
+What it does not do: decide when to sync (rl/trainer.py) or keep anything between calls.
 """
 
 from __future__ import annotations

@@ -29,11 +29,9 @@ import shutil
 import time
 from pathlib import Path
 
-import torch
 from omegaconf import DictConfig, OmegaConf
 
 from etagent.config import LoraSettings, WandbConfig, build
-from etagent.divergence import non_finite_values
 from etagent.errors import SettingError, TrainingDiverged, UserError, exit_on_user_error
 from etagent.progress import Progress
 from etagent.records import write_manifest
@@ -42,6 +40,8 @@ from etagent.settings import check_paths
 from etagent.sft.config import SFTConfig, SFTTrainSettings
 from etagent.sft.data import IGNORE, build_dataset, load_examples
 
+# torch and transformers are imported in the functions that use them: a refused setting or input
+# is reported in about a second, not after their import (two to three seconds).
 log = logging.getLogger("sft")
 
 
@@ -53,6 +53,8 @@ class Collator:
         self.pad_id, self.flatten = pad_id, flatten
 
     def __call__(self, rows: list[dict]) -> dict:
+        import torch
+
         if self.flatten:
             ids = [t for r in rows for t in r["input_ids"]]
             labels = [label for r in rows for label in ([IGNORE] + r["labels"][1:])]  # no loss across a boundary
@@ -69,6 +71,7 @@ class Collator:
 
 def training_arguments(t: SFTTrainSettings, wandb: WandbConfig, seed: int, out: Path):
     """The transformers Trainer's arguments for the ``train`` group, checkpoints in ``out``."""
+    import torch
     from transformers import TrainingArguments
 
     report_to = ["wandb"] if wandb.enabled else []
@@ -142,6 +145,8 @@ def finite_weights_check(out: Path):
     one, and no model of NaN weights is written."""
     from transformers import TrainerCallback
 
+    from etagent.divergence import non_finite_values
+
     class FiniteWeights(TrainerCallback):
         def on_step_end(self, args, state, control, model=None, **kwargs):
             broken = non_finite_values(model)
@@ -188,6 +193,7 @@ def last_complete_checkpoint(folder: Path) -> str | None:
 
 def load_model(name: str, dtype: str, attn_implementation: str | None, lora: LoraSettings):
     """The model to train: ``name`` in ``dtype``, wrapped with LoRA adapters when ``lora.enabled``."""
+    import torch
     from transformers import AutoModelForCausalLM
 
     kwargs = {"dtype": getattr(torch, dtype)}
@@ -232,6 +238,7 @@ def run(cfg: DictConfig) -> dict:
 
 
 def train(cfg: DictConfig, out: Path, config: dict) -> dict:
+    import torch
     from transformers import AutoTokenizer, Trainer
     from transformers.trainer_callback import PrinterCallback
 

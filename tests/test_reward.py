@@ -162,7 +162,7 @@ def test_an_answer_printed_by_a_tool_is_not_the_policys(toy):
     from etagent.records import Question, TokenOrigin, ToolCallRecord
     from etagent.rl.config import RewardSettings
     from etagent.rl.rollout import Prompt
-    from etagent.rl.run import rewards_of
+    from etagent.rl.trainer import rewards_of
 
     tokenizer = AutoTokenizer.from_pretrained(toy / "model")
     question = Question(id="q", question="What is 2 + 2?", answer=["4"], source="toy_python", kind="math")

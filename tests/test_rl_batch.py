@@ -403,7 +403,7 @@ def test_trajectories_the_engine_failed_on_are_counted_masked_and_stop_the_step_
 
     from etagent.errors import DegradedRun
     from etagent.rl.distributed import init_distributed
-    from etagent.rl.run import check_engine_failures
+    from etagent.rl.trainer import check_engine_failures
 
     served = trajectory([1, 2], [([4, 5], TokenOrigin.SAMPLED), ([6], TokenOrigin.TOOL), ([7], TokenOrigin.SAMPLED)])
     failed = trajectory([1, 2], [([4, 8], TokenOrigin.SAMPLED), ([6], TokenOrigin.TOOL)])
