@@ -137,16 +137,32 @@ def check_settings(cfg: DictConfig) -> None:
             "agent.sampling.temperature",
             f"must be a number > 0, got {cfg.agent.sampling.temperature}: RL's policy gradient needs a distribution (0 is greedy)",
         )
-    # last: rl/engine.py imports torch, so the checks above answer before that import
-    from etagent.rl.engine import check_engine_settings
 
-    check_engine_settings(cfg)
+
+def check_data(cfg: DictConfig) -> None:
+    """Every row of the training and validation data readable as a prompt, before the trainer
+    loads the model: a malformed row is reported in seconds. The trainer's setup reads them again
+    with the tokenizer, which their lengths need (``data.max_prompt_tokens``)."""
+    from etagent.config import build
+    from etagent.question_formats import QuestionFormat
+    from etagent.rl.rollout import read_prompts
+
+    question_format = build(QuestionFormat, cfg.data.question_format)
+    for path in (cfg.data.train, cfg.data.validation):
+        if path:
+            read_prompts(path, question_format=question_format, rerender_prompts=cfg.data.rerender_prompts)
 
 
 def run(cfg: DictConfig) -> list[dict]:
     """Train from the last checkpoint in cfg.out_dir (or cfg.model); return the metrics of the steps run."""
     check_settings(cfg)
-    from etagent.rl.trainer import train  # torch, transformers, the engines: once the settings passed
+    check_data(cfg)
+    # rl/engine.py and the trainer import torch, transformers and the engines: only once the
+    # settings and the data passed, so that those refusals answer in about a second
+    from etagent.rl.engine import check_engine_settings
+    from etagent.rl.trainer import train
+
+    check_engine_settings(cfg)
 
     if int(os.environ.get("RANK", "0")) != 0:  # under torchrun, rank 0 holds the output directory
         return train(cfg)

@@ -238,18 +238,18 @@ def run(cfg: DictConfig) -> dict:
 
 
 def train(cfg: DictConfig, out: Path, config: dict) -> dict:
+    started = time.time()
+    # -- setup ------------------------------------------------------------------------------
+    # the data first: a malformed row is reported before torch, transformers and the tokenizer load
+    examples = load_examples(cfg.data.path, cfg.data.format)
     import torch
     from transformers import AutoTokenizer, Trainer
     from transformers.trainer_callback import PrinterCallback
 
-    started = time.time()
     out.mkdir(parents=True, exist_ok=True)
     if cfg.threads:
         torch.set_num_threads(cfg.threads)
     tokenizer = AutoTokenizer.from_pretrained(cfg.model)
-
-    # -- setup ------------------------------------------------------------------------------
-    examples = load_examples(cfg.data.path, cfg.data.format)
     rows, data_report = build_dataset(examples, tokenizer, cfg.cutoff_len)
     if not rows:
         raise UserError(f"{cfg.data.path}: no example left to train on ({data_report})")

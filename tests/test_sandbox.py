@@ -263,7 +263,9 @@ def test_200_concurrent_calls_are_correct_and_leak_nothing(sandbox):
     assert [o.text for o in outputs] == [str(i * i + 120) for i in range(200)]
     assert all(o.ok for o in outputs)
     assert_nothing_left(sandbox)
-    assert (fds(), temp_dirs()) == before
+    # no descriptor more than before (one fewer happens: the worker's garbage collector may close a
+    # file an earlier test left open while this one runs)
+    assert fds() <= before[0] and temp_dirs() == before[1], (fds(), temp_dirs(), before)
 
 
 def test_a_tmpdir_too_long_for_a_unix_socket_is_refused_naming_it(tmp_path, monkeypatch):
