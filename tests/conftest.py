@@ -70,12 +70,25 @@ def _no_process_group_left_behind(request):
         pytest.fail(f"{request.module.__name__} left a torch.distributed process group initialized (destroyed now)")
 
 
+def _made_once(name: str, tmp_path_factory, make) -> Path:
+    """The folder ``name`` in the run's shared folder, made by ``make(folder)`` in the first xdist
+    worker that asks for it while the other waits: the toy world and the retriever's indexes are
+    inputs no test writes into, the same for both workers (each took 13-15 s to build)."""
+    shared = _shared_folder(tmp_path_factory)
+    folder, made = shared / name, shared / f"{name}.made"
+    with open(shared / f"{name}.lock", "w") as lock:
+        fcntl.flock(lock, fcntl.LOCK_EX)  # released when the file closes
+        if not made.exists():
+            shutil.rmtree(folder, ignore_errors=True)  # what a worker that failed half-way left
+            make(folder)
+            made.touch()
+    return folder
+
+
 @pytest.fixture(scope="session")
 def toy(tmp_path_factory) -> Path:
     """The default toy world and tiny model (the one the demo and the later stages use)."""
-    out = tmp_path_factory.mktemp("toy")
-    run(load_config("toy", "tiny", [f"out_dir={out}"]))
-    return out
+    return _made_once("toy", tmp_path_factory, lambda out: run(load_config("toy", "tiny", [f"out_dir={out}"])))
 
 
 @pytest.fixture(scope="session")
@@ -98,9 +111,7 @@ def smollm2_tokenizer(smollm2_gguf):
 
 @pytest.fixture(scope="session")
 def index_dir(toy, tmp_path_factory) -> Path:
-    out = tmp_path_factory.mktemp("index")
-    build_index(toy / "corpus.jsonl", out)
-    return out
+    return _made_once("index", tmp_path_factory, lambda out: build_index(toy / "corpus.jsonl", out))
 
 
 @pytest.fixture(scope="session")
@@ -112,9 +123,7 @@ def server(index_dir):
 @pytest.fixture(scope="session")
 def rl_server(toy, tmp_path_factory):
     """The retriever serving the RL pool's world (toy/rl_world/corpus.jsonl, questions/rl.jsonl)."""
-    out = tmp_path_factory.mktemp("rl_index")
-    build_index(toy / "rl_world" / "corpus.jsonl", out)
-    yield from serve_index(out)
+    yield from serve_index(_made_once("rl_index", tmp_path_factory, lambda out: build_index(toy / "rl_world" / "corpus.jsonl", out)))
 
 
 def serve_index(index_dir: Path):

@@ -62,8 +62,8 @@ def test_every_setting_refuses_what_its_declaration_refuses_at_load(name):
         for setting in settings:
             if OmegaConf.select(cfg, setting.key.rpartition(".")[0] or setting.key, default=None) is None and "." in setting.key:
                 continue  # a group that is null in this stage (RL's engine.openai)
+            changed = copy.deepcopy(cfg)  # each value below is set at the same place, over the one before
             for value in out_of_range_values(setting):
-                changed = copy.deepcopy(cfg)
                 try:
                     named = _set(changed, setting.key, setting.container, value)
                 except OmegaConfValidationError:
