@@ -176,3 +176,109 @@ def test_every_command_in_the_docs_names_what_exists_and_loads_its_settings():
     assert len(commands) > 30
     wrong = [f"{page}: {' '.join(words)}\n    {problem}" for page, words in commands if (problem := check_command(words))]
     assert not wrong, "documented commands that would fail:\n" + "\n".join(wrong)
+
+
+def program(words: list[str]) -> str | None:
+    """The program a documented command runs, named as the demo's scripts and the tests call it:
+    ``make demo``, a script's path, a module (``etagent <stage>`` is the stage's module, which
+    the launcher runs with the same arguments), an ``etagent`` utility; None when it is not ours
+    (pip, a peer's trainer, a shell line)."""
+    if words[0] == "make":
+        return f"make {words[1]}"
+    if words[0] == "etagent":
+        return LAUNCHED.get(words[1], f"etagent {words[1]}")
+    if words[0] in ("python", "torchrun") and "-m" in words:
+        module = words[words.index("-m") + 1]
+        return module if module.startswith("etagent") else None
+    if words[0] in ("python", "bash"):
+        return words[1]
+    return None
+
+
+# the stages the docs launch with `etagent <stage>`, and the module it runs
+LAUNCHED = {
+    "direct-rollout": "etagent.direct_rollout.run",
+    "evaluate": "etagent.evaluation.run",
+    "rl": "etagent.rl.run",
+    "report": "etagent.report.run",
+    "toy": "etagent toy build",
+}
+
+# Where each documented program runs: "demo" (scripts/demo.sh or a script it runs), "ci" (.ci/run),
+# or a test, whose file names the program.
+RUN_BY = {
+    "make demo": "demo",
+    "make test": "ci",
+    "etagent toy build": "demo",
+    "etagent score": "tests/test_cli.py::test_score_writes_every_metric_per_line",
+    "etagent convert": "tests/test_question_formats.py::test_convert_writes_our_schema_and_says_what_it_mapped",
+    "etagent.retriever.build": "demo",
+    "etagent.retriever.server": "demo",
+    "scripts/retriever.sh": "tests/test_retriever.py::test_kill_9_during_build_then_rerun_gives_the_same_index",
+    "scripts/flywheel.sh": "demo",
+    "etagent.flywheel.run": "demo",
+    "etagent.flywheel.export": "demo",
+    "etagent.sft.run": "demo",
+    "scripts/sft.sh": "tests/test_sft.py::test_two_process_cpu_run_trains_and_saves_a_working_model",
+    "scripts/prepare_rl_stage.sh": "demo",
+    "etagent.direct_rollout.run": "demo",
+    "etagent.pareto.run": "demo",
+    "scripts/rl.sh": "demo",
+    "etagent.rl.run": "demo",
+    "etagent.evaluation.run": "demo",
+    "etagent.evaluation.table": "demo",
+    "etagent.radar.run": "demo",
+    "etagent.report.run": "demo",
+}
+# Documented programs nothing here runs, and why.
+NOT_RUN_HERE = {
+    "scripts/check_gpu_install.sh": "resolves the GPU install against PyPI (downloads GBs of CUDA wheels' metadata)",
+    "bench/gpu_acceptance.sh": "needs a CUDA GPU (its CPU-runnable items run in tests/test_benches.py)",
+    "scripts/flywheel_effect.sh": "needs a finished demo and trains two more policies (about 15 minutes); run by hand for docs/flywheel.md",
+    "scripts/ablations.sh": "needs a finished demo and runs 18 curricula (hours); run by hand for docs/reproducibility.md",
+    "scripts/partial_effect.sh": "needs a finished demo and runs 6 RL stages (about 30 minutes); run by hand for docs/rl.md",
+}
+
+
+def demo_closure() -> str:
+    """The text of scripts/demo.sh and of every script it runs, transitively."""
+    seen, todo, text = set(), ["scripts/demo.sh"], ""
+    while todo:
+        script = todo.pop()
+        if script in seen:
+            continue
+        seen.add(script)
+        body = (ROOT / script).read_text()
+        text += body
+        todo += re.findall(r"^\s*(?:[A-Z_]+=\S+\s+)*(?:bash|source|exec bash)\s+(scripts/[\w-]+\.sh)", body, re.M)
+    return text
+
+
+def test_every_command_in_the_docs_is_run_by_the_demo_or_a_test():
+    """Each program a command in the docs runs is run by the demo, by CI, or by a named test
+    (whose file names the program), or is one of the few that cannot run on a CPU machine in a
+    test's time, each with its reason: a new documented command needs one of the three."""
+    demo = demo_closure()
+    ci = (ROOT / ".ci" / "run").read_text()
+    makefile = (ROOT / "Makefile").read_text()
+    documented = {p for _, words in documented_commands() if (p := program(words))}
+    unplaced = documented - set(RUN_BY) - set(NOT_RUN_HERE)
+    assert not unplaced, f"documented programs that nothing runs: {sorted(unplaced)}"
+    assert not set(RUN_BY) & set(NOT_RUN_HERE)
+    assert set(NOT_RUN_HERE) <= documented, f"exceptions for programs no longer documented: {sorted(set(NOT_RUN_HERE) - documented)}"
+    for name, where in RUN_BY.items():
+        if name.startswith("make "):
+            target = name.split()[1]
+            recipe = re.search(rf"^{target}:.*\n((?:\t.*\n)+)", makefile, re.M).group(1)
+            assert f"scripts/{target}.sh" in recipe, name
+            runner = {"demo": "scripts/demo.sh", "ci": "make test"}[where]
+            assert runner in (recipe if where == "demo" else ci), name
+        elif where == "demo":
+            assert name in demo, f"{name}: not run by scripts/demo.sh or the scripts it runs"
+        else:
+            path, test = where.split("::")
+            source = (ROOT / path).read_text()
+            assert f"def {test}(" in source, where
+            assert name.split()[-1] in source, f"{where} does not name {name}"
+    for module in LAUNCHED.values():
+        assert module in RUN_BY, module

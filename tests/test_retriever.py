@@ -322,7 +322,22 @@ def test_kill_9_during_build_then_rerun_gives_the_same_index(toy, tmp_path):
     passages = len(corpus.read_text().splitlines())
     assert 4 <= done_before < -(-passages // 20) and not (killed / "index.faiss").exists()
 
-    resumed = build_index(corpus, killed, *settings)
+    # resumed through scripts/retriever.sh, as docs/retriever.md builds an index
+    resumed = subprocess.run(
+        [
+            "bash",
+            str(Path(__file__).parents[1] / "scripts" / "retriever.sh"),
+            "build",
+            f"corpus={corpus}",
+            f"index_dir={killed}",
+            *settings,
+        ],
+        capture_output=True,
+        text=True,
+        timeout=600,
+        check=True,
+        env={**os.environ, "ETAGENT_VENV": str(Path(sys.executable).parents[1])},
+    )
     assert fingerprint(killed) == fingerprint(whole)
     assert json.loads((killed / "manifest.json").read_text())["counts"]["passages"] == passages
     assert "index in" in resumed.stdout

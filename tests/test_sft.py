@@ -198,19 +198,20 @@ def test_resume_from_a_mid_run_checkpoint_continues_the_same_loss_curve(toy, tmp
 
 @pytest.mark.slow  # 11-32 s; the default run is at its 15-minute budget (CI runs it with the slow tests)
 def test_two_process_cpu_run_trains_and_saves_a_working_model(toy, tmp_path):
+    """Through scripts/sft.sh, as docs/sft.md launches it (torchrun, 2 processes, gloo)."""
     out = tmp_path / "ddp"
     command = [
-        sys.executable,
-        "-m",
-        "torch.distributed.run",
-        "--nproc_per_node=2",
-        "--master_port",
-        str(29500 + os.getpid() % 1000),
-        "-m",
-        "etagent.sft.run",
+        "bash",
+        str(Path(__file__).parents[1] / "scripts" / "sft.sh"),
         *sft_command(toy, out, "threads=1", "train.max_steps=6", "train.batch_size=4", "train.logging_steps=1")[3:],
     ]
-    result = subprocess.run(command, capture_output=True, text=True, timeout=600)
+    env = {
+        **os.environ,
+        "NPROC": "2",
+        "TORCHRUN_ARGS": f"--master_port {29500 + os.getpid() % 1000}",
+        "ETAGENT_VENV": str(Path(sys.executable).parents[1]),
+    }
+    result = subprocess.run(command, capture_output=True, text=True, timeout=600, env=env)
     assert result.returncode == 0, result.stderr[-3000:]
     manifest = json.loads((out / "manifest.json").read_text())
     assert manifest["counts"]["steps"] == 6
