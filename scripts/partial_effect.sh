@@ -14,7 +14,7 @@
 # rollout.partial_extra=4, half a step's prompts; drop past 1 version; stale tokens weighed by
 # TIS against the weights that sampled them). Writes RUN_DIR/partial_effect/seed{s}/{to-the-end,
 # partial}/ (stage1/rl, eval) and partial_effect/ablations.md. A finished run or evaluation is
-# not redone.
+# not redone. RL_ARGS reaches both arms' RL runs, EVAL_ARGS every evaluation (Hydra overrides).
 set -euo pipefail
 RUN=${1:-runs/demo}
 SEEDS=${2:-3}
@@ -44,15 +44,17 @@ for seed in $(seq 0 $((SEEDS - 1))); do
       echo "== seed $seed, $arm: done"
       continue
     fi
-    rl_args=(train.seed="$seed")
+    # shellcheck disable=SC2206
+    rl_args=(train.seed="$seed" ${RL_ARGS:-})
     # shellcheck disable=SC2206
     if [ "$arm" = partial ]; then rl_args+=(rollout.partial=true $PARTIAL_ARGS); fi
     echo "== seed $seed, $arm: RL stage 1 from $POLICY -> $dir/stage1/rl"
     python -m etagent.rl.run rl_stage=1 model="$POLICY" data.train="$DATA" out_dir="$dir/stage1/rl" \
-      tools.search.local.url="$RL_URL" "${rl_args[@]}" > "$dir/stage1/rl.log" 2>&1
+      tools.search.local.url="$RL_URL" "${rl_args[@]}" > "$dir/stage1/rl.log" 2>&1 || { tail -20 "$dir/stage1/rl.log" >&2; exit 1; }
     echo "-- evaluation on the held-out questions -> $dir/eval"
+    # shellcheck disable=SC2086
     python -m etagent.evaluation.run model="$dir/stage1/rl/model" files.toy="$RUN/toy/questions/test.jsonl" out_dir="$dir/eval" \
-      run_name="$arm-seed$seed" n=2 agent.seed="$seed" tools.search.local.url="$EVAL_URL" > "$dir/eval.log" 2>&1
+      run_name="$arm-seed$seed" n=2 agent.seed="$seed" tools.search.local.url="$EVAL_URL" ${EVAL_ARGS:-} > "$dir/eval.log" 2>&1 || { tail -20 "$dir/eval.log" >&2; exit 1; }
   done
 done
 

@@ -56,3 +56,24 @@ def test_curriculum_chains_stages_and_resumes(sft_model_full, toy, index_dir, tm
     again = subprocess.run(command, cwd=ROOT, env=env, capture_output=True, text=True, timeout=1500)
     assert again.returncode == 0, again.stdout[-3000:] + again.stderr[-3000:]
     assert {p: p.read_bytes() for p in run.rglob("metrics.jsonl")} == before
+
+    # scripts/partial_effect.sh on this run's first stage (its start is the SFT policy here), one
+    # seed: the stage run to the end and with partial rollouts, each evaluated, then tabulated
+    (run / "sft-flywheel").symlink_to(sft_model_full)
+    effect = subprocess.run(
+        ["bash", "scripts/partial_effect.sh", str(run), "1"],
+        cwd=ROOT,
+        env={**env, "PARTIAL_ARGS": "rollout.partial_extra=2 rollout.on_stale=drop rollout.max_staleness=1 rollout.stale_tokens=tis"},
+        capture_output=True,
+        text=True,
+        timeout=1500,
+    )
+    assert effect.returncode == 0, effect.stdout[-3000:] + effect.stderr[-3000:]
+    for arm in ("to-the-end", "partial"):
+        rl = json.loads((run / "partial_effect" / "seed0" / arm / "stage1" / "rl" / "manifest.json").read_text())
+        assert rl["status"] == "complete" and rl["config"]["rollout"]["partial"] == (arm == "partial")
+        assert (
+            json.loads((run / "partial_effect" / "seed0" / arm / "eval" / "summary.json").read_text())["datasets"]["toy"]["questions"] == 8
+        )
+    assert "partial" in (run / "partial_effect" / "ablations.md").read_text()
+    assert "partial/carried_share" in effect.stdout

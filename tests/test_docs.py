@@ -229,14 +229,14 @@ RUN_BY = {
     "etagent.evaluation.table": "demo",
     "etagent.radar.run": "demo",
     "etagent.report.run": "demo",
+    "scripts/flywheel_effect.sh": "tests/test_flywheel_run.py::test_the_toy_flywheel_end_to_end_and_its_data_feeds_sft",
+    "scripts/partial_effect.sh": "tests/test_curriculum.py::test_curriculum_chains_stages_and_resumes",
 }
 # Documented programs nothing here runs, and why.
 NOT_RUN_HERE = {
     "scripts/check_gpu_install.sh": "resolves the GPU install against PyPI (downloads GBs of CUDA wheels' metadata)",
     "bench/gpu_acceptance.sh": "needs a CUDA GPU (its CPU-runnable items run in tests/test_benches.py)",
-    "scripts/flywheel_effect.sh": "needs a finished demo and trains two more policies (about 15 minutes); run by hand for docs/flywheel.md",
-    "scripts/ablations.sh": "needs a finished demo and runs 18 curricula (hours); run by hand for docs/reproducibility.md",
-    "scripts/partial_effect.sh": "needs a finished demo and runs 6 RL stages (about 30 minutes); run by hand for docs/rl.md",
+    "scripts/ablations.sh": "needs a finished demo and runs 18 curricula and 9 reference evaluations (1.5 to 2.5 hours); run by hand for docs/reproducibility.md",
 }
 
 

