@@ -121,6 +121,10 @@ def test_top_logprobs_only_in_the_window(engine):
         [GenerationRequest(tuple(p), sampling=Sampling(temperature=1.0), max_new_tokens=12, logprobs=3, logprobs_window=5, seed=2)]
     )[0][0]
     assert again.token_ids == s.token_ids  # the continuation's seed is derived from the sample's
+    everywhere = engine.generate([GenerationRequest(tuple(p), sampling=Sampling(temperature=1.0), max_new_tokens=12, logprobs=3, seed=2)])[
+        0
+    ][0]
+    assert everywhere.token_ids[:5] == s.token_ids[:5]  # the window is drawn as one request draws it
 
 
 def test_a_windowed_request_generates_what_one_request_does(engine, reference):

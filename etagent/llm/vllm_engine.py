@@ -536,8 +536,9 @@ def _vllm_requests(requests: list[GenerationRequest], max_model_len: int, tokeni
             continue
         budget = min(r.max_new_tokens, room)
         windowed = r.logprobs > 0 and r.logprobs_window is not None and r.logprobs_window < budget
-        if windowed:
-            calls += [_Windowed(index, r, budget, sample_seed(r.seed, i), tokenizer, final_only) for i in range(r.n)]
+        if windowed:  # one sample per call, seeded as a plain request's samples are
+            seeds = [r.seed] if r.n == 1 else [sample_seed(r.seed, i) for i in range(r.n)]
+            calls += [_Windowed(index, r, budget, seed, tokenizer, final_only) for seed in seeds]
         elif r.seed is not None and r.n > 1:
             calls += [_Plain(index, r, _params(r, 1, budget, r.logprobs, sample_seed(r.seed, i), final_only)) for i in range(r.n)]
         else:
