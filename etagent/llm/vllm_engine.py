@@ -591,7 +591,7 @@ class _Plain:
         return False
 
     def samples(self) -> list[Sample]:
-        return [_sample(*_piece(completion, self.request.logprobs, None), self.request) for completion in self.output.outputs]
+        return [_sample(*_piece(completion, self.request.logprobs), self.request) for completion in self.output.outputs]
 
 
 class _Windowed:
@@ -626,7 +626,7 @@ class _Windowed:
         """Take vLLM's final output of the last request; True when another is to be sent
         (``prompt``/``params`` are then set for it)."""
         [completion] = output.outputs
-        tokens, logprobs, top, finish, stop = _piece(completion, self.request.logprobs if not self.tokens else 0, None)
+        tokens, logprobs, top, finish, stop = _piece(completion, self.request.logprobs if not self.tokens else 0)
         if self.tokens and self.request.stop:
             across = stop_across(self.tokenizer, self.tokens, tokens, self.request.stop)
             if across is not None:
@@ -701,15 +701,16 @@ def _collect(samples: list[Sample], call: _Plain | _Windowed, outcome) -> None:
     samples.extend(call.samples())
 
 
-def _piece(completion, k: int, window: int | None):
-    """One vLLM completion: its tokens, their log-probabilities, the top ``k`` at each of its first
-    ``window`` positions (all when None; none when k is 0), its finish reason and stop string."""
+def _piece(completion, k: int):
+    """One vLLM completion: its tokens, their log-probabilities, the top ``k`` at each position
+    (none when k is 0; :func:`_sample` keeps the request's window), its finish reason and stop
+    string."""
     tokens = list(completion.token_ids)
     positions = completion.logprobs or []
     logprobs = [positions[i][t].logprob for i, t in enumerate(tokens)] if positions else [0.0] * len(tokens)
     top = []
     if k > 0:
-        for i, t in enumerate(tokens if window is None else tokens[:window]):
+        for i, t in enumerate(tokens):
             entries = positions[i]
             ranked = sorted(entries.items(), key=lambda item: item[1].rank if item[1].rank is not None else 0)
             chosen = {tid: lp.logprob for tid, lp in ranked[:k]}
