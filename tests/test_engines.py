@@ -321,7 +321,59 @@ def test_a_shared_model_in_training_mode_decodes_in_eval_and_stays_in_training(h
     shared = HFEngine.from_model(model, hf.tokenizer)
     greedy = GenerationRequest(tuple(prompts(hf)[0]), sampling=Sampling(temperature=0), max_new_tokens=10)
     assert shared.generate([greedy])[0][0].token_ids == hf.generate([greedy])[0][0].token_ids
+    shared.sleep()  # the decoding thread has ended: the module is the trainer's again
     assert model.training
+    assert model.config._attn_implementation == "sdpa"  # decoding's attention was given back
+
+
+def test_decoding_attention_equals_transformers_sdpa_on_grouped_heads_with_masks():
+    """On a CPU the decoding thread attends with the grouped keys and values as they are, where
+    transformers' sdpa repeats them per head whenever a mask is given: the same numbers bit for bit,
+    on random shapes, groupings and padding masks (decoding's one query and prefill's many, causal)."""
+    from types import SimpleNamespace
+
+    from transformers.integrations.sdpa_attention import sdpa_attention_forward
+
+    from etagent.llm.hf import _grouped_sdpa
+
+    generator = torch.Generator().manual_seed(0)
+    for case in range(200):
+        rows, kv_heads, groups, dim = (int(x) for x in torch.randint(1, 6, (4,), generator=generator))
+        keys_length = int(torch.randint(1, 80, (1,), generator=generator))
+        queries = 1 if case % 2 else int(torch.randint(1, keys_length + 1, (1,), generator=generator))
+        module = SimpleNamespace(num_key_value_groups=groups, is_causal=True, training=False)
+        query = torch.randn(rows, kv_heads * groups, queries, dim * 8, generator=generator)
+        key, value = (torch.randn(rows, kv_heads, keys_length, dim * 8, generator=generator) for _ in range(2))
+        # left padding per row, and causality over the last `queries` positions
+        padding = torch.randint(0, keys_length - queries + 1, (rows,), generator=generator)
+        columns = torch.arange(keys_length)
+        mask = (columns[None, None, :] >= padding[:, None, None]) & (
+            columns[None, None, :] <= (keys_length - queries + torch.arange(queries))[None, :, None]
+        )
+        mask = mask[:, None]  # (rows, 1, queries, keys)
+        expected, _ = sdpa_attention_forward(module, query, key, value, mask, scaling=0.125)
+        got, _ = _grouped_sdpa(module, query, key, value, mask, scaling=0.125)
+        torch.testing.assert_close(got, expected, rtol=0, atol=0)
+
+
+def test_the_cache_grows_in_place_and_keeps_what_it_returned():
+    """_GrowingLayer: positions of any count appended one update after another read back as one
+    concatenation would give them, across the buffer's growths, and views it returned before a
+    growth keep their values."""
+    from etagent.llm.hf import _GrowingLayer
+
+    generator = torch.Generator().manual_seed(1)
+    start = torch.randn(3, 2, 5, 4, generator=generator)
+    layer, keys, views = _GrowingLayer(start, -start), [start], []
+    for _ in range(60):
+        new = torch.randn(3, 2, int(torch.randint(1, 9, (1,), generator=generator)), 4, generator=generator)
+        got_keys, got_values = layer.update(new, -new)
+        keys.append(new)
+        views.append((got_keys, torch.cat(keys, dim=2)))
+        torch.testing.assert_close(got_values, -torch.cat(keys, dim=2), rtol=0, atol=0)
+    assert layer.get_seq_length() == sum(k.shape[2] for k in keys) > 64 * 3  # several growths
+    for view, expected in views:
+        torch.testing.assert_close(view, expected, rtol=0, atol=0)
 
 
 def test_requests_that_join_a_running_batch_get_what_they_get_alone(hf):
