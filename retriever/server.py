@@ -73,6 +73,8 @@ from etagent.retriever.config import EncoderSettings, RetrieverConfig, ServeConf
 
 log = logging.getLogger("etagent.retriever.server")
 RRF_K = 60
+# seconds an idle keep-alive connection stays open: longer than clients keep one for reuse (see main)
+KEEP_ALIVE_S = 75
 
 
 class Index:
@@ -556,7 +558,12 @@ def main(argv: list[str] | None = None) -> None:
     index = Index(index_dir, serve, settings.encoder)
     check_method(index, serve, index_dir)
     app = create_app(index_dir, serve, settings.encoder, index=index)
-    server = uvicorn.Server(uvicorn.Config(app, log_level="warning", timeout_graceful_shutdown=5))
+    # An idle connection is kept well past the 5 s for which HTTP clients (httpx's keepalive_expiry,
+    # our RetrieverClient's) keep one for reuse. With uvicorn's own 5 s the server could close a
+    # connection just as a client sent its next request on it: an httpx.ReadError under load.
+    server = uvicorn.Server(
+        uvicorn.Config(app, log_level="warning", timeout_graceful_shutdown=5, timeout_keep_alive=KEEP_ALIVE_S)
+    )
     server.run(sockets=[sock])
 
 

@@ -251,6 +251,27 @@ def test_a_client_that_leaves_is_abandoned_and_does_not_starve_others(logged_ser
     assert post(url, "/retrieve", {"queries": ["Quellport"], "topk": 1}, token=None).status_code == 200
 
 
+def test_an_idle_connection_outlives_a_clients_keep_alive(server):
+    """HTTP clients keep an idle connection 5 s for reuse (httpx's keepalive_expiry). A server that
+    closes it at the same 5 s (uvicorn's default) races a client sending its next request on it:
+    an httpx.ReadError under load. The server keeps it longer: a request 6 s after the last one,
+    on the same connection, is answered."""
+    import http.client
+    from urllib.parse import urlsplit
+
+    address = urlsplit(server)
+    connection = http.client.HTTPConnection(address.hostname, address.port, timeout=30)
+    try:
+        for wait in (0, 6):
+            time.sleep(wait)
+            connection.request("GET", "/health")
+            response = connection.getresponse()
+            response.read()
+            assert response.status == 200 and response.getheader("connection", "keep-alive") != "close"
+    finally:
+        connection.close()
+
+
 def test_2000_requests_at_concurrency_32(server, toy, capsys):
     questions = [q for q, _ in search_questions(toy)]
     rng = random.Random(0)
