@@ -15,15 +15,23 @@ Rows printed, in one run, each timed after one warm-up pass:
 - ``hf engine``: the same settings, one request per prompt;
 - ``hf engine, agent settings``: plus the agent loop's four stop strings and top-10
   log-probabilities over the first 20 positions (what a rollout asks for);
-and the ratio of tokens per second against ``generate``; then whether two seeded requests give the
-same tokens alone as they gave in the batch. Both sides generate every token of the
+- ``RL's policy, FSDP2 module`` and ``RL's policy, plain twin``: the agent settings, on the same
+  weights loaded as RL's trainer holds them (rl/policy.py: float32 parameters sharded by FSDP2 in
+  a process group of one, computing in ``--dtype``, every layer gathered while generating),
+  decoded by the sharded module itself (RL's colocated hf engine until 2026-11-28) and by the
+  plain twin lent its gathered parameters (rl/engine.py's ``LivePolicyEngine`` now);
+and the ratio of tokens per second against ``generate``; whether two seeded requests give the
+same tokens alone as they gave in the batch; and whether both ways of RL's policy gave the same
+tokens as the model with the agent settings. Both sides generate every token of the
 budget (no EOS, stop strings that never occur). Printed, never asserted.
 """
 
 from __future__ import annotations
 
 import argparse
+import tempfile
 import time
+from pathlib import Path
 
 import torch
 
@@ -65,6 +73,21 @@ def timed(fn, device: str) -> float:
     return time.perf_counter() - start
 
 
+def rl_policy(model, tokenizer, device: str, dtype: str):
+    """The same weights as RL's trainer loads them (rl/policy.py's load_policy, in a process group
+    of one)."""
+    from etagent.rl.distributed import init_distributed
+    from etagent.rl.policy import load_policy
+
+    init_distributed(torch.device(device))
+    with tempfile.TemporaryDirectory() as folder:
+        model.save_pretrained(folder)
+        tokenizer.save_pretrained(folder)
+        policy, _ = load_policy(Path(folder), torch.device(device), compute_dtype=getattr(torch, dtype), chunk_tokens=1024)
+    policy.lm.generation_config.eos_token_id = None
+    return policy
+
+
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--batch", type=int, default=64)
@@ -104,7 +127,7 @@ def main() -> None:
 
     outputs = {}  # the last engine run's requests and samples
 
-    def engine_run(**extra):
+    def engine_run(engine, **extra):
         requests = [
             GenerationRequest(tuple(p), sampling=Sampling(**sampling), max_new_tokens=args.new_tokens, seed=i, **extra)
             for i, p in enumerate(prompts.tolist())
@@ -121,12 +144,31 @@ def main() -> None:
     print(f"batch {args.batch} x {args.new_tokens} new tokens, temperature 1.0, top-k 20, top-p 0.95; torch {torch.__version__}")
     base = tokens / timed(run_generate, args.device)
     print(f"{'generate':<28} {base:9.1f} tokens/s")
-    for name, extra in (("hf engine", {}), ("hf engine, agent settings", dict(stop=STOPS, logprobs=10, logprobs_window=20))):
-        rate = tokens / timed(engine_run(**extra), args.device)
+    agent = dict(stop=STOPS, logprobs=10, logprobs_window=20)
+    for name, extra in (("hf engine", {}), ("hf engine, agent settings", agent)):
+        rate = tokens / timed(engine_run(engine, **extra), args.device)
         print(f"{name:<28} {rate:9.1f} tokens/s   {rate / base:.2f}x generate")
     alone = [engine.generate([r])[0][0].token_ids for r in outputs["requests"][:2]]
     same = alone == [s.token_ids for [s] in outputs["batch"][:2]]
     print(f"seeded samples alone equal the same requests in the batch of {args.batch}: {same}")
+    sampled = [s.token_ids for [s] in outputs["batch"]]  # the agent settings' run
+    from etagent.rl.engine import LivePolicyEngine
+    from etagent.rl.policy import gathered, unhooked_twin
+
+    policy = rl_policy(model, tokenizer, args.device, args.dtype)
+    twin = unhooked_twin(policy.lm, None)
+    same = []
+    for name, module, reading in (
+        ("RL's policy, FSDP2 module", policy.lm, gathered(policy)),
+        ("RL's policy, plain twin", twin, LivePolicyEngine(None, policy, twin).reading()),
+    ):
+        on_policy = HFEngine.from_model(module, tokenizer, max_batch_size=args.batch)
+        on_policy.eos_ids = set()
+        with reading:
+            rate = tokens / timed(engine_run(on_policy, **agent), args.device)
+        print(f"{name:<28} {rate:9.1f} tokens/s   {rate / base:.2f}x generate")
+        same.append(sampled == [s.token_ids for [s] in outputs["batch"]])
+    print(f"the same tokens on RL's policy (FSDP2 module, plain twin) as on the model with the agent settings: {same}")
 
 
 if __name__ == "__main__":

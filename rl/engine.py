@@ -6,7 +6,7 @@ module itself, and everything the trainer does around generation follows from it
 ==============================  ==========================================  ==========================================
                                 ``hf``: the live policy                      ``vllm``: a copy of the weights
 ==============================  ==========================================  ==========================================
-around generation               every layer gathered (it runs the shards)   nothing (it holds its own copy)
+around generation               every layer gathered, lent to a plain twin  nothing (it holds its own copy)
 after generation (``sleep``)    its decoding thread ends, caches dropped    asleep, level 2: the weights dropped
 after the update (``sync``)     nothing: it is the policy                    the new weights streamed in (rl/weights.py)
 old log-probabilities           the rollout's own                            recomputed by the trainer
@@ -22,15 +22,15 @@ shape the rollout (rl/rollout.py).
 from __future__ import annotations
 
 import os
-from contextlib import AbstractContextManager, nullcontext
+from contextlib import AbstractContextManager, contextmanager, nullcontext
 from dataclasses import replace
 
 import torch
 from omegaconf import DictConfig
 
-from etagent.config import build
+from etagent.config import LoraSettings, build
 from etagent.errors import SettingError
-from etagent.rl.policy import Policy, gathered
+from etagent.rl.policy import Policy, gathered, lend_gathered, unhooked_twin
 from etagent.rl.weights import sync_engine
 
 
@@ -71,14 +71,24 @@ class ColocatedEngine:
 
 
 class LivePolicyEngine(ColocatedEngine):
-    """``hf``: the policy module generates (etagent/llm/hf.py); it shares the weights."""
+    """``hf``: the policy's own weights generate (etagent/llm/hf.py), through ``twin``, a plain
+    module of the policy's architecture (rl/policy.py's :func:`unhooked_twin`) that is lent the
+    gathered parameters while generating: the same function as the policy, without FSDP2's
+    per-layer hooks."""
 
     samples_live_policy = True
 
-    def reading(self) -> AbstractContextManager:
-        # the engine runs the sharded module: every layer stays gathered, so that ranks decoding
-        # different lengths never wait on each other's all-gathers
-        return gathered(self.policy)
+    def __init__(self, generator, policy: Policy, twin: torch.nn.Module):
+        super().__init__(generator, policy)
+        self.twin = twin
+
+    @contextmanager
+    def reading(self):
+        # every layer stays gathered for the whole block, so that ranks decoding different
+        # lengths never wait on each other's all-gathers
+        with gathered(self.policy):
+            lend_gathered(self.twin, self.policy.lm)
+            yield
 
 
 class CopiedWeightsEngine(ColocatedEngine):
@@ -132,18 +142,22 @@ def check_engine_settings(cfg: DictConfig) -> None:
         )
 
 
-def colocated_engine(cfg: DictConfig, policy: Policy, tokenizer, device: torch.device, bucket_bytes: int) -> ColocatedEngine:
-    """The engine ``engine.kind`` names. A vLLM engine starts from the stage's starting weights
-    (``engine.model`` is the policy's own path: configs/rl/_base.yaml) and is sent them in
-    ``engine.dtype`` (``auto``: as the policy holds them); a resumed run syncs it."""
+def colocated_engine(
+    cfg: DictConfig, policy: Policy, tokenizer, device: torch.device, bucket_bytes: int, lora: LoraSettings | None
+) -> ColocatedEngine:
+    """The engine ``engine.kind`` names. The hf engine decodes with the policy's weights (``lora``:
+    the policy's adapters, which its twin needs too). A vLLM engine starts from the stage's
+    starting weights (``engine.model`` is the policy's own path: configs/rl/_base.yaml) and is sent
+    them in ``engine.dtype`` (``auto``: as the policy holds them); a resumed run syncs it."""
     from etagent.llm import EngineConfig, make_engine
     from etagent.llm.hf import HFEngine
 
     if cfg.engine.kind == "hf":
+        twin = unhooked_twin(policy.lm, lora)
         generator = HFEngine.from_model(
-            policy.lm, tokenizer, max_batch_size=cfg.engine.max_batch_size, continuous_batching=cfg.engine.continuous_batching
+            twin, tokenizer, max_batch_size=cfg.engine.max_batch_size, continuous_batching=cfg.engine.continuous_batching
         )
-        return LivePolicyEngine(generator, policy)
+        return LivePolicyEngine(generator, policy, twin)
     weight_dtype = None if cfg.engine.dtype == "auto" else getattr(torch, cfg.engine.dtype)
     settings = build(EngineConfig, cfg.engine)
     generator = make_engine(replace(settings, vllm=replace(settings.vllm, colocated=True)))

@@ -149,7 +149,7 @@ def setup(cfg: DictConfig) -> Trainer:
         raise SettingError("data.prompts_per_step", f"{per_step}, more than the {len(prompts)} prompts of {cfg.data.train}")
     total = int(cfg.train.max_steps or len(prompts) // per_step * cfg.data.epochs)
 
-    engine = colocated_engine(cfg, policy, tokenizer, device, int(cfg.train.weight_bucket_mb) << 20)
+    engine = colocated_engine(cfg, policy, tokenizer, device, int(cfg.train.weight_bucket_mb) << 20, lora)
     if checkpoint:  # the engine started from the stage's starting weights; the resumed policy has moved on
         engine.sync()
     return Trainer(

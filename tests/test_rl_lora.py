@@ -13,7 +13,7 @@ import torch.distributed as dist
 
 from etagent.config import LoraSettings
 from etagent.rl.distributed import init_distributed
-from etagent.rl.policy import Policy, Reference, gathered, load_policy
+from etagent.rl.policy import Policy, Reference, load_policy
 from etagent.rl.weights import stream_weights
 
 LORA = LoraSettings(enabled=True, rank=4, alpha=8, dropout=0.0, target_modules=["q_proj", "v_proj", "gate_proj", "down_proj"])
@@ -125,28 +125,36 @@ def test_the_reference_is_the_base_and_the_adapters_train_after_it(toy):
 
 
 def test_the_hf_engine_and_the_merged_stream_follow_every_step(toy):
-    """After each of three optimizer steps, the hf engine (sampling with the live adapted module)
-    reports the log-probabilities of the policy's own forward for what it sampled, to 1e-4, and
-    a plain model loaded with the merged stream (what vLLM and a merged export get) computes the
-    same."""
+    """After each of three optimizer steps, RL's colocated hf engine (a plain twin of the adapted
+    module, lent its gathered weights: rl/engine.py) samples what the sharded module itself
+    samples, with the same log-probabilities, and they are the policy's own forward's for what it
+    sampled, to 1e-4; a plain model loaded with the merged stream (what vLLM and a merged export
+    get) computes the same."""
+    from torch.distributed.fsdp import FSDPModule
     from transformers import AutoTokenizer
 
     from etagent.llm import GenerationRequest, Sampling
     from etagent.llm.hf import HFEngine
+    from etagent.rl.engine import LivePolicyEngine
+    from etagent.rl.policy import unhooked_twin
 
     tokenizer = AutoTokenizer.from_pretrained(toy / "model")
     policy = adapted(toy)
     optimizer = torch.optim.AdamW([p for p in policy.parameters() if p.requires_grad], lr=1e-2)
     prompt = tokenizer.encode("<|im_start|>user\nWho works as a baker?<|im_end|>\n<|im_start|>assistant\n", add_special_tokens=False)
-    engine = HFEngine.from_model(policy.lm, tokenizer)
+    twin = unhooked_twin(policy.lm, LORA)
+    assert not any(isinstance(m, FSDPModule) for m in twin.modules())
+    colocated = LivePolicyEngine(HFEngine.from_model(twin, tokenizer), policy, twin)
+    sharded = HFEngine.from_model(policy.lm, tokenizer)  # the sharded module itself, hooks and all
     for step in range(3):
         loss_of(policy).backward()
         optimizer.step()
         optimizer.zero_grad()
-        with gathered(policy):
-            [[sample]] = engine.generate(
-                [GenerationRequest(sampling=Sampling(temperature=1.0), prompt_ids=tuple(prompt), max_new_tokens=12, seed=step)]
-            )
+        request = GenerationRequest(sampling=Sampling(temperature=1.0), prompt_ids=tuple(prompt), max_new_tokens=12, seed=step)
+        with colocated.reading():
+            [[sample]] = colocated.generator.generate([request])
+            [[same]] = sharded.generate([request])
+        assert same.token_ids == sample.token_ids and same.logprobs == sample.logprobs
         ids = torch.tensor([prompt + list(sample.token_ids)])
         positions = torch.arange(ids.shape[1])[None]
         scored = torch.arange(len(prompt) - 1, ids.shape[1] - 1)[None]
@@ -155,7 +163,8 @@ def test_the_hf_engine_and_the_merged_stream_follow_every_step(toy):
             merged, _ = merged_plain_policy(policy, toy)(ids, torch.ones_like(ids), positions, scored)
         torch.testing.assert_close(torch.tensor([sample.logprobs]), own, atol=1e-4, rtol=0)
         torch.testing.assert_close(merged, own, atol=1e-5, rtol=0)
-    engine.sleep(level=2)  # its decoding thread ends
+    for engine in (colocated.generator, sharded):
+        engine.sleep(level=2)  # its decoding thread ends
 
 
 def test_exports_merged_and_as_peft_adapter_compute_the_policy(toy, tmp_path):

@@ -82,9 +82,7 @@ def _grouped_sdpa(module, query, key, value, attention_mask, dropout: float = 0.
     grouped = key.shape[1] != query.shape[1]
     if attention_mask is None or not grouped or query.device.type != "cpu" or kwargs.get("position_bias") is not None:
         return sdpa_attention_forward(module, query, key, value, attention_mask, dropout=dropout, scaling=scaling, **kwargs)
-    output = F.scaled_dot_product_attention(
-        query, key, value, attn_mask=attention_mask, dropout_p=dropout, scale=scaling, enable_gqa=True
-    )
+    output = F.scaled_dot_product_attention(query, key, value, attn_mask=attention_mask, dropout_p=dropout, scale=scaling, enable_gqa=True)
     return output.transpose(1, 2).contiguous(), None
 
 
