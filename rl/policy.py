@@ -245,10 +245,11 @@ def unhooked_twin(lm: nn.Module, lora: LoraSettings | None) -> nn.Module:
     given it ``lm``'s gathered tensors.
 
     Why: FSDP2 runs its Python hooks around the forward of every sharded layer even while the
-    layer's parameters stay gathered, and at a decoding step's size they cost as much as the
-    model. bench/bench_hf_engine.py measured the same weights at 8 rows of Qwen2.5-0.5B's shape in
-    bf16 on an H200: 387 tokens/s decoded with the plain module against 88.5 with the sharded
-    one (4.4x); 24 layers on 2 CPU cores lost 26%."""
+    layer's parameters stay gathered, which a decoding step pays once per layer per token.
+    bench/bench_hf_engine.py on 24 narrow layers, 2 CPU cores: the twin decoded 1.20x and 1.23x
+    as fast as the sharded module (two runs). On an H200 the sharded module decoded at 88.5
+    tokens/s against 387 for the plain model (Qwen2.5-0.5B's shape, bf16, 8 rows); how much of
+    that the hooks are is not measured (the twin has not run on a GPU)."""
     from transformers import AutoModelForCausalLM
 
     with torch.device("meta"):
