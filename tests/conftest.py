@@ -54,6 +54,15 @@ def pytest_collection_modifyitems(config, items):
         return max((i + 1 for i, name in enumerate(POLICIES) if name in item.fixturenames), default=0)
 
     items.sort(key=trained_before)  # stable: each group keeps its order
+    # Each run trains one policy: sft_model_full alone took 16 minutes beside idle workers, and
+    # sft_model before it made the slow run's critical path 30 minutes (CI's budget is 60).
+    wrong = [
+        item.nodeid
+        for item in items
+        if ("sft_model_full" if item.get_closest_marker("slow") is None else "sft_model") in item.fixturenames
+    ]
+    if wrong:
+        raise pytest.UsageError(f"default-run tests read sft_model, slow tests sft_model_full (tests/conftest.py): {', '.join(wrong)}")
 
 
 @pytest.fixture(scope="module", autouse=True)
@@ -243,14 +252,16 @@ def _trained_policy(name: str, toy: Path, tmp_path_factory) -> Path:
 @pytest.fixture(scope="session")
 def sft_model(toy, tmp_path_factory) -> Path:
     """The toy model after a short run of the tiny SFT preset (SHARED_POLICY_RECIPE): a policy that
-    writes the protocol and calls tools, for the tests of everything downstream of SFT."""
+    writes the protocol and calls tools, for the default run's tests of everything downstream of
+    SFT (slow tests read sft_model_full, so that the slow run trains one policy)."""
     return _trained_policy("sft_model", toy, tmp_path_factory)
 
 
 @pytest.fixture(scope="session")
 def sft_model_full(toy, tmp_path_factory) -> Path:
-    """The toy model after the tiny SFT preset as the demo runs it (7200 steps): for the slow run's
-    tests (the held-out acceptance, the curriculum, GRPO's rise)."""
+    """The toy model after the tiny SFT preset as the demo runs it (7200 steps): the policy of every
+    slow test that reads one (the held-out acceptance, the curriculum, GRPO's rise, and those that
+    only need some policy)."""
     return _trained_policy("sft_model_full", toy, tmp_path_factory)
 
 

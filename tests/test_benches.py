@@ -132,8 +132,9 @@ def test_the_benchmark_runs(bench, toy, tmp_path):
 
 
 @pytest.mark.parametrize("bench", benches(on_policy=True))
-def test_the_benchmark_runs_on_the_toy_policy(bench, toy, sft_model, tmp_path):
-    run_benchmark(bench, toy, sft_model / "model", tmp_path)
+def test_the_benchmark_runs_on_the_toy_policy(bench, toy, sft_model_full, tmp_path):
+    # the slow run's policy: each of these starts an engine or a service, and is marked slow
+    run_benchmark(bench, toy, sft_model_full / "model", tmp_path)
 
 
 def run_benchmark(bench: str, toy: Path, model: Path, tmp_path: Path) -> None:

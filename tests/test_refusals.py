@@ -228,8 +228,8 @@ def test_reward_refuses_negative_sigmas_and_lengths(change, message):
 
 
 @pytest.mark.slow  # 11-32 s; the default run is at its 15-minute budget (CI runs it with the slow tests)
-def test_a_rerun_with_other_settings_is_refused_naming_them(sft_model, toy, server, tmp_path):
-    model, questions = sft_model / "model", toy / "questions" / "test.jsonl"
+def test_a_rerun_with_other_settings_is_refused_naming_them(sft_model_full, toy, server, tmp_path):
+    model, questions = sft_model_full / "model", toy / "questions" / "test.jsonl"
     out = tmp_path / "rollouts"
     first = etagent(*rollout_args(model, questions, out, server, "limit=2", "n=1"))
     assert first.returncode == 0, first.stderr[-3000:]
@@ -306,8 +306,8 @@ def test_tool_failures_over_the_share_end_the_run_degraded(sft_model_full, toy, 
 
 
 @pytest.mark.slow  # 11-32 s; the default run is at its 15-minute budget (CI runs it with the slow tests)
-def test_partial_input_runs_only_when_asked(sft_model, toy, tmp_path):
-    model = sft_model / "model"
+def test_partial_input_runs_only_when_asked(sft_model_full, toy, tmp_path):
+    model = sft_model_full / "model"
     good = [q.to_json() for q in read_questions(toy / "questions" / "test.jsonl")[:1]]
     cut = write_questions(tmp_path / "cut.jsonl", good, tail='{"id": "x", "quest')
     result = etagent(

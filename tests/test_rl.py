@@ -89,7 +89,7 @@ def test_steps_checkpoints_and_an_exact_resume(sft_model, parquet, server, tmp_p
 
 
 @pytest.mark.slow  # three RL runs, about a minute: kept out of the default run's 10 minutes
-def test_lora_steps_resume_exactly_after_kill_and_export_merged(sft_model, parquet, server, tmp_path, monkeypatch):
+def test_lora_steps_resume_exactly_after_kill_and_export_merged(sft_model_full, parquet, server, tmp_path, monkeypatch):
     """lora.enabled with ARPO's tree, the efficiency reward and the KL term (its reference the
     base with the adapters off): the steps train (gradient, KL growing from 0), a run killed with
     SIGKILL after its first checkpoint resumes to the uninterrupted run's numbers, the
@@ -101,7 +101,7 @@ def test_lora_steps_resume_exactly_after_kill_and_export_merged(sft_model, parqu
     monkeypatch.setenv("RETRIEVER_TOKEN", TOKEN)
     lora = ("lora.enabled=true", "lora.rank=8", "lora.alpha=16", "optim.lr=1e-3", "algorithm.kl_coef=0.05", "rollout.kind=tree")
     straight = tmp_path / "straight"
-    run_in_subprocess(rl_overrides(sft_model, parquet, server, straight, *lora, "train.max_steps=3", "train.save_every=1"))
+    run_in_subprocess(rl_overrides(sft_model_full, parquet, server, straight, *lora, "train.max_steps=3", "train.save_every=1"))
     history = metrics_of(straight)
     assert [m["step"] for m in history] == [1, 2, 3]
     assert all(m["actor/grad_norm"] > 0 and "actor/kl" in m for m in history)
@@ -110,12 +110,12 @@ def test_lora_steps_resume_exactly_after_kill_and_export_merged(sft_model, parqu
     keys = FileSystemReader(str(straight / "checkpoints" / "step_3" / "state")).read_metadata().state_dict_metadata
     assert [k for k in keys if k.startswith("model.") and ".lora_" not in k] == []
     final = AutoModelForCausalLM.from_pretrained(straight / "model")
-    start = AutoModelForCausalLM.from_pretrained(sft_model / "model")
+    start = AutoModelForCausalLM.from_pretrained(sft_model_full / "model")
     assert set(final.state_dict()) == set(start.state_dict())
     assert not all(torch.equal(a, b) for a, b in zip(final.state_dict().values(), start.state_dict().values()))
 
     resumed = tmp_path / "resumed"
-    overrides = rl_overrides(sft_model, parquet, server, resumed, *lora, "train.max_steps=3", "train.save_every=1")
+    overrides = rl_overrides(sft_model_full, parquet, server, resumed, *lora, "train.max_steps=3", "train.save_every=1")
     kill_after_checkpoint(overrides, resumed, 1)
     assert not (resumed / "checkpoints" / "step_3").exists()
     run_in_subprocess(overrides)
@@ -509,7 +509,7 @@ def test_an_engine_that_fails_some_requests(sft_model_full, toy, server, tmp_pat
 
 @pytest.mark.slow  # five RL runs per setting, 2-3 minutes: kept out of the default run's 15 minutes
 @pytest.mark.parametrize("stale_tokens", ["tis", "mask"])
-def test_partial_rollouts_resume_with_their_groups_in_flight(sft_model, parquet, server, tmp_path, monkeypatch, stale_tokens):
+def test_partial_rollouts_resume_with_their_groups_in_flight(sft_model_full, parquet, server, tmp_path, monkeypatch, stale_tokens):
     """rollout.partial with 2 extra groups per step: a run of 3 steps, and the same run killed in
     step 3 and resumed, twice: the resumed step carries over the groups the checkpoint held and
     gives the uninterrupted run's numbers. Some groups do carry over, their stale tokens
@@ -518,7 +518,7 @@ def test_partial_rollouts_resume_with_their_groups_in_flight(sft_model, parquet,
     monkeypatch.setenv("RETRIEVER_TOKEN", TOKEN)
     partial = ["rollout.partial=true", "rollout.partial_extra=2", f"rollout.stale_tokens={stale_tokens}", "train.save_every=1"]
     straight = tmp_path / "straight"
-    run_in_subprocess(rl_overrides(sft_model, parquet, server, straight, "train.max_steps=3", *partial))
+    run_in_subprocess(rl_overrides(sft_model_full, parquet, server, straight, "train.max_steps=3", *partial))
     history = metrics_of(straight)
     assert any(m["partial/carried_share"] > 0 for m in history) and all(m["partial/staleness_max"] <= 1 for m in history)
     assert ("timing_s/old_logprobs" in history[0]) == (stale_tokens == "tis")
@@ -527,7 +527,7 @@ def test_partial_rollouts_resume_with_their_groups_in_flight(sft_model, parquet,
         assert history[1]["actor/policy_tokens"] < sum(r["length"] for r in rows) or history[1]["partial/stale_token_share"] == 0
     for attempt in ("first", "second"):
         resumed = tmp_path / attempt
-        overrides = rl_overrides(sft_model, parquet, server, resumed, "train.max_steps=3", *partial)
+        overrides = rl_overrides(sft_model_full, parquet, server, resumed, "train.max_steps=3", *partial)
         kill_after_checkpoint(overrides, resumed, 2)
         assert (resumed / "checkpoints" / "step_2" / "in_flight_rank0.pkl").exists()
         run_in_subprocess(overrides)
