@@ -57,9 +57,7 @@ def pytest_collection_modifyitems(config, items):
     # Each run trains one policy: sft_model_full alone took 16 minutes beside idle workers, and
     # sft_model before it made the slow run's critical path 30 minutes (CI's budget is 60).
     wrong = [
-        item.nodeid
-        for item in items
-        if ("sft_model_full" if item.get_closest_marker("slow") is None else "sft_model") in item.fixturenames
+        item.nodeid for item in items if ("sft_model_full" if item.get_closest_marker("slow") is None else "sft_model") in item.fixturenames
     ]
     if wrong:
         raise pytest.UsageError(f"default-run tests read sft_model, slow tests sft_model_full (tests/conftest.py): {', '.join(wrong)}")
