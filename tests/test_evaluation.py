@@ -23,7 +23,7 @@ from etagent.evaluation.metrics import aggregate, behaviour
 from etagent.records import Question, ToolCallRecord, Trajectory
 from etagent.scoring import call_behaviour, correctness, sample_metrics
 from tests.support.commands import TOKEN, eval_command
-from tests.support.servers import serve
+from tests.support.servers import serve, until_the_client_leaves
 
 FIXTURES = Path(__file__).parent / "fixtures" / "benchmarks"
 
@@ -211,13 +211,12 @@ def fake_judge():
 
     @app.post("/v1/chat/completions")
     async def chat(request: Request):
-        import asyncio
         import re
 
         prompt = (await request.json())["messages"][0]["content"]
         prediction = re.search(r"Predicted answer: (.*)", prompt).group(1).strip()
-        if prediction == "slow":
-            await asyncio.sleep(2)
+        if prediction == "slow":  # answers only after the client timed out and left
+            await until_the_client_leaves(request)
         if prediction == "down":
             return JSONResponse({"error": "x"}, status_code=500)
         reply = {"right": "Correct", "wrong": "Incorrect", "garbage": "I refuse"}.get(prediction, "Correct")

@@ -32,7 +32,7 @@ from etagent.scoring import (
     strip_string,
     tool_productivity,
 )
-from tests.support.servers import serve
+from tests.support.servers import serve, until_the_client_leaves
 
 # --- token metrics ------------------------------------------------------------------------------
 
@@ -232,8 +232,8 @@ def scripted_judge_server():
         prediction = re.search(r"Predicted answer: (.*)", prompt).group(1).strip()
         calls[prediction] = calls.get(prediction, 0) + 1
         assert body["temperature"] == 0.0 and body["max_tokens"] == 16
-        if prediction == "slow":
-            await asyncio.sleep(1.0)
+        if prediction == "slow":  # answers only after the client timed out and left
+            await until_the_client_leaves(request)
         if prediction == "flaky" and calls[prediction] == 1:
             return JSONResponse({"error": "overloaded"}, status_code=503)
         if prediction == "malformed-once" and calls[prediction] == 1:
@@ -282,7 +282,46 @@ def test_llm_judge_against_a_real_server():
     assert got["garbage"].verdict is None and got["garbage"].error.startswith("unparseable") and got["garbage"].attempts == 3
     assert calls["garbage"] == 3
     assert got["slow"].verdict is None and got["slow"].score is None and "every server failed" in got["slow"].error
-    assert elapsed < 5  # three 0.3 s timeouts plus backoff, not three full 1 s replies each
+    assert elapsed < 5  # three 0.3 s timeouts plus backoff
+
+
+def test_a_held_reply_times_out_even_when_the_clients_event_loop_stalls():
+    """until_the_client_leaves, which the scripted servers use for a reply that must time out: a
+    client whose event loop stalls past its timeout while the server holds the request (a loaded
+    CI machine) still times out. A server that slept a fixed second answered such a client: its
+    reply and the timeout were due together when the loop woke, and the reply was taken (the
+    judge test above failed so in a CI run)."""
+    import threading
+
+    import httpx
+
+    app = FastAPI()
+    holding = threading.Event()
+
+    @app.post("/held")
+    async def held(request: Request):
+        holding.set()
+        await until_the_client_leaves(request)
+        return {"late": True}
+
+    async def ask(base: str) -> None:
+        loop = asyncio.get_running_loop()
+
+        def stall_once_the_server_holds_the_request() -> None:
+            if holding.is_set():
+                time.sleep(1.5)  # the client's loop stalls past its 0.3 s timeout
+            else:
+                loop.call_later(0.005, stall_once_the_server_holds_the_request)
+
+        loop.call_soon(stall_once_the_server_holds_the_request)
+        async with httpx.AsyncClient(timeout=0.3) as client:
+            with pytest.raises(httpx.TimeoutException):
+                await client.post(base + "/held", json={})
+
+    with serve(app) as base:
+        start = time.monotonic()
+        asyncio.run(ask(base))
+        assert holding.is_set() and time.monotonic() - start < 10
 
 
 def test_llm_judge_unreachable_server_fails_cleanly():

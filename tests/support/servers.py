@@ -1,8 +1,10 @@
 """Run a real ASGI app (FastAPI) with uvicorn on 127.0.0.1 in a background thread, for tests;
-wait for a server started in a subprocess to answer its health check."""
+hold a request until its client gives up; wait for a server started in a subprocess to answer
+its health check."""
 
 from __future__ import annotations
 
+import asyncio
 import contextlib
 import socket
 import subprocess
@@ -37,6 +39,17 @@ def serve(app, port: int | None = None):
     finally:
         server.should_exit = True
         thread.join(timeout=10)
+
+
+async def until_the_client_leaves(request, limit_s: float = 60.0) -> None:
+    """Hold a request in a scripted server until its client disconnects (at most ``limit_s``): a
+    server that never answers within a client's timeout, whatever the machine's load. A fixed
+    sleep a little longer than the timeout races with it: an event loop stalled past both finds
+    the reply and the timeout due together and may take the reply (a CI run saw a 1 s sleep
+    answer a client with a 0.3 s timeout)."""
+    deadline = time.monotonic() + limit_s
+    while not await request.is_disconnected() and time.monotonic() < deadline:
+        await asyncio.sleep(0.05)
 
 
 def wait_until_healthy(url: str, proc: subprocess.Popen, log_tail: Callable[[], str], timeout_s: float = 600) -> None:
