@@ -561,9 +561,7 @@ def main(argv: list[str] | None = None) -> None:
     # An idle connection is kept well past the 5 s for which HTTP clients (httpx's keepalive_expiry,
     # our RetrieverClient's) keep one for reuse. With uvicorn's own 5 s the server could close a
     # connection just as a client sent its next request on it: an httpx.ReadError under load.
-    server = uvicorn.Server(
-        uvicorn.Config(app, log_level="warning", timeout_graceful_shutdown=5, timeout_keep_alive=KEEP_ALIVE_S)
-    )
+    server = uvicorn.Server(uvicorn.Config(app, log_level="warning", timeout_graceful_shutdown=5, timeout_keep_alive=KEEP_ALIVE_S))
     server.run(sockets=[sock])
 
 
