@@ -4,6 +4,8 @@ preset), their committed resolved form current, and the paper presets against th
 
 from __future__ import annotations
 
+import copy
+import re
 import shutil
 import subprocess
 import sys
@@ -11,7 +13,7 @@ from pathlib import Path
 
 import pytest
 import yaml
-from omegaconf import DictConfig
+from omegaconf import MISSING, DictConfig
 
 from etagent.config import config_dir, load_config, presets, stages
 from etagent.errors import UserError
@@ -75,6 +77,36 @@ def test_a_preset_that_leaves_a_value_open_is_refused_naming_it(tmp_path, monkey
         load_config("sft", "forgetful")
     result = subprocess.run([sys.executable, "-m", "etagent.sft.run", "--preset", "forgetful"], capture_output=True, text=True, cwd=ROOT)
     assert result.returncode != 0 and "leaves train.epochs unset" in result.stderr
+
+
+def _interpolation_targets(cfg: DictConfig) -> set[str]:
+    """The settings other settings take their value from (``engine.model: ${model}`` -> ``model``)."""
+    targets = set()
+    for key in cfg.keys():
+        node = cfg._get_node(key)
+        if node._is_interpolation():
+            targets |= set(re.findall(r"\$\{([\w.]+)\}", str(node._value())))
+        elif isinstance(node, DictConfig) and not node._is_missing() and not node._is_none():
+            targets |= _interpolation_targets(node)
+    return targets
+
+
+@pytest.mark.parametrize("stage", stages())
+def test_a_setting_others_take_their_value_from_left_unset_is_refused_naming_it(stage):
+    """``model=???`` where the engine's model is ``${model}``: OmegaConf's own walk for unset keys
+    raised on the interpolation (a 100-line traceback, exit 1); the check names the setting."""
+    preset = presets(stage)[0]
+    targets = sorted(_interpolation_targets(load_config(stage, preset)))
+    for target in targets:
+        with pytest.raises(UserError, match=rf"leaves {re.escape(target)} unset"):
+            load_config(stage, preset, [f"{target}=???"])
+    if stage == "direct_rollout":
+        assert targets, "the direct rollout's engine.model is ${model}"
+        result = subprocess.run(
+            [sys.executable, "-m", "etagent.launcher", "direct-rollout", "model=???"], capture_output=True, text=True, cwd=ROOT
+        )
+        assert result.returncode == 2 and result.stderr.strip().count("\n") == 0, result.stderr
+        assert "leaves model unset" in result.stderr
 
 
 def test_sft_paper_preset_has_the_papers_numbers():
@@ -179,3 +211,89 @@ def test_every_typed_group_of_every_preset_builds_its_object(stage):
     from etagent.llm import EngineConfig
 
     assert build(EngineConfig, rl.engine).model == "somewhere/else"
+
+
+def _random_tree(rng, depth: int, leaves: list[str], path: str = ""):
+    """A random nest of dicts and lists whose leaves are numbers, strings, nulls, ``???`` and
+    interpolations of leaves made before them (recorded in ``leaves``)."""
+    if depth == 0 or rng.random() < 0.3:
+        roll = rng.random()
+        if roll < 0.25:
+            return MISSING
+        if roll < 0.35:
+            return None
+        if roll < 0.5 and leaves:
+            return "${" + rng.choice(leaves) + "}"
+        if path and "[" not in path:
+            leaves.append(path)
+        return rng.choice([0, 1.5, "text", True])
+    if rng.random() < 0.3:
+        return [_random_tree(rng, depth - 1, leaves, f"{path}[{i}]") for i in range(rng.randrange(4))]
+    names = rng.sample("abcdefg", rng.randrange(1, 5))
+    return {name: _random_tree(rng, depth - 1, leaves, f"{path}.{name}" if path else name) for name in names}
+
+
+def test_missing_keys_names_what_omegaconfs_own_walk_names():
+    """etagent.config.missing_keys (a walk over the nodes that reads no value) against
+    OmegaConf.missing_keys: 1,000 random configs of dicts, lists, nulls, interpolations and
+    ``???`` at every depth, then every preset of every stage with random settings and whole
+    groups set to ``???``."""
+    import random
+
+    from omegaconf import OmegaConf, open_dict
+    from omegaconf.errors import InterpolationResolutionError
+
+    from etagent.config import missing_keys
+
+    rng = random.Random(0)
+    found = 0
+    for _ in range(1000):
+        tree = _random_tree(rng, 4, [], "root")
+        cfg = OmegaConf.create({"root": tree})
+        expected = OmegaConf.missing_keys(cfg)
+        assert sorted(missing_keys(cfg)) == sorted(expected), tree
+        found += len(expected)
+    assert found > 500
+    compared = 0
+    for stage in stages():
+        for preset in presets(stage):
+            loaded = load_config(stage, preset)
+            assert missing_keys(loaded) == []
+            paths = _node_paths(loaded)
+            for _ in range(2):
+                cfg = copy.deepcopy(loaded)
+                chosen = sorted(rng.sample(paths, min(len(paths), rng.randrange(1, 6))))
+                with open_dict(cfg):  # a group first, then nothing under it (it has no keys left)
+                    for path in [p for p in chosen if not any(p.startswith(f"{q}.") for q in chosen)]:
+                        OmegaConf.update(cfg, path, MISSING, force_add=True)
+                try:
+                    expected = OmegaConf.missing_keys(cfg)
+                except InterpolationResolutionError:  # its walk reads ${model} where model is ??? and raises
+                    assert sorted(missing_keys(cfg)) == sorted(_literal_missing(OmegaConf.to_container(cfg, resolve=False)))
+                    continue
+                assert expected and sorted(missing_keys(cfg)) == sorted(expected), (stage, preset)
+                compared += 1
+    assert compared > 40
+
+
+def _literal_missing(plain, path: str = "") -> list[str]:
+    """The paths whose value is the string ``???`` in a config turned into plain dicts and lists."""
+    if plain == MISSING:
+        return [path]
+    items = plain.items() if isinstance(plain, dict) else enumerate(plain) if isinstance(plain, list) else []
+    listed = isinstance(plain, list)
+    return [p for key, value in items for p in _literal_missing(value, f"{path}[{key}]" if listed else f"{path}.{key}" if path else key)]
+
+
+def _node_paths(cfg: DictConfig, path: str = "") -> list[str]:
+    """Every key under ``cfg``, groups and settings, as dotted paths."""
+    from omegaconf import DictConfig as Dict
+
+    paths = []
+    for key in cfg.keys():
+        name = f"{path}.{key}" if path else str(key)
+        paths.append(name)
+        node = cfg._get_node(key)
+        if isinstance(node, Dict) and not node._is_none() and not node._is_missing():
+            paths += _node_paths(node, name)
+    return paths
