@@ -82,6 +82,7 @@ def main() -> None:
     work = Path(tempfile.mkdtemp(prefix="etagent-bench-agent-"))
     toy, model = toy_policy(work, args.toy, args.model)
     with toy_tools(work, toy) as tools:
+        from etagent.llm import VLLMConfig
         from etagent.llm.hf import HFEngine
         from etagent.llm.vllm_engine import AsyncVLLMEngine, VLLMEngine
         from etagent.question_formats import read_questions
@@ -93,10 +94,14 @@ def main() -> None:
             engines = {
                 "hf": lambda: HFEngine(model),
                 "vllm offline": lambda: VLLMEngine.load(
-                    model, dtype="float32", max_model_len=2048, cpu_kv_cache_gb=1.0, enforce_eager=True
+                    model,
+                    VLLMConfig(max_model_len=2048, gpu_memory_utilization=0.5, cpu_kv_cache_gb=1.0, enforce_eager=True),
+                    dtype="float32",
                 ),
                 "vllm async": lambda: AsyncVLLMEngine.load(
-                    model, dtype="float32", max_model_len=2048, cpu_kv_cache_gb=1.0, enforce_eager=True
+                    model,
+                    VLLMConfig(max_model_len=2048, gpu_memory_utilization=0.5, cpu_kv_cache_gb=1.0, enforce_eager=True),
+                    dtype="float32",
                 ),
             }
             for name in args.engines.split(","):

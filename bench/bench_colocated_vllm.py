@@ -92,12 +92,15 @@ def main() -> None:
     toy, model = toy_policy(work, args.toy, args.model)
     import etagent.rl  # noqa: F401 (registers configs/rl's schema, which load_config needs)
     from etagent.config import load_config
+    from etagent.llm import VLLMConfig
     from etagent.llm.vllm_engine import VLLMEngine
     from etagent.tools.executor import build_executor
 
     cfg = load_config("rl", "tiny", [f"model={model}", f"rollout.kind={args.rollout}"])
     prompts = rl_prompts(toy, args.prompts)
-    engine = VLLMEngine.load(model, dtype="float32", max_model_len=2048, cpu_kv_cache_gb=1.0, enforce_eager=True)
+    engine = VLLMEngine.load(
+        model, VLLMConfig(max_model_len=2048, gpu_memory_utilization=0.5, cpu_kv_cache_gb=1.0, enforce_eager=True), dtype="float32"
+    )
     ways = {"waves": Waves(engine), "continuous, top-k everywhere": TopkEverywhere(engine), "continuous": engine}
     rows = []
     with toy_tools(work, toy) as tools, build_executor(tools) as plain:

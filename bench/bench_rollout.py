@@ -118,10 +118,11 @@ def main() -> None:
         }
         ways = [("lockstep, static batches", "old"), ("lockstep, continuous", "new"), ("streamed, per trajectory", "new")]
     else:
+        from etagent.llm import VLLMConfig
         from etagent.llm.vllm_engine import AsyncVLLMEngine, VLLMEngine
 
-        settings = dict(dtype="float32", max_model_len=2048, cpu_kv_cache_gb=1.0, enforce_eager=True)
-        engines = {"old": VLLMEngine.load(model, **settings), "new": AsyncVLLMEngine.load(model, **settings)}
+        settings = VLLMConfig(max_model_len=2048, gpu_memory_utilization=0.5, cpu_kv_cache_gb=1.0, enforce_eager=True)
+        engines = {"old": VLLMEngine.load(model, settings, dtype="float32"), "new": AsyncVLLMEngine.load(model, settings, dtype="float32")}
         ways = [("lockstep, offline engine", "old"), ("lockstep, continuous", "new"), ("streamed, per trajectory", "new")]
     rows = []
     with toy_tools(work, toy) as tools, build_executor(tools) as plain:

@@ -48,7 +48,7 @@ def main() -> None:
     parser.add_argument("--repeats", type=int, default=3)
     args = parser.parse_args()
     os.environ["VLLM_ENABLE_V1_MULTIPROCESSING"] = "0"  # the engine core in this process, as colocated
-    from etagent.llm import GenerationRequest, Sampling
+    from etagent.llm import GenerationRequest, Sampling, VLLMConfig
     from etagent.llm.vllm_engine import VLLMEngine
     from etagent.protocol import STOP_STRINGS
 
@@ -57,7 +57,9 @@ def main() -> None:
     model.save_pretrained(folder)
     tokenizer.save_pretrained(folder)
     del model
-    engine = VLLMEngine.load(str(folder), dtype="float32", max_model_len=2048, cpu_kv_cache_gb=1.0, enforce_eager=True)
+    engine = VLLMEngine.load(
+        str(folder), VLLMConfig(max_model_len=2048, gpu_memory_utilization=0.5, cpu_kv_cache_gb=1.0, enforce_eager=True), dtype="float32"
+    )
     prompts = [
         tuple(torch.randint(0, args.tokenizer_tokens - 1, (16,), generator=torch.Generator().manual_seed(i)).tolist())
         for i in range(args.batch)

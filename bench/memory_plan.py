@@ -255,8 +255,10 @@ def lora_update_parts(model: Model, lora, tokens: int, chunk: int) -> dict[str, 
 def rl_lora_plan(model: Model, args) -> dict:
     """configs/rl/paper_1gpu.yaml on one GPU: the frozen base in bf16 (rl/policy.py keeps it in the
     compute dtype), the adapters with their float32 gradients and AdamW moments, FSDP2 over one
-    rank (it still gathers each group into a bf16 copy), the colocated vLLM engine sent the merged
-    weights (rl/weights.py merges one layer at a time: W, B A and the sum in float32)."""
+    rank (it still gathers each group into a bf16 copy), the colocated vLLM engine keeping the
+    base (asleep at level 1: offloaded to host memory) and sent the adapters after every update
+    (rl/engine.py's AdapterEngine: each adapter tensor gathered in float32 and copied to the host,
+    then loaded into vLLM's bf16 LoRA slot)."""
     from etagent.config import build, load_config
     from etagent.rl.config import RLLoraSettings
 
@@ -272,10 +274,14 @@ def rl_lora_plan(model: Model, args) -> dict:
     act_layer = layer_activation_bytes(model.config, tokens, lora)
     vllm_awake = float(cfg.engine.vllm.gpu_memory_utilization) * args.gpu_gib * GIB
     vllm_asleep, context = args.vllm_asleep_gib * GIB, args.context_gib * GIB
-    # the bucket, a held tensor, and one merge of the largest adapted weight (a decoder layer's
-    # largest): W in float32 and addmm's float32 result at once (B A is not materialised)
+    # the sync: vLLM's LoRA slot (the adapters in bf16) and one adapter tensor gathered in
+    # float32 on its way to the host; the export: the bucket, a held tensor, and one merge of the
+    # largest adapted weight (a decoder layer's largest): W in float32 and addmm's float32 result
+    # at once (B A is not materialised)
     largest_adapted = max(math.prod(shape) for shape in model.layer_groups[0])
-    sync_extra = bucket + 2 * model.largest + 2 * 4 * largest_adapted
+    largest_adapter = lora.rank * max(max(shape) for shape in model.layer_groups[0])
+    sync_extra = 2 * adapters + 4 * largest_adapter
+    export_extra = bucket + 2 * model.largest + 2 * 4 * largest_adapted
     trainer = {"frozen base bf16": base, "adapters+grads+AdamW": adapter_state}
     phases = {
         "generate (vLLM awake)": {**trainer, "vLLM": vllm_awake, "context": context},
@@ -291,11 +297,11 @@ def rl_lora_plan(model: Model, args) -> dict:
         "sync (weights awake, KV cache asleep)": {
             **trainer,
             "vLLM weights": base,
-            "bucket + held tensor + merge": sync_extra,
+            "LoRA slot + gathered adapter": sync_extra,
             "vLLM asleep": vllm_asleep,
             "context": context,
         },
-        "save + export (vLLM awake)": {**trainer, "vLLM": vllm_awake, "bucket + held tensor + merge": sync_extra, "context": context},
+        "save + export (vLLM awake)": {**trainer, "vLLM": vllm_awake, "bucket + held tensor + merge": export_extra, "context": context},
     }
     return {
         "phases": {name: {"total": sum(parts.values()), **parts} for name, parts in phases.items()},

@@ -17,8 +17,16 @@ import torch
 import torch.distributed as dist
 from omegaconf import DictConfig
 
-from etagent.divergence import non_finite_values
-from etagent.rl.algorithm import entropy_aware_advantages, kl_estimate, masked_sum, policy_loss, truncated_importance_weights
+from etagent.divergence import largest_magnitude
+from etagent.rl.algorithm import (
+    entropy_aware_advantages,
+    entropy_moments,
+    entropy_standardisation,
+    kl_estimate,
+    masked_sum,
+    policy_loss,
+    truncated_importance_weights,
+)
 from etagent.rl.batch import Batch, BatchPlan, micro_batches, token_logprobs
 from etagent.rl.distributed import max_all, sum_all
 from etagent.rl.policy import Policy
@@ -27,7 +35,7 @@ from etagent.rl.policy import Policy
 class NonFiniteUpdate(RuntimeError):
     """A mini-batch's gradient norm was not finite (raised before its optimizer step; the
     message says which of the loss's inputs were not finite where), or its step left weights
-    that are not finite. Either way nothing of the step is saved: the trainer stops
+    that are not finite or far past the run's range (etagent/divergence.py). Either way nothing of the step is saved: the trainer stops
     (etagent.errors.TrainingDiverged) before its save phase."""
 
 
@@ -97,6 +105,9 @@ def update(
         packed = policy.packs_sequences
         parts = [[mini[i] for i in part] for part in micro_batches([row_tokens[i] for i in mini], cfg.train.micro_batch_tokens, packed)]
         n_parts = int(max_all([len(parts)], device)[0])
+        standardisation = None
+        if cfg.algorithm.entropy_aware_advantage:  # AEPO: z over the optimizer step's tokens, every rank's
+            standardisation = mini_batch_entropy(policy, batch, parts, n_parts, packed, device)
         for k in range(n_parts):
             rows, weight = (parts[k], 1.0) if k < len(parts) else (parts[0], 0.0)
             micro = batch.micro(rows, packed)
@@ -105,10 +116,8 @@ def update(
                 gap = (logprobs.detach().float() - batch.rollout_logprobs[rows, : micro.response_width]).abs()
                 sums["mismatch"] += weight * float(masked_sum(gap, micro.loss_mask))
             micro_advantages = advantages[rows]
-            # AEPO: standardised over this micro-batch's tokens, as the reference (whose micro-batches were
-            # consecutive rows; ours are rows of similar length, rl/batch.py)
-            if cfg.algorithm.entropy_aware_advantage:
-                micro_advantages = entropy_aware_advantages(micro_advantages, entropy, micro.loss_mask)
+            if standardisation is not None:
+                micro_advantages = entropy_aware_advantages(micro_advantages, entropy, *standardisation)
             terms = policy_loss(
                 logprobs,
                 old[rows, : micro.response_width],
@@ -120,6 +129,7 @@ def update(
                 cfg.algorithm.clip_c,
                 cfg.algorithm.entropy_balanced_clipping,
                 None if weights is None else weights[rows, : micro.response_width],
+                cfg.algorithm.log_ratio_clamp,
             )
             loss = terms.loss
             if ref is not None:
@@ -161,33 +171,55 @@ def update(
     }
 
 
+@torch.no_grad()
+def mini_batch_entropy(policy: Policy, batch: Batch, parts: list[list[int]], n_parts: int, packed: bool, device) -> tuple[float, float]:
+    """The mean and std of the token entropies over a mini-batch's policy tokens on every rank,
+    under the current weights, for AEPO's entropy-aware advantage: one forward pass without
+    gradients over the mini-batch's micro-batches before its update (the statistic needs every
+    token before the first backward), as many passes on every rank (each is a collective under
+    FSDP2). The reference standardised per micro-batch, which made the step depend on
+    ``train.micro_batch_tokens`` and the number of ranks."""
+    moments = torch.zeros(3, dtype=torch.float64)
+    for k in range(n_parts):
+        rows = parts[k] if k < len(parts) else parts[0]
+        micro = batch.micro(rows, packed)
+        _, entropy = token_logprobs(policy, micro, with_entropy=True)
+        if k < len(parts):
+            moments += entropy_moments(entropy, micro.loss_mask).cpu()
+    return entropy_standardisation(torch.tensor(sum_all(moments.tolist(), device), dtype=torch.float64))
+
+
 def optimizer_step(
     policy: Policy, optimizer: torch.optim.Optimizer, grad_clip: float, device: torch.device, where: str, problems: list[str], gap: float
 ) -> float:
     """Clip the gradient and step, or raise :class:`NonFiniteUpdate` without stepping when its norm
-    is not finite (the same norm on every rank: all of them stop), saying what the micro-batches
-    found (``problems``, the largest |log-prob - old| ``gap``); also when the step itself left
-    weights that are not finite. The clipped gradient's norm before clipping."""
+    is not finite or a micro-batch's loss was not (on any rank: all of them stop), saying what
+    the micro-batches found (``problems``, the largest |log-prob - old| ``gap``); also when the
+    step itself left weights that are not finite or far past their range. The clipped gradient's
+    norm before clipping. (A NaN input can leave the gradient finite: the log-ratio clamp passes
+    no gradient to it. Its loss is NaN all the same.)"""
     from torch.distributed.tensor import DTensor
 
+    if policy.weight_check.limit is None:  # from the weights this run (or its resume) starts with
+        policy.weight_check.start(max_all([largest_magnitude(policy)], device)[0])
     grad_norm = torch.nn.utils.clip_grad_norm_(policy.parameters(), grad_clip)
     if isinstance(grad_norm, DTensor):
         grad_norm = grad_norm.full_tensor()
-    if not math.isfinite(float(grad_norm)):
+    if not math.isfinite(float(grad_norm)) or max_all([float(len(problems))], device)[0]:
         optimizer.zero_grad(set_to_none=True)
         raise NonFiniteUpdate(
-            f"{where}: gradient norm {float(grad_norm)}, so its optimizer step was not taken "
+            f"{where}: gradient norm {float(grad_norm)}{', a micro-batch loss not finite' if problems else ''}, so its optimizer step was not taken "
             f"(the weights are those before it). On this rank: {' | '.join(problems) or 'every micro-batch loss finite'}; "
             f"largest |log-prob - old log-prob| at a policy token {gap:.4g}"
         )
     optimizer.step()
     optimizer.zero_grad(set_to_none=True)
-    # a finite gradient can still take a step that overflows (a learning rate far too high)
-    broken = max_all([float(non_finite_values(policy))], device)[0]
+    # a finite gradient can still take a step that overflows, or nearly (a learning rate far too high)
+    broken = max_all([float(policy.weight_check.broken(policy))], device)[0]
     if broken:
         raise NonFiniteUpdate(
             f"{where}: its optimizer step (gradient norm {float(grad_norm):.4g}) left "
-            f"{int(broken)} parameter values that are not finite on a rank"
+            f"{int(broken)} parameter values {policy.weight_check.describe()} on a rank"
         )
     return float(grad_norm)
 

@@ -62,21 +62,35 @@ class LossTerms:
     ratio_sum: torch.Tensor
 
 
-def entropy_aware_advantages(advantages: torch.Tensor, entropy: torch.Tensor, mask: torch.Tensor, scale: float = 0.2) -> torch.Tensor:
-    """AEPO's entropy-aware advantage: A_t (1 + scale z_t), z_t the token entropy standardised
-    over the masked tokens given (mean, unbiased std; a std of 0 counts as 1), no gradient through
+def entropy_moments(entropy: torch.Tensor, mask: torch.Tensor) -> torch.Tensor:
+    """(count, sum, sum of squares) of the token entropies at the masked tokens, in float64: what
+    :func:`entropy_standardisation` needs, summed over micro-batches and ranks first."""
+    values = entropy.detach()[mask.to(torch.bool)].double()
+    return torch.stack([values.new_tensor(float(values.numel())), values.sum(), (values**2).sum()])
+
+
+def entropy_standardisation(moments: torch.Tensor) -> tuple[float, float]:
+    """Mean and unbiased std of the entropies whose :func:`entropy_moments` (summed) are given;
+    a std of 0, or of fewer than two tokens, counts as 1 (z is then 0 everywhere)."""
+    count, total, squares = (float(x) for x in moments)
+    if count == 0:
+        return 0.0, 1.0
+    mean = total / count
+    variance = (squares - count * mean * mean) / (count - 1) if count > 1 else 0.0
+    std = max(variance, 0.0) ** 0.5
+    return mean, std if std > 0 else 1.0
+
+
+def entropy_aware_advantages(advantages: torch.Tensor, entropy: torch.Tensor, mean: float, std: float, scale: float = 0.2) -> torch.Tensor:
+    """AEPO's entropy-aware advantage: A_t (1 + scale z_t), z_t = (H_t - mean) / std, the token
+    entropy standardised by the mean and std of the optimizer step's tokens
+    (:func:`entropy_standardisation` of their moments over every micro-batch and rank, so that
+    neither the micro-batch size nor the number of ranks changes a number), no gradient through
     it. ``advantages`` is (B,) or (B, T); the result is (B, T). The reference standardises over
     each micro-batch and needs an entropy it never computes, so it does nothing there."""
     if advantages.dim() == 1:
         advantages = advantages[:, None].expand_as(entropy)
-    valid = mask.to(torch.bool)
-    values = entropy.detach()[valid].float()
-    if values.numel() == 0:
-        return advantages
-    mean = values.mean()
-    std = values.std() if values.numel() > 1 else values.new_tensor(0.0)
-    std = torch.where(std > 0, std, torch.ones_like(std))
-    return advantages * (1.0 + scale * (entropy.detach() - mean) / std)
+    return advantages * (1.0 + scale * (entropy.detach().float() - mean) / std)
 
 
 def policy_loss(
@@ -90,6 +104,7 @@ def policy_loss(
     clip_c: float = 3.0,
     entropy_balanced_clipping: bool = False,
     rollout_weights: torch.Tensor | None = None,
+    log_ratio_clamp: float | None = 20.0,
 ) -> LossTerms:
     """The PPO clipped objective with dual clip, as a sum over masked tokens divided by
     ``tokens``. ``advantages`` is (B,) or (B, T).
@@ -106,11 +121,18 @@ def policy_loss(
     a masked position still poisons the sum and its gradient.
 
     ``rollout_weights`` (B, T), from :func:`truncated_importance_weights`, multiply each token's
-    clipped loss: the correction for rollouts sampled by another engine than the trainer."""
+    clipped loss: the correction for rollouts sampled by another engine than the trainer.
+
+    ``log_ratio_clamp`` (verl's 20): logp - logp_old is clamped to [-c, c] before the exponential,
+    so one token whose log-ratio passes float32's exp (88.7) cannot make the loss infinite and
+    end the run; a token beyond the clamp passes no gradient through its ratio. None: no clamp."""
     if advantages.dim() == 1:
         advantages = advantages[:, None].expand_as(logprobs)
     mask = mask.to(logprobs.dtype)
-    ratio = torch.exp(logprobs - old_logprobs)
+    log_ratio = logprobs - old_logprobs
+    if log_ratio_clamp is not None:
+        log_ratio = torch.clamp(log_ratio, -log_ratio_clamp, log_ratio_clamp)
+    ratio = torch.exp(log_ratio)
     unclipped = -advantages * ratio
     if entropy_balanced_clipping:
         upper = (1.0 + clip_high) * torch.exp(logprobs - logprobs.detach())

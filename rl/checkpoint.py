@@ -136,11 +136,21 @@ class AdapterExport:
     base: str
 
 
-def export_model(target: Path, lm, tokenizer, dtype: torch.dtype, bucket_bytes: int, adapter: AdapterExport | None = None) -> None:
+def export_model(
+    target: Path,
+    lm,
+    tokenizer,
+    dtype: torch.dtype,
+    bucket_bytes: int,
+    adapter: AdapterExport | None = None,
+    dropout: dict[str, float] | None = None,
+) -> None:
     """``lm`` (the transformers model inside the sharded policy) as a save_pretrained folder in
     ``dtype`` at ``target`` (with LoRA: merged), or its adapters alone as peft's adapter folder
     (``adapter``), whole or not at all: gathered bucket by bucket, kept on rank 0's host memory
-    only, written to ``target.tmp`` and renamed."""
+    only, written to ``target.tmp`` and renamed. ``dropout``: the model's own dropout
+    probabilities, which training ran without (rl/policy.py's switch_off_dropout), written back
+    into the config."""
     rank = dist.get_rank()
     weights = {}
     for name, tensor in adapter_weights(lm, dtype) if adapter else stream_weights(lm, dtype, bucket_bytes):
@@ -158,6 +168,7 @@ def export_model(target: Path, lm, tokenizer, dtype: torch.dtype, bucket_bytes: 
             # the config says what the weights are: the export dtype, not the training copy's float32
             config = json.loads((tmp / "config.json").read_text())
             config["dtype"] = str(dtype).removeprefix("torch.")
+            config.update(dropout or {})
             (tmp / "config.json").write_text(json.dumps(config, indent=2, sort_keys=True) + "\n")
         tokenizer.save_pretrained(tmp)
         if target.exists():

@@ -90,6 +90,7 @@ class AlgorithmSettings:
     entropy_balanced_clipping: bool = MISSING
     entropy_aware_advantage: bool = MISSING
     tis_cap: Annotated[float, Ge(1)] | None = MISSING
+    log_ratio_clamp: PositiveFloat | None = MISSING
     truncated: Annotated[str, OneOf("train", "mask", "wrong")] = MISSING
 
 

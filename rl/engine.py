@@ -8,7 +8,9 @@ module itself, and everything the trainer does around generation follows from it
 ==============================  ==========================================  ==========================================
 around generation               every layer gathered, lent to a plain twin  nothing (it holds its own copy)
 after generation (``sleep``)    its decoding thread ends, caches dropped    asleep, level 2: the weights dropped
-after the update (``sync``)     nothing: it is the policy                    the new weights streamed in (rl/weights.py)
+                                                                             (with LoRA level 1: the base kept)
+after the update (``sync``)     nothing: it is the policy                    the new weights streamed in (rl/weights.py);
+                                                                             with LoRA the adapters, beside the base
 old log-probabilities           the rollout's own                            recomputed by the trainer
 truncated importance sampling   only for stale tokens of partial rollouts    always (``algorithm.tis_cap``)
 its log-probabilities' gap      measured in the update's first mini-batch    measured against the recomputed ones
@@ -22,16 +24,20 @@ shape the rollout (rl/rollout.py).
 from __future__ import annotations
 
 import os
+import shutil
+import tempfile
 from contextlib import AbstractContextManager, contextmanager, nullcontext
 from dataclasses import replace
+from pathlib import Path
 
 import torch
 from omegaconf import DictConfig
 
 from etagent.config import LoraSettings, build
 from etagent.errors import SettingError
+from etagent.rl.adapters import save_adapter
 from etagent.rl.policy import Policy, gathered, lend_gathered, unhooked_twin
-from etagent.rl.weights import sync_engine
+from etagent.rl.weights import adapter_weights, release_cached_memory, sync_engine
 
 
 class ColocatedEngine:
@@ -55,6 +61,12 @@ class ColocatedEngine:
 
     def sync(self) -> None:
         """Bring the engine to the policy's current weights (after an update, or on resume)."""
+
+    def start(self, resumed: bool) -> None:
+        """Before the first step: the engine began from the stage's starting weights, which a
+        resumed policy has moved on from."""
+        if resumed:
+            self.sync()
 
     def close(self) -> None:
         """At the end of the run."""
@@ -106,6 +118,42 @@ class CopiedWeightsEngine(ColocatedEngine):
 
     def close(self) -> None:
         self.generator.shutdown()
+
+
+class AdapterEngine(CopiedWeightsEngine):
+    """``vllm`` with ``lora.enabled``: the engine holds the stage's base weights, which never
+    change, and serves every request with the policy's LoRA adapter beside them (vLLM's
+    ``enable_lora``), sent after every update as peft's adapter folder in float32. The trainer
+    computes x W^T + s (x A^T) B^T with the adapters apart from the frozen bf16 base; merged
+    into a bf16 weight, an update smaller than half a bf16 step of W would be rounded away (at
+    Qwen2.5-7B's shapes and lr 1e-5, most of each step's), so the sampler would lag the policy.
+    Asleep at level 1 while the trainer steps: the base is kept (in host memory on a GPU), not
+    dropped."""
+
+    def __init__(self, generator, policy: Policy, device: torch.device, lora: LoraSettings, base: str):
+        super().__init__(generator, policy, device, None, 0)
+        self.lora, self.base = lora, base
+        self.folder = Path(tempfile.mkdtemp(prefix="etagent-adapter-"))
+
+    def sleep(self) -> None:
+        self.generator.sleep(level=1)
+
+    def sync(self) -> None:
+        adapters = {}
+        for name, tensor in adapter_weights(self.policy.lm, torch.float32):  # every rank gathers every adapter
+            adapters[name] = tensor.cpu()
+        release_cached_memory(self.device)
+        self.generator.wake_up(["weights"])
+        save_adapter(self.folder, adapters, self.lora, self.base)
+        self.generator.load_adapter(str(self.folder))
+        self.generator.wake_up(["kv_cache"])
+
+    def start(self, resumed: bool) -> None:
+        self.sync()  # every request carries the adapter, from the first one
+
+    def close(self) -> None:
+        super().close()
+        shutil.rmtree(self.folder, ignore_errors=True)
 
 
 def check_engine_settings(cfg: DictConfig) -> None:
@@ -160,5 +208,8 @@ def colocated_engine(
         return LivePolicyEngine(generator, policy, twin)
     weight_dtype = None if cfg.engine.dtype == "auto" else getattr(torch, cfg.engine.dtype)
     settings = build(EngineConfig, cfg.engine)
-    generator = make_engine(replace(settings, vllm=replace(settings.vllm, colocated=True)))
+    vllm = replace(settings.vllm, colocated=True, max_lora_rank=lora.rank if lora else None)
+    generator = make_engine(replace(settings, vllm=vllm))
+    if lora:
+        return AdapterEngine(generator, policy, device, lora, str(cfg.model))
     return CopiedWeightsEngine(generator, policy, device, weight_dtype, bucket_bytes)

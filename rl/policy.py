@@ -37,6 +37,7 @@ from torch import nn
 from torch.utils.checkpoint import checkpoint
 
 from etagent.config import LoraSettings
+from etagent.divergence import WeightCheck
 from etagent.rl.adapters import adapters_disabled, add_adapters, initial_weights
 from etagent.rl.algorithm import entropy_from_logprobs
 
@@ -52,6 +53,10 @@ class Policy(nn.Module):
             raise ValueError(f"the policy's log-probabilities need a sampling temperature > 0, got {temperature}")
         self.lm = lm
         self.chunk_tokens = chunk_tokens
+        # the model's own dropout probabilities that training runs without (switch_off_dropout),
+        # for exports to write back into their config
+        self.dropout: dict[str, float] = {}
+        self.weight_check = WeightCheck()  # after every optimizer step (rl/actor.py)
         # the rollouts were sampled from softmax(logits / T): the ratio and the entropy are of that
         # distribution, as verl's actor computes them
         self.temperature = temperature
@@ -162,6 +167,7 @@ def load_policy(
 
     tokenizer = AutoTokenizer.from_pretrained(path)
     config = AutoConfig.from_pretrained(path)
+    dropout = switch_off_dropout(config)
     # parameters on the meta device; buffers (rotary frequencies) computed for real, because no
     # checkpoint holds them
     with init_empty_weights():
@@ -176,6 +182,7 @@ def load_policy(
     elif gradient_checkpointing:
         lm.gradient_checkpointing_enable(gradient_checkpointing_kwargs={"use_reentrant": False})
     policy = Policy(lm, chunk_tokens, temperature)
+    policy.dropout = dropout
     mesh = init_device_mesh(device.type, (dist.get_world_size(),))
     precision = MixedPrecisionPolicy(param_dtype=compute_dtype, reduce_dtype=torch.float32)
     for layer in lm.get_decoder().layers:
@@ -199,6 +206,22 @@ def load_policy(
         policy(ids, torch.ones_like(ids), torch.arange(2, device=device)[None], torch.zeros(1, dtype=torch.long, device=device))
     policy.reshard()  # the root keeps its parameters gathered after a forward (for the backward)
     return policy, tokenizer
+
+
+def switch_off_dropout(config) -> dict[str, float]:
+    """Set every dropout probability of ``config`` (its text model's: ``attention_dropout``,
+    ``hidden_dropout``, GPT-2's ``*_pdrop``, ...) to 0 before the model is built from it, and
+    return the ones that were not 0. RL's ratio compares the trainer's log-probabilities with the
+    sampler's, which runs without dropout: a trainer with it computes another function (TRL's
+    ``disable_dropout`` does the same). Exports write the model's own values back."""
+    text = config.get_text_config()
+    found = {}
+    for key, value in text.to_dict().items():
+        if ("dropout" in key or key.endswith("_pdrop")) and isinstance(value, float) and not isinstance(value, bool):
+            if value:
+                found[key] = value
+            setattr(text, key, 0.0)
+    return found
 
 
 def read_checkpoint(path: Path, config) -> dict[str, torch.Tensor]:

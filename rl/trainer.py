@@ -24,6 +24,7 @@ import torch
 import torch.distributed as dist
 from omegaconf import DictConfig, OmegaConf
 
+from etagent import protocol
 from etagent.agent import AgentConfig, AgentLoop, TrajectoryState
 from etagent.config import build
 from etagent.errors import DegradedRun, SettingError, TrainingDiverged
@@ -150,8 +151,7 @@ def setup(cfg: DictConfig) -> Trainer:
     total = int(cfg.train.max_steps or len(prompts) // per_step * cfg.data.epochs)
 
     engine = colocated_engine(cfg, policy, tokenizer, device, int(cfg.train.weight_bucket_mb) << 20, lora)
-    if checkpoint:  # the engine started from the stage's starting weights; the resumed policy has moved on
-        engine.sync()
+    engine.start(resumed=checkpoint is not None)
     return Trainer(
         cfg=cfg,
         out=out,
@@ -179,6 +179,7 @@ def setup(cfg: DictConfig) -> Trainer:
             dtype=getattr(torch, cfg.train.export_dtype),
             bucket_bytes=int(cfg.train.weight_bucket_mb) << 20,
             adapter=AdapterExport(lora, str(cfg.model)) if lora and lora.export == "adapter" else None,
+            dropout=policy.dropout,
         ),
     )
 
@@ -204,10 +205,8 @@ def train_step(trainer: Trainer, step: int, loop: AgentLoop, greedy: AgentLoop, 
     with phase("reward", metrics):
         factor = sigma_factor(step, trainer.total) if trainer.reward.decay else 1.0
         rows = rewards_of(rollouts.groups, rollouts.prompts, trainer.reward, factor, trainer.tokenizer)
-        if cfg.algorithm.truncated == "wrong":  # scored as a wrong answer: raw 0, the format penalty stays
-            for row in rows:
-                if row["finish_reason"] in TRUNCATED:
-                    row["raw"], row["reward"] = 0.0, row["f_format"]
+        if cfg.algorithm.truncated == "wrong":
+            score_truncated_as_wrong(rows)
     with phase("advantage", metrics):
         scores = torch.tensor([r["reward"] for r in rows])
         served = torch.tensor([r["finish_reason"] != "error" for r in rows])  # failures are left out of the baseline
@@ -263,7 +262,12 @@ def train_step(trainer: Trainer, step: int, loop: AgentLoop, greedy: AgentLoop, 
     with phase("sync", metrics):
         trainer.engine.sync()
 
-    metrics.update(step_metrics(trainer, rows, batch, old, factor, metrics["timing_s/generate"], comparable))
+    # the rollout's log-probabilities against the recomputed old ones, over the tokens these
+    # weights sampled (a stale token's gap is the policy's change, not the engine's numerics);
+    # where the rollout's are the old ones, the update measured it (rollout_mismatch above)
+    recomputed = comparable and not trainer.engine.rollout_logprobs_are_old(stale_tis)
+    fresh = pack(trajectories, pad_id, untrained, step - 1).loss_mask.to(trainer.device) if cfg.rollout.partial else batch.loss_mask
+    metrics.update(step_metrics(trainer, rows, batch, old if recomputed else None, fresh, factor, metrics["timing_s/generate"]))
     metrics.update(rollout_metrics(gather_objects(rollouts.counts)))  # tallies differ in keys between ranks
     if trainer.validation and (step % cfg.train.validate_every == 0 or step == trainer.total):
         with phase("validate", metrics):
@@ -376,6 +380,18 @@ REWARD_READS = {
 }
 
 
+def score_truncated_as_wrong(rows: list[dict]) -> None:
+    """``algorithm.truncated=wrong``: a truncated rollout (length, context) scores as a wrong
+    answer, raw 0, its format penalty kept. In the default reward it already does: the policy
+    cannot close an answer block without stopping (``</answer>`` is a stop string), so a cut
+    response holds none of its own and fails the format. Only in the paper's mode, which reads
+    tool results too, can a cut response score: an answer block a tool printed (docs/rl.md,
+    "Truncated responses")."""
+    for row in rows:
+        if row["finish_reason"] in TRUNCATED:
+            row["raw"], row["reward"] = 0.0, row["f_format"]
+
+
 def rewards_of(groups: list[list[TrajectoryState]], prompts: list[Prompt], reward: RewardSettings, factor: float, tokenizer):
     """Per trajectory (flat, group by group): the reward terms, the length the reward used.
 
@@ -385,38 +401,43 @@ def rewards_of(groups: list[list[TrajectoryState]], prompts: list[Prompt], rewar
     tool results included, as its released code did: an answer a tool printed counts there."""
     rows = []
     for prompt, group in zip(prompts, groups):
-        texts = [tokenizer.decode(t.response_ids, skip_special_tokens=False) for t in group]
         if reward.mode == "paper":  # as the released reward manager decoded it: no special tokens
             scored = [tokenizer.decode(t.response_ids, skip_special_tokens=True) for t in group]
-            lengths, calls = [len(t.response_ids) for t in group], None
+            lengths, calls = [len(t.response_ids) for t in group], [protocol.count_tool_calls(text) for text in scored]
         else:
             scored = [policy_text(t.response_ids, t.origin, tokenizer) for t in group]
             lengths, calls = [t.n_generated for t in group], [t.executed() for t in group]
+        # the group's statistics (the tool-call mean, the length z-scores) are over the members
+        # the engine served: a failure is no rollout, and its empty response would move them
+        served = [k for k, t in enumerate(group) if t.finish_reason != "error"]
         terms = efficiency_reward(
             prompt.data_source,
             prompt.question.answer,
-            scored,
-            lengths,
+            [scored[k] for k in served],
+            [lengths[k] for k in served],
             reward.sigma_tool * factor,
             reward.sigma_length * factor,
             reward.mode,
-            tool_calls=calls,
+            tool_calls=[calls[k] for k in served],
         )
+        at = {k: i for i, k in enumerate(served)}
         for k, t in enumerate(group):
+            i = at.get(k)
+            # a failure scores nothing (its advantage is 0 and its tokens masked: rl/algorithm.py)
             rows.append(
                 {
                     "id": t.id,
                     "index": prompt.index,
-                    "reward": terms.rewards[k],
-                    "raw": terms.raw[k],
-                    "tool_calls": terms.tool_calls[k],
-                    "f_tool": terms.f_tool[k],
-                    "f_length": terms.f_length[k],
-                    "f_format": terms.f_format[k],
+                    "reward": 0.0 if i is None else terms.rewards[i],
+                    "raw": 0.0 if i is None else terms.raw[i],
+                    "tool_calls": calls[k],
+                    "f_tool": 1.0 if i is None else terms.f_tool[i],
+                    "f_length": 1.0 if i is None else terms.f_length[i],
+                    "f_format": 0.0 if i is None else terms.f_format[i],
                     "length": lengths[k],
                     "finish_reason": t.finish_reason,
                     "error": t.error,
-                    "text": texts[k],
+                    "text": tokenizer.decode(t.response_ids, skip_special_tokens=False),
                     "segments": origin_segments(t.response_ids, t.origin, tokenizer),
                 }
             )
@@ -424,24 +445,26 @@ def rewards_of(groups: list[list[TrajectoryState]], prompts: list[Prompt], rewar
 
 
 def step_metrics(
-    trainer: Trainer, rows: list[dict], batch: Batch, old: torch.Tensor, factor: float, generate_s: float, comparable: bool
+    trainer: Trainer, rows: list[dict], batch: Batch, old: torch.Tensor | None, fresh: torch.Tensor, factor: float, generate_s: float
 ) -> dict:
-    """The rollouts' means over every rank's rows; with vLLM, its log-probabilities' mismatch with
-    the trainer's old ones over every policy token (when vLLM gave them at the sampling
-    temperature: at T = 1)."""
+    """The rollouts' means over every rank's rows the engine served; given the recomputed ``old``
+    log-probabilities (vLLM, or partial rollouts with TIS), the rollout's mismatch with them over
+    the policy tokens the current weights sampled (``fresh``, a loss mask)."""
     mask = batch.loss_mask
+    served = [r for r in rows if r["finish_reason"] != "error"]  # failures are counted apart (engine/failed)
     local = [
-        len(rows),
-        sum(r["reward"] for r in rows),
-        sum(r["raw"] for r in rows),
-        sum(r["tool_calls"] for r in rows),
-        sum(r["length"] for r in rows),
-        sum(r["f_format"] < 0 for r in rows),
+        len(served),
+        sum(r["reward"] for r in served),
+        sum(r["raw"] for r in served),
+        sum(r["tool_calls"] for r in served),
+        sum(r["length"] for r in served),
+        sum(r["f_format"] < 0 for r in served),
         float(mask.sum()),
     ]
-    if not trainer.engine.samples_live_policy and comparable:  # its gap to the recomputed old log-probabilities
-        local.append(logprob_mismatch(batch.rollout_logprobs, old, mask)["mean_abs"] * float(mask.sum()))
+    if old is not None:
+        local += [logprob_mismatch(batch.rollout_logprobs, old, fresh)["mean_abs"] * float(fresh.sum()), float(fresh.sum())]
     n, reward, raw, calls, length, bad_format, policy_tokens, *mismatch = sum_all(local, trainer.device)
+    n = max(n, 1.0)  # a step whose every trajectory failed stops before this (check_engine_failures)
     metrics = {
         "reward/mean": reward / n,
         "reward/raw": raw / n,
@@ -452,7 +475,7 @@ def step_metrics(
         "rollout/tokens_per_s": policy_tokens / max(generate_s, 1e-9),
     }
     if mismatch:
-        metrics["rollout/logprob_mismatch"] = mismatch[0] / max(policy_tokens, 1.0)
+        metrics["rollout/logprob_mismatch"] = mismatch[0] / max(mismatch[1], 1.0)
     return metrics
 
 

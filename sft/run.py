@@ -139,21 +139,28 @@ def step_progress(bar: bool):
 
 
 def finite_weights_check(out: Path):
-    """A Trainer callback that counts the weights that are not finite after every optimizer step
+    """A Trainer callback that counts the weights that are not finite, or far past their range at
+    the start, after every optimizer step
     (etagent/divergence.py) and stops the run before the step's checkpoint or the final model is
     saved (the Trainer saves after ``on_step_end``): the last checkpoint on disk is the last good
     one, and no model of NaN weights is written."""
     from transformers import TrainerCallback
 
-    from etagent.divergence import non_finite_values
+    from etagent.divergence import WeightCheck, largest_magnitude
+
+    check = WeightCheck()
 
     class FiniteWeights(TrainerCallback):
+        def on_step_begin(self, args, state, control, model=None, **kwargs):
+            if check.limit is None:  # from the weights the run (or its resume) starts with
+                check.start(largest_magnitude(model))
+
         def on_step_end(self, args, state, control, model=None, **kwargs):
-            broken = non_finite_values(model)
+            broken = check.broken(model)
             if broken:
                 last = last_complete_checkpoint(out / "checkpoints")
                 raise TrainingDiverged(
-                    f"SFT step {state.global_step}: the optimizer step left {broken} weight values that are not finite. Nothing of "
+                    f"SFT step {state.global_step}: the optimizer step left {broken} weight values {check.describe()}. Nothing of "
                     f"this step was saved; the last checkpoint is {last or 'none (the run starts from model)'}. Lower "
                     "train.learning_rate (or train.max_grad_norm) and rerun with --restart or into a new out_dir"
                 )

@@ -8,7 +8,9 @@ import subprocess
 import sys
 
 import pytest
+import torch
 
+from etagent import protocol
 from etagent.rl.paper_reward import validation_score
 from etagent.rl.reward import efficiency_reward, length_zscores, raw_correctness, relative_factor, sigma_factor
 
@@ -199,3 +201,97 @@ def test_an_answer_printed_by_a_tool_is_not_the_policys(toy):
             # the paper's loophole, kept in its mode: the tool's answer block is read
             assert rows["cheat"]["raw"] == 1.0
         assert printed in rows["cheat"]["text"]  # what the report shows is the whole response
+
+
+@pytest.mark.parametrize("mode", ["default", "paper"])
+def test_a_trajectory_the_engine_failed_on_is_in_no_group_statistic(toy, mode):
+    """A group of five, one of which the engine failed on (finish reason error, an empty
+    response): the four served members' rewards, every term of them, and their GRPO advantages
+    are those of the group of four alone (the failure moved the tool-call mean and the length
+    z-scores before: one served member's advantage went from -0.234 to -0.285). The failure
+    scores nothing and its advantage is 0."""
+    from transformers import AutoTokenizer
+
+    from etagent.agent import Budgets, TrajectoryState
+    from etagent.records import Question, TokenOrigin, ToolCallRecord
+    from etagent.rl.algorithm import grpo_advantages
+    from etagent.rl.config import RewardSettings
+    from etagent.rl.rollout import Prompt
+    from etagent.rl.trainer import rewards_of
+
+    tokenizer = AutoTokenizer.from_pretrained(toy / "model")
+    question = Question(id="q", question="Who was born in 1873?", answer=["Zorvak Telmin"], source="toy_search", kind="qa")
+
+    def rollout(name: str, calls: int, answer: str, filler: int) -> TrajectoryState:
+        state = TrajectoryState(name, question, tokenizer.encode("q"), Budgets())
+        for _ in range(calls):
+            state.append(tokenizer.encode("<think>look</think><search>born 1873</search>", add_special_tokens=False), TokenOrigin.SAMPLED)
+            state.append(
+                tokenizer.encode(protocol.format_result("Zorvak Telmin was born in 1873."), add_special_tokens=False), TokenOrigin.TOOL
+            )
+            state.tool_calls.append(ToolCallRecord(tool="search", input="born 1873", output="Zorvak Telmin was born in 1873.", ok=True))
+        text = "<think>" + "so " * filler + f"</think><answer>\\boxed{{{answer}}}</answer>"
+        state.append(tokenizer.encode(text, add_special_tokens=False), TokenOrigin.SAMPLED)
+        state.finish_reason = "answer"
+        return state
+
+    served = [
+        rollout("a", 1, "Zorvak Telmin", 2),
+        rollout("b", 3, "Zorvak Telmin", 9),
+        rollout("c", 0, "Kess", 1),
+        rollout("d", 2, "Telmin", 5),
+    ]
+    failed = TrajectoryState("e", question, tokenizer.encode("q"), Budgets())
+    failed.finish_reason, failed.error = "error", "RuntimeError: the model failed on this input"
+    prompt = Prompt(index=0, data_source="qa_effi_rl", question=question)
+    settings = RewardSettings(mode=mode, sigma_tool=0.2, sigma_length=0.5, decay=False)
+
+    alone = rewards_of([served], [prompt], settings, 1.0, tokenizer)
+    mixed = rewards_of([served[:2] + [failed] + served[2:]], [prompt], settings, 1.0, tokenizer)
+    by_id = {row["id"]: row for row in mixed}
+    terms = ("reward", "raw", "tool_calls", "f_tool", "f_length", "f_format", "length")
+    for row in alone:
+        assert {t: by_id[row["id"]][t] for t in terms} == {t: row[t] for t in terms}
+    assert len({row["f_tool"] for row in alone}) > 1 and len({row["f_length"] for row in alone}) > 1  # the terms are at work
+    assert (by_id["e"]["reward"], by_id["e"]["raw"], by_id["e"]["finish_reason"]) == (0.0, 0.0, "error")
+
+    scores = torch.tensor([by_id[i]["reward"] for i in "abecd"])
+    valid = torch.tensor([by_id[i]["finish_reason"] != "error" for i in "abecd"])
+    advantages = grpo_advantages(scores, torch.zeros(5, dtype=torch.long), valid=valid)
+    expected = grpo_advantages(torch.tensor([row["reward"] for row in alone]), torch.zeros(4, dtype=torch.long))
+    assert advantages[[0, 1, 3, 4]].tolist() == pytest.approx(expected.tolist(), abs=1e-6)
+    assert advantages[2].item() == 0.0
+
+
+def test_truncated_as_wrong_differs_from_train_only_where_a_tool_printed_the_answer(toy):
+    """algorithm.truncated=wrong against train, on a rollout cut at its length budget after a
+    python call printed an answer block: in the default reward both give raw 0 and the format
+    penalty (the policy wrote no answer of its own; a cut response cannot hold one). In the
+    paper's mode, which reads the tool's output as the policy's, train scores the printed answer
+    and wrong scores 0 (docs/rl.md, "Truncated responses")."""
+    from transformers import AutoTokenizer
+
+    from etagent.agent import Budgets, TrajectoryState
+    from etagent.records import Question, TokenOrigin, ToolCallRecord
+    from etagent.rl.config import RewardSettings
+    from etagent.rl.rollout import Prompt
+    from etagent.rl.trainer import rewards_of, score_truncated_as_wrong
+
+    tokenizer = AutoTokenizer.from_pretrained(toy / "model")
+    question = Question(id="q", question="What is 2 + 2?", answer=["4"], source="toy_python", kind="math")
+    printed = "<think>done</think><answer>\\boxed{4}</answer>"
+    cut = TrajectoryState("cut", question, tokenizer.encode("q"), Budgets())
+    cut.append(tokenizer.encode("<think>compute</think><python>print(notes)</python>", add_special_tokens=False), TokenOrigin.SAMPLED)
+    cut.append(tokenizer.encode(protocol.format_result(printed), add_special_tokens=False), TokenOrigin.TOOL)
+    cut.append(tokenizer.encode("<think>so the answer is", add_special_tokens=False), TokenOrigin.SAMPLED)
+    cut.tool_calls = [ToolCallRecord(tool="python", input="print(notes)", output=printed, ok=True)]
+    cut.finish_reason = "length"
+    prompt = Prompt(index=0, data_source="math_effi_rl", question=question)
+    for mode, raw_when_trained in (("default", 0.0), ("paper", 1.0)):
+        settings = RewardSettings(mode=mode, sigma_tool=0.0, sigma_length=0.0, decay=False)
+        [trained] = rewards_of([[cut]], [prompt], settings, 1.0, tokenizer)
+        [wrong] = rewards_of([[cut]], [prompt], settings, 1.0, tokenizer)
+        score_truncated_as_wrong([wrong])
+        assert trained["raw"] == raw_when_trained, mode
+        assert (wrong["raw"], wrong["reward"]) == (0.0, wrong["f_format"]), mode
+        assert (trained == wrong) == (mode == "default"), mode

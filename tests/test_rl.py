@@ -522,6 +522,9 @@ def test_partial_rollouts_resume_with_their_groups_in_flight(sft_model_full, par
     history = metrics_of(straight)
     assert any(m["partial/carried_share"] > 0 for m in history) and all(m["partial/staleness_max"] <= 1 for m in history)
     assert ("timing_s/old_logprobs" in history[0]) == (stale_tokens == "tis")
+    # the hf engine's gap to the trainer's log-probabilities, logged either way (recomputed with
+    # tis: over the tokens these weights sampled, where it is the numerics alone)
+    assert all(0 <= m["rollout/logprob_mismatch"] < 1e-4 for m in history)
     if stale_tokens == "mask":
         rows = [json.loads(line) for line in (straight / "rollouts" / "step_2.jsonl").read_text().splitlines()]
         assert history[1]["actor/policy_tokens"] < sum(r["length"] for r in rows) or history[1]["partial/stale_token_share"] == 0

@@ -132,3 +132,32 @@ def test_a_trajectory_the_engine_failed_on_is_left_out_of_its_groups_baseline():
     without = grpo_advantages(torch.tensor([1.0, 0.0, 0.5, 0.3]), torch.tensor([0, 0, 1, 1]))
     assert a[[0, 1, 3, 4]].tolist() == pytest.approx(without.tolist())
     assert a[[2, 5, 6]].tolist() == [0.0, 0.0, 0.0]
+
+
+@pytest.mark.parametrize("clip_c", [3.0, 1e30])
+def test_a_log_ratio_past_floats_exponential_gives_a_finite_loss_and_gradient(clip_c):
+    """log pi - log pi_old = 100 (and -100) on policy tokens: exp(100) is infinite in float32,
+    so without a clamp the loss or its gradient is not finite (even where the dual clip caps the
+    loss's value), and the run ends. The clamp at 20 (verl's, algorithm.log_ratio_clamp) keeps
+    both finite; a token past it passes no gradient through its ratio, and the tokens inside it
+    get the gradient they get alone. With the dual clip's constant lifted (1e30), the negative
+    advantage's term is the clamped ratio itself, e^20."""
+    logprobs = torch.tensor([[100.0, -100.0, 0.1, -0.1]], requires_grad=True)
+    old = torch.zeros(1, 4)
+    advantages = torch.tensor([[-1.0, 1.0, 1.0, -1.0]])
+    mask = torch.ones(1, 4)
+    terms = policy_loss(logprobs, old, advantages, mask, tokens=4, clip_c=clip_c)
+    terms.loss.backward()
+    assert math.isfinite(terms.loss.item()) and torch.isfinite(logprobs.grad).all()
+    assert logprobs.grad[0, :2].tolist() == [0.0, 0.0]
+    inner = torch.tensor([[0.1, -0.1]], requires_grad=True)
+    alone = policy_loss(inner, old[:, 2:], advantages[:, 2:], mask[:, 2:], tokens=4, clip_c=clip_c)
+    alone.loss.backward()
+    assert logprobs.grad[0, 2:].tolist() == pytest.approx(inner.grad[0].tolist())
+    extreme = min(math.exp(20.0), clip_c)  # the first token's term: -A r, r clamped, capped by the dual clip
+    assert terms.loss.item() == pytest.approx(extreme / 4 + alone.loss.item(), rel=1e-5)
+
+    unclamped_logprobs = logprobs.detach().clone().requires_grad_()
+    unclamped = policy_loss(unclamped_logprobs, old, advantages, mask, tokens=4, clip_c=clip_c, log_ratio_clamp=None)
+    unclamped.loss.backward()
+    assert not (math.isfinite(unclamped.loss.item()) and torch.isfinite(unclamped_logprobs.grad).all())

@@ -360,13 +360,17 @@ def test_an_update_whose_gradient_is_not_finite_stops_before_its_optimizer_step(
                     "clip_c": 3.0,
                     "entropy_balanced_clipping": False,
                     "entropy_aware_advantage": False,
+                    "log_ratio_clamp": 20.0,
                 },
                 "optim": {"grad_clip": 1.0},
             }
         )
         before = {k: v.full_tensor().clone() for k, v in policy.state_dict().items()}
         plan = batch_plan(prompts_per_step=2, n=2, mini_batch_prompts=1, world=1)
-        with pytest.raises(NonFiniteUpdate, match=r"mini-batch 1 of 2: gradient norm nan.*old log-probabilities: 1 of 6 policy tokens"):
+        with pytest.raises(
+            NonFiniteUpdate,
+            match=r"mini-batch 1 of 2: gradient norm [0-9.e+-]+, a micro-batch loss not finite, so .*old log-probabilities: 1 of 6 policy tokens",
+        ):
             update(policy, optimizer, plan, batch, torch.tensor([1.0, -1.0, 1.0, -1.0]), old, None, cfg, torch.device("cpu"))
         assert all(torch.equal(v.full_tensor(), before[k]) for k, v in policy.state_dict().items())
         # a finite gradient whose step overflows the weights: caught right after the step,
@@ -375,17 +379,28 @@ def test_an_update_whose_gradient_is_not_finite_stops_before_its_optimizer_step(
         # far too high learning rate leaves it.
         from torch.distributed.tensor import DTensor
 
-        class OverflowingAdamW(torch.optim.AdamW):
-            def step(self, closure=None):
-                super().step(closure)
-                with torch.no_grad():
-                    weight = next(iter(policy.parameters()))
-                    (weight.to_local() if isinstance(weight, DTensor) else weight).view(-1)[0] = float("inf")
+        # So is a step that leaves a weight finite but far past any trained model's (1e37, as
+        # one step at a learning rate of 1e36 does): over the run's limit, 1e4 or 100 times the
+        # largest weight it started with (etagent/divergence.py).
+        for value in (float("inf"), 1e37):
 
-        overflowing = OverflowingAdamW(policy.parameters(), lr=1e-3)
-        advantages = torch.tensor([1.0, -1.0, 1.0, -1.0])
-        with pytest.raises(NonFiniteUpdate, match=r"mini-batch 1 of 2: its optimizer step \(gradient norm [0-9.e+-]+\) left 1 parameter"):
-            update(policy, overflowing, plan, batch, advantages, batch.rollout_logprobs, None, cfg, torch.device("cpu"))
+            class OverflowingAdamW(torch.optim.AdamW):
+                def step(self, closure=None, value=value):
+                    super().step(closure)
+                    with torch.no_grad():
+                        weight = next(iter(policy.parameters()))
+                        (weight.to_local() if isinstance(weight, DTensor) else weight).view(-1)[0] = value
+
+            overflowing = OverflowingAdamW(policy.parameters(), lr=1e-3)
+            advantages = torch.tensor([1.0, -1.0, 1.0, -1.0])
+            with pytest.raises(
+                NonFiniteUpdate,
+                match=r"mini-batch 1 of 2: its optimizer step \(gradient norm [0-9.e+-]+\) left 1 parameter values not finite or over 1e\+04",
+            ):
+                update(policy, overflowing, plan, batch, advantages, batch.rollout_logprobs, None, cfg, torch.device("cpu"))
+            with torch.no_grad():
+                weight = next(iter(policy.parameters()))
+                (weight.to_local() if isinstance(weight, DTensor) else weight).view(-1)[0] = 0.0
     finally:
         if created:
             dist.destroy_process_group()
@@ -420,6 +435,122 @@ def test_trajectories_the_engine_failed_on_are_counted_masked_and_stop_the_step_
         trainer.cfg.tools.max_failure_share = 0.2
         with pytest.raises(DegradedRun, match=r"step 1: the engine failed on 1 of 4 trajectories \(25.0%: RequestRejected \(1\)\)"):
             check_engine_failures(trainer, 1, groups)
+    finally:
+        if created:
+            dist.destroy_process_group()
+
+
+def update_settings(micro_batch_tokens: int, entropy_aware: bool):
+    from omegaconf import OmegaConf
+
+    return OmegaConf.create(
+        {
+            "train": {"micro_batch_tokens": micro_batch_tokens},
+            "algorithm": {
+                "clip_low": 0.2,
+                "clip_high": 0.28,
+                "clip_c": 3.0,
+                "entropy_balanced_clipping": True,
+                "entropy_aware_advantage": entropy_aware,
+                "log_ratio_clamp": 20.0,
+            },
+            "optim": {"grad_clip": 100.0},
+        }
+    )
+
+
+def test_aepos_entropy_aware_step_does_not_depend_on_the_micro_batches(toy):
+    """AEPO's entropy-aware advantage standardises the token entropies over the optimizer step's
+    tokens (every micro-batch, every rank), so one step from the same weights gives the same
+    gradient norm and the same weights after an SGD step at micro_batch_tokens 8192 (one pass)
+    and 24 (a pass per row or two), as a step without it does. Standardised per micro-batch, as the reference did,
+    the norms differed (0.390 against 0.331 in the probe that found it)."""
+    import torch.distributed as dist
+
+    from etagent.rl.actor import update
+    from etagent.rl.distributed import init_distributed
+    from etagent.rl.policy import load_policy
+
+    created = not dist.is_initialized()
+    init_distributed(torch.device("cpu"))
+    try:
+        generator = torch.Generator().manual_seed(0)
+        trajectories = [
+            trajectory(
+                torch.randint(5, 900, (3 + k % 3,), generator=generator).tolist(),
+                [(torch.randint(5, 900, (4 + 2 * k,), generator=generator).tolist(), TokenOrigin.SAMPLED)],
+            )
+            for k in range(4)
+        ]
+        batch = pack(trajectories, pad_id=0)
+        advantages = torch.tensor([1.0, -0.5, 0.8, -1.2])
+        plan = batch_plan(prompts_per_step=2, n=2, mini_batch_prompts=2, world=1)
+
+        def step(micro_batch_tokens: int, entropy_aware: bool):
+            policy, _ = load_policy(toy / "model", torch.device("cpu"), compute_dtype=torch.float32, chunk_tokens=64)
+            # plain SGD at lr 1: the weights move by the gradient itself (AdamW's first step is
+            # about lr sign(g), which rounding flips where g is near 0)
+            optimizer = torch.optim.SGD(policy.parameters(), lr=1.0)
+            old = batch.rollout_logprobs - 0.05  # ratios off 1, as after a first mini-batch
+            metrics = update(
+                policy,
+                optimizer,
+                plan,
+                batch,
+                advantages,
+                old,
+                None,
+                update_settings(micro_batch_tokens, entropy_aware),
+                torch.device("cpu"),
+            )
+            return metrics["actor/grad_norm"], {k: v.full_tensor() for k, v in policy.state_dict().items()}
+
+        for entropy_aware in (False, True):
+            norm_whole, weights_whole = step(8192, entropy_aware)
+            norm_parts, weights_parts = step(24, entropy_aware)
+            assert norm_parts == pytest.approx(norm_whole, rel=1e-5), entropy_aware
+            for name, value in weights_whole.items():
+                torch.testing.assert_close(weights_parts[name], value, atol=1e-6, rtol=0)
+    finally:
+        if created:
+            dist.destroy_process_group()
+
+
+def test_the_base_models_dropout_is_off_while_training_and_kept_in_the_export(toy, tmp_path):
+    """A model whose config asks for attention dropout (0.5 here) trains without it, as TRL's
+    GRPO does: RL's ratio compares the trainer's log-probabilities with the sampler's, which runs
+    without dropout, so in train mode two forwards give the same numbers, those of eval mode. The
+    exported model's config keeps the model's own 0.5."""
+    import json
+    import shutil
+
+    import torch.distributed as dist
+    from transformers import AutoTokenizer
+
+    from etagent.rl.checkpoint import export_model
+    from etagent.rl.distributed import init_distributed
+    from etagent.rl.policy import load_policy
+
+    model = tmp_path / "model"
+    shutil.copytree(toy / "model", model)
+    config = json.loads((model / "config.json").read_text())
+    (model / "config.json").write_text(json.dumps({**config, "attention_dropout": 0.5}))
+    created = not dist.is_initialized()
+    init_distributed(torch.device("cpu"))
+    try:
+        policy, _ = load_policy(model, torch.device("cpu"), compute_dtype=torch.float32, chunk_tokens=64)
+        assert policy.dropout == {"attention_dropout": 0.5}
+        ids = torch.randint(5, 900, (2, 24), generator=torch.Generator().manual_seed(0))
+        positions = torch.arange(24).expand_as(ids)
+        scored = torch.arange(23).expand(2, 23) + torch.tensor([[0], [24]])
+        runs = []
+        for training in (True, True, False):
+            policy.train(training)
+            with torch.no_grad():
+                runs.append(policy(ids, torch.ones_like(ids), positions, scored)[0])
+        assert torch.equal(runs[0], runs[1]) and torch.equal(runs[0], runs[2])
+        export_model(tmp_path / "export", policy.lm, AutoTokenizer.from_pretrained(model), torch.float32, 1 << 20, dropout=policy.dropout)
+        assert json.loads((tmp_path / "export" / "config.json").read_text())["attention_dropout"] == 0.5
     finally:
         if created:
             dist.destroy_process_group()

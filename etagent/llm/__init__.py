@@ -299,6 +299,7 @@ class VLLMConfig:
     enforce_eager: bool = False
     colocated: bool = False
     cpu_kv_cache_gb: PositiveFloat = 1.0
+    max_lora_rank: PositiveInt | None = None
 
 
 @group
@@ -362,22 +363,10 @@ def make_engine(cfg: EngineConfig):
     if cfg.kind == "vllm":
         from etagent.llm.vllm_engine import AsyncVLLMEngine, VLLMEngine
 
-        v = cfg.vllm
-        settings = dict(
-            dtype=cfg.dtype,
-            max_model_len=v.max_model_len,
-            gpu_memory_utilization=v.gpu_memory_utilization,
-            tensor_parallel_size=v.tensor_parallel_size,
-            enable_prefix_caching=v.enable_prefix_caching,
-            enforce_eager=v.enforce_eager,
-            cpu_kv_cache_gb=v.cpu_kv_cache_gb,
-            seed=cfg.seed,
-        )
         # colocated (RL): in the trainer's process, to take its weights; otherwise vLLM's async
         # engine, which batches every trajectory's requests as they come
-        if v.colocated:
-            return VLLMEngine.load(cfg.model, colocated=True, **settings)
-        return AsyncVLLMEngine.load(cfg.model, **settings)
+        form = VLLMEngine if cfg.vllm.colocated else AsyncVLLMEngine
+        return form.load(cfg.model, cfg.vllm, dtype=cfg.dtype, seed=cfg.seed)
     if cfg.kind == "openai":
         from etagent.llm.openai_engine import OpenAIEngine
 

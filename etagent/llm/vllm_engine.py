@@ -50,12 +50,15 @@ import threading
 import uuid
 from collections.abc import Mapping
 
-from etagent.llm import GenerationRequest, Sample, WeightStream, check_weights, sample_seed
+from etagent.llm import GenerationRequest, Sample, VLLMConfig, WeightStream, check_weights, sample_seed
 
 # Top log-probabilities per position a request may ask for: vLLM refuses every request above its
 # engine's max_logprobs, which the engines here are built with (RL checks rollout.top_logprobs
 # against it at start).
 MAX_LOGPROBS = 20
+
+# The LoRA ranks vLLM builds its kernels for (vllm/config/lora.py's MaxLoRARanks, 0.32-0.33).
+LORA_RANKS = (1, 8, 16, 32, 64, 128, 256, 320, 512)
 
 
 def _import_vllm():
@@ -95,45 +98,23 @@ class VLLMEngine:
         self._driver: threading.Thread | None = None
         self._in_flight = 0  # requests in vLLM at the driver's last turn
         self._closed = False
+        self.adapter = None  # the LoRA adapter every request is served with (vllm.lora.request.LoRARequest)
 
     @classmethod
-    def load(
-        cls,
-        model_path: str,
-        *,
-        dtype: str = "auto",
-        max_model_len: int | None = None,
-        gpu_memory_utilization: float = 0.5,
-        tensor_parallel_size: int = 1,
-        enable_prefix_caching: bool = True,
-        enforce_eager: bool = False,
-        cpu_kv_cache_gb: float = 1.0,
-        max_logprobs: int = MAX_LOGPROBS,
-        seed: int = 0,
-        colocated: bool = False,
-    ) -> VLLMEngine:
+    def load(cls, model_path: str, settings: VLLMConfig, *, dtype: str = "auto", seed: int = 0) -> VLLMEngine:
+        """``settings.colocated``: in the trainer's process under torchrun (vLLM's external
+        launcher); otherwise standalone, its engine core in this process on CPU."""
         vllm = _import_vllm()
 
-        if colocated and "RANK" not in os.environ:
+        if settings.colocated and "RANK" not in os.environ:
             raise RuntimeError("a colocated vllm engine runs in the trainer's process under torchrun (RANK is not set)")
-        kwargs, on_gpu = _engine_arguments(
-            model_path,
-            dtype,
-            max_model_len,
-            gpu_memory_utilization,
-            tensor_parallel_size,
-            enable_prefix_caching,
-            enforce_eager,
-            cpu_kv_cache_gb,
-            max_logprobs,
-            seed,
-        )
-        if colocated:
+        kwargs, on_gpu = _engine_arguments(model_path, settings, dtype, seed)
+        if settings.colocated:
             kwargs.update(distributed_executor_backend="external_launcher")
         elif not on_gpu:
             os.environ.setdefault("VLLM_ENABLE_V1_MULTIPROCESSING", "0")
         # tensors can be handed over only where the engine core shares this process
-        in_process = colocated or os.environ.get("VLLM_ENABLE_V1_MULTIPROCESSING") == "0"
+        in_process = settings.colocated or os.environ.get("VLLM_ENABLE_V1_MULTIPROCESSING") == "0"
         return cls(vllm.LLM(**kwargs), model_path, sleep_mode=on_gpu, in_process=in_process)
 
     # -- generation -------------------------------------------------------------------------
@@ -200,7 +181,7 @@ class VLLMEngine:
                     if future.cancelled():
                         continue  # its caller stopped waiting before it joined
                     try:  # one at a time, so a refusal answers only its own request
-                        (internal_id,) = self.llm.enqueue([call.prompt], [call.params], use_tqdm=False)
+                        (internal_id,) = self.llm.enqueue([call.prompt], [call.params], lora_request=self.adapter, use_tqdm=False)
                     except Exception as error:  # noqa: BLE001 - this request's error sample
                         _answer(future, error)
                         continue
@@ -276,6 +257,24 @@ class VLLMEngine:
                 "reload_weights", kwargs={"weights_iterator": _with_aliases(stream, missing_aliases), "is_checkpoint_format": True}
             )
             self.llm.reset_prefix_cache()
+
+    def load_adapter(self, folder: str) -> None:
+        """Serve every request from now on with the LoRA adapter in ``folder`` (peft's
+        ``adapter_model.safetensors`` and ``adapter_config.json``) beside the base weights, in
+        place of the one before: vLLM computes x W^T + s (x A^T) B^T with the adapter apart, as the
+        trainer does, so an update smaller than a bf16 step of W still reaches the samples (merged
+        into bf16 weights it would be rounded away). Needs the engine built with
+        ``max_lora_rank``; the prefix cache is reset (its keys and values came from the old one)."""
+        from vllm.lora.request import LoRARequest
+
+        if "weights" in self.asleep:
+            raise RuntimeError("load_adapter while the engine's weights sleep: call wake_up(['weights']) first")
+        with self._lock:
+            # in place of the adapter of the same id; the requests' own name it without
+            # load_inplace, which would reload it from disk at every step
+            self.llm.llm_engine.add_lora(LoRARequest("policy", 1, folder, load_inplace=True))
+            self.llm.reset_prefix_cache()
+        self.adapter = LoRARequest("policy", 1, folder)
 
     def reset_prefix_cache(self) -> None:
         """Drop the keys and values vLLM keeps for prefixes (benchmarks start each way from none)."""
@@ -365,38 +364,14 @@ class AsyncVLLMEngine:
         atexit.register(self.shutdown)
 
     @classmethod
-    def load(
-        cls,
-        model_path: str,
-        *,
-        dtype: str = "auto",
-        max_model_len: int | None = None,
-        gpu_memory_utilization: float = 0.5,
-        tensor_parallel_size: int = 1,
-        enable_prefix_caching: bool = True,
-        enforce_eager: bool = False,
-        cpu_kv_cache_gb: float = 1.0,
-        max_logprobs: int = MAX_LOGPROBS,
-        seed: int = 0,
-    ) -> AsyncVLLMEngine:
+    def load(cls, model_path: str, settings: VLLMConfig, *, dtype: str = "auto", seed: int = 0) -> AsyncVLLMEngine:
         """The engine core starts in a new process (spawned on CPU: the program's main module
         must be import-safe, as ``python -m <stage>.run`` modules are)."""
         _import_vllm()
         from vllm.engine.arg_utils import AsyncEngineArgs
         from vllm.v1.engine.async_llm import AsyncLLM
 
-        kwargs, on_gpu = _engine_arguments(
-            model_path,
-            dtype,
-            max_model_len,
-            gpu_memory_utilization,
-            tensor_parallel_size,
-            enable_prefix_caching,
-            enforce_eager,
-            cpu_kv_cache_gb,
-            max_logprobs,
-            seed,
-        )
+        kwargs, on_gpu = _engine_arguments(model_path, settings, dtype, seed)
         return cls(AsyncLLM.from_engine_args(AsyncEngineArgs(**kwargs)), model_path, sleep_mode=on_gpu)
 
     # -- generation -------------------------------------------------------------------------
@@ -485,18 +460,7 @@ class AsyncVLLMEngine:
         self.llm = None
 
 
-def _engine_arguments(
-    model_path: str,
-    dtype: str,
-    max_model_len: int | None,
-    gpu_memory_utilization: float,
-    tensor_parallel_size: int,
-    enable_prefix_caching: bool,
-    enforce_eager: bool,
-    cpu_kv_cache_gb: float,
-    max_logprobs: int,
-    seed: int,
-) -> tuple[dict, bool]:
+def _engine_arguments(model_path: str, settings: VLLMConfig, dtype: str, seed: int) -> tuple[dict, bool]:
     """vLLM's engine arguments for either form, and whether they are for a GPU."""
     import torch
 
@@ -504,20 +468,26 @@ def _engine_arguments(
     kwargs = dict(
         model=model_path,
         dtype=dtype,
-        max_model_len=max_model_len,
-        tensor_parallel_size=tensor_parallel_size,
-        enable_prefix_caching=enable_prefix_caching,
-        enforce_eager=enforce_eager,
-        max_logprobs=max_logprobs,
+        max_model_len=settings.max_model_len,
+        tensor_parallel_size=settings.tensor_parallel_size,
+        enable_prefix_caching=settings.enable_prefix_caching,
+        enforce_eager=settings.enforce_eager,
+        max_logprobs=MAX_LOGPROBS,
         seed=seed,
     )
+    if settings.max_lora_rank is not None:
+        # one adapter at a time (the policy's), of at most the rank vLLM's kernels are built for
+        rank = min((r for r in LORA_RANKS if r >= settings.max_lora_rank), default=None)
+        if rank is None:
+            raise ValueError(f"vLLM serves LoRA adapters of rank <= {LORA_RANKS[-1]}, not {settings.max_lora_rank}")
+        kwargs.update(enable_lora=True, max_lora_rank=rank, max_loras=1)
     if on_gpu:
-        kwargs.update(gpu_memory_utilization=gpu_memory_utilization, enable_sleep_mode=True)
+        kwargs.update(gpu_memory_utilization=settings.gpu_memory_utilization, enable_sleep_mode=True)
     else:
         # vLLM on CPU has no sleep mode (enable_sleep_mode raises there): sleep and wake_up do
         # nothing. Chunked prefill on CPU crashes seeded sampling in vLLM 0.32 (it rewinds the
         # offset of a CPU random generator, which has none): prefill whole prompts instead.
-        kwargs.update(kv_cache_memory_bytes=int(cpu_kv_cache_gb * (1 << 30)), enable_chunked_prefill=False)
+        kwargs.update(kv_cache_memory_bytes=int(settings.cpu_kv_cache_gb * (1 << 30)), enable_chunked_prefill=False)
     return kwargs, on_gpu
 
 

@@ -100,9 +100,14 @@ def assert_weight_update(found: dict) -> None:
 
 
 if __name__ == "__main__":
+    from etagent.llm import VLLMConfig
     from etagent.llm.vllm_engine import VLLMEngine
 
     model_dir = sys.argv[1]
-    engine = VLLMEngine.load(model_dir, dtype="float32", max_model_len=2048, cpu_kv_cache_gb=0.25, enforce_eager=True, colocated=True)
+    engine = VLLMEngine.load(
+        model_dir,
+        VLLMConfig(max_model_len=2048, gpu_memory_utilization=0.5, cpu_kv_cache_gb=0.25, enforce_eager=True, colocated=True),
+        dtype="float32",
+    )
     found = check_weight_update(engine, model_dir)
     print("WEIGHT-UPDATE " + json.dumps({**found, "in_process": engine.in_process}), flush=True)
