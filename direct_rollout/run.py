@@ -36,7 +36,7 @@ from etagent import scoring
 from etagent.direct_rollout.config import DirectRolloutConfig
 from etagent.errors import DegradedRun, exit_on_user_error
 from etagent.records import Judgement
-from etagent.sampling import run_sampling
+from etagent.sampling import degraded_reasons, describe_context_overflow, describe_engine_failures, plan_sampling, run_sampling
 from etagent.settings import check_paths
 from etagent.tools.executor import describe_failures
 
@@ -53,10 +53,19 @@ def chain_judgement(prediction: str, golds: Sequence[str], kind: str, qa_pass_ma
     return Judgement(metric="f1", score=score, verdict=score >= qa_pass_mark, threshold=qa_pass_mark)
 
 
+def plan(cfg: DictConfig) -> None:
+    """Everything the stage can refuse, before it claims its output folder: its own inputs first,
+    so a missing policy is named as the user set it (``model``), then the sampling's settings and
+    questions (etagent.sampling.plan_sampling, which :func:`run` runs inside run_sampling)."""
+    check_paths(DirectRolloutConfig, OmegaConf.to_container(cfg, resolve=True))
+    plan_sampling(cfg)
+
+
 def run(cfg: DictConfig) -> dict:
     """Roll out every question not yet in cfg.out_dir; return the summary metrics."""
     stage = f"direct_rollout/stage{cfg.rl_stage}"
-    # the stage's own inputs first, so a missing policy is named as the user set it (model)
+    # the stage's own inputs first, so a missing policy is named as the user set it (model); the
+    # sampling plans the rest before it claims the folder
     check_paths(DirectRolloutConfig, OmegaConf.to_container(cfg, resolve=True))
     return run_sampling(cfg, stage, judge=partial(chain_judgement, qa_pass_mark=cfg.qa_pass_mark), token_arrays=False)
 
@@ -67,19 +76,20 @@ def main(argv: list[str] | None = None) -> None:
 
     logging.basicConfig(level=logging.INFO, format="%(asctime)s %(name)s %(message)s")
     logging.getLogger("httpx").setLevel(logging.WARNING)  # one line per tool request is noise
-    for cfg in stage_configs("direct_rollout", argv, prog="python -m etagent.direct_rollout.run", doc=__doc__):
+    for cfg in stage_configs("direct_rollout", argv, prog="python -m etagent.direct_rollout.run", doc=__doc__, plan=plan):
         m = run(cfg)
         kinds = ", ".join(f"{kind} {s['mean_score']:.3f}" for kind, s in m["per_kind"].items())
         print(
             f"direct rollout for RL stage {cfg.rl_stage}: {m['trajectories']} chains of {m['questions']} questions in {cfg.out_dir}\n"
             f"  correctness {m['mean_score']:.3f} ({kinds}); tool calls {m['mean_tool_calls_executed']:.2f} executed, "
             f"{m['mean_tool_calls_written']:.2f} written; {m['mean_generated_tokens']:.0f} generated tokens; finish {m['finish_reasons']}\n"
-            f"  tool failures: {describe_failures(m['tool_failures'])}"
+            f"  tool failures: {describe_failures(m['tool_failures'])}\n"
+            f"  {describe_context_overflow(m['context_overflow'])}; {describe_engine_failures(m['engine_failures'])}"
         )
         if m["degraded"]:
             raise DegradedRun(
-                f"{describe_failures(m['tool_failures'])}, over tools.max_failure_share={cfg.tools.max_failure_share}: "
-                f"the records in {cfg.out_dir} are written but not to be trusted; fix the tools and rerun into a new out_dir"
+                f"{'; '.join(degraded_reasons(m, cfg.tools.max_failure_share))}, over tools.max_failure_share={cfg.tools.max_failure_share}: "
+                f"the records in {cfg.out_dir} are written but not to be trusted; rerun into a new out_dir once fixed"
             )
 
 

@@ -147,12 +147,17 @@ def convert_main(argv: list[str]) -> int:
     parser.add_argument("source", help="the file, folder or hf:<hub id> to read")
     parser.add_argument("out", help="the JSONL file to write")
     parser.add_argument(
-        "--kind", choices=("auto", "math", "qa"), default="auto", help="how answers are scored (auto: each row's kind or ability, else qa)"
+        "--kind",
+        choices=("auto", "math", "qa"),
+        default="auto",
+        help="how answers are scored (auto: each row's kind, ability or known data_source, else inferred from its answer)",
     )
     parser.add_argument(
         "--source-name", default=None, help="every question's source (default: the row's source or data_source, else the file's name)"
     )
-    parser.add_argument("--split", default=None, help="the split of a `datasets` folder or hub id (default: train)")
+    parser.add_argument(
+        "--split", default=None, help="the split to read of a source with several (a `datasets` folder, train/test parquet files, a hub id)"
+    )
     parser.add_argument(
         "--field",
         action="append",

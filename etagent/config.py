@@ -19,11 +19,13 @@ no ``outputs/`` folders); each stage saves its resolved config in its ``manifest
 from __future__ import annotations
 
 import os
+import re
 from collections.abc import Sequence
 from pathlib import Path
 from typing import Annotated, TypeVar
 
 from omegaconf import MISSING, DictConfig, ListConfig, OmegaConf
+from omegaconf.errors import OmegaConfBaseException
 
 from etagent.errors import MissingInput, SettingError, UserError
 from etagent.settings import FREE, Ge, Lt, OneOf, PositiveInt, group, validate
@@ -92,6 +94,39 @@ class LoraSettings:
             target_modules=list(self.target_modules),
             task_type="CAUSAL_LM",
         )
+
+    def check_targets(self, model: str) -> None:
+        """Before the model loads: every name in ``target_modules`` names a layer of ``model``
+        (a module called that, or ending in ``.<name>``: peft's match), and peft can put adapters
+        on all of them (its own injection, into the model built on the meta device). A model
+        given as a hub id or a .gguf file is not read here."""
+        from peft import inject_adapter_in_model
+        from torch import nn
+
+        from etagent.settings import is_hub_id, model_on_meta
+
+        if not self.target_modules:
+            raise SettingError("lora.target_modules", "is empty: name the layers to adapt, e.g. [q_proj, k_proj, v_proj, o_proj]")
+        if is_hub_id(model) or not Path(model).is_dir():
+            return
+        lm = model_on_meta(model)
+        names = [name for name, _ in lm.named_modules()]
+        for i, target in enumerate(self.target_modules):
+            if not any(name == target or name.endswith(f".{target}") for name in names):
+                linear = sorted({name.rpartition(".")[2] for name, module in lm.named_modules() if isinstance(module, nn.Linear)})
+                raise SettingError(
+                    f"lora.target_modules[{i}]", f"{target!r} is no layer of {model} (its linear layers are called {', '.join(linear)})"
+                )
+        try:
+            inject_adapter_in_model(self.peft_config(), lm, low_cpu_mem_usage=True)
+        except ValueError as exc:  # a module peft cannot adapt (not a linear, embedding or convolution layer)
+            # peft's message prints the whole module: its class is enough
+            reason = re.sub(
+                r"\s+",
+                " ",
+                re.sub(r"Target module (\w+)\(.*?\) is not supported", r"Target module \1 is not supported", str(exc), flags=re.S),
+            )
+            raise SettingError("lora.target_modules", f"peft cannot adapt them in {model}: {reason[:300]}") from None
 
 
 # Every config's schema by name: a stage's whole config (its package registers it on import) or a
@@ -187,7 +222,11 @@ def check_composed(stage: str, cfg: DictConfig, preset_file: str, overrides: Seq
             f"{preset_file} leaves {', '.join(missing)} unset (??? in _base.yaml, no default): set them in the preset or on the command line"
         )
     schema, package = SCHEMAS[stage]
-    values = OmegaConf.to_container(cfg, resolve=True)
+    try:
+        values = OmegaConf.to_container(cfg, resolve=True)
+    except OmegaConfBaseException as exc:  # an interpolation of a key or an environment variable that is not there
+        key, exc = _unresolved(cfg, overrides, exc)
+        raise SettingError(key, f"its interpolation does not resolve: {_resolution_failure(exc)} ({where})") from None
     shared_group = package is None  # a shared group's own file composes under the group's name
     derived = frozenset(_interpolated_keys(cfg[stage] if shared_group else cfg))
     try:
@@ -195,6 +234,32 @@ def check_composed(stage: str, cfg: DictConfig, preset_file: str, overrides: Seq
     except SettingError as error:
         key = f"{stage}.{error.key}" if shared_group else error.key
         raise SettingError(key, f"{error.reason} ({where})") from None
+
+
+def _unresolved(cfg: DictConfig, overrides: Sequence[str], exc: OmegaConfBaseException) -> tuple[str, BaseException]:
+    """The key to name for an interpolation that does not resolve, and its error: an override's key
+    where one does not resolve (``model=${oc.env:X}``, not ``engine.model``, whose ``${model}``
+    OmegaConf met first), else the key OmegaConf met it at."""
+    overridden = {override.lstrip("+~").split("=", 1)[0] for override in overrides}
+    for key in _interpolated_keys(cfg):
+        if key in overridden:
+            try:
+                OmegaConf.select(cfg, key, throw_on_resolution_failure=True)
+            except OmegaConfBaseException as own:
+                return key, own
+    return exc.full_key or "(config)", exc
+
+
+def _resolution_failure(exc: BaseException) -> str:
+    """Why OmegaConf could not resolve an interpolation, in one line: the message of the error a
+    resolver raised where OmegaConf wraps one ("KeyError raised while resolving interpolation:
+    "Environment variable 'X' not found"")."""
+    line = (str(exc).strip().splitlines() or [type(exc).__name__])[0]
+    wrapped = re.fullmatch(r"(\w+) raised while resolving interpolation: (.*)", line)
+    if wrapped is None:
+        return line
+    kind, message = wrapped.groups()
+    return message[1:-1] if kind == "KeyError" and message[:1] == message[-1:] == '"' else message  # a KeyError's str() quotes its message
 
 
 def _under_null(cfg: DictConfig, overrides: Sequence[str]) -> str | None:

@@ -7,7 +7,9 @@ points run under :func:`exit_on_user_error`, which prints that message as one li
 exits with status 2, without a traceback: the message is the whole story. The same holds for the
 errors a library raises on a user's input, told apart by their class (:func:`user_error_line`): a
 file that is missing, a folder given as a file, a file that cannot be read, JSON or parquet that
-does not parse, bytes that are not UTF-8, a record pydantic refuses. A run that finished but
+does not parse, bytes that are not UTF-8, a record pydantic refuses. What a file holds is judged
+where it is read (``etagent.records``' readers raise :class:`UserError` kinds for it), so a
+``RecursionError`` or a ``UnicodeEncodeError`` met elsewhere is a bug. A run that finished but
 whose tools failed too often raises :class:`DegradedRun` (status 3) after writing its outputs and
 a manifest that says so. Anything else is a bug and keeps its traceback (so does everything, with
 ``ETAGENT_TRACEBACK=1``).
@@ -48,6 +50,15 @@ class SettingError(UserError, ValueError):
     def __init__(self, key: str, reason: str):
         self.key, self.reason = key, reason
         super().__init__(f"setting {key}: {reason}")
+
+
+class RecordError(UserError, ValueError):
+    """A record that cannot be read: names the file, the line (or parquet row) and the field."""
+
+    def __init__(self, path: str | os.PathLike, line: int | None, field: str, message: str):
+        self.path, self.line, self.field, self.message = str(path), line, field, message
+        where = self.path if line is None else f"{self.path}:{line}"
+        super().__init__(f"{where}: field '{field}': {message}")
 
 
 class MissingInput(UserError, FileNotFoundError):

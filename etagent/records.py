@@ -18,11 +18,19 @@ Unknown fields are kept when a record is read and written back. A record that is
 required field, or has one of the wrong type, raises :class:`RecordError`, whose message names
 the file, the line (the row for parquet) and the field.
 
+The readers here are the toolkit's one reading path (every stage, command and the report reads
+through them): any bytes become values, or a :class:`RecordError` naming the file and line. JSON
+is read by :func:`decode_json`, which also refuses what would crash a writer later (nesting deeper
+than :data:`MAX_NESTING`, a lone surrogate); parquet by :func:`read_parquet_rows`, ``datasets``
+folders by :func:`read_datasets_folder`, both checking the Arrow data whole. Writes are whole or
+nothing (:func:`write_atomically`). tests/test_readers_fuzz.py fuzzes every reader.
+
 What this module does not do: decide what goes into a record (the stages do) or score anything.
 """
 
 from __future__ import annotations
 
+import codecs
 import hashlib
 import json
 import logging
@@ -40,18 +48,10 @@ from typing import IO, Any, Literal, TypeVar
 from pydantic import BaseModel, ConfigDict, Field, NonNegativeInt, ValidationError, field_validator, model_validator
 
 from etagent import protocol
-from etagent.errors import MissingInput, UserError
+from etagent.errors import MissingInput, RecordError
+from etagent.json_text import decode_json, first_line, parse_json, printable, read_json_file, unparsable
 
 log = logging.getLogger(__name__)
-
-
-class RecordError(UserError, ValueError):
-    """A record that cannot be read: names the file, the line (or parquet row) and the field."""
-
-    def __init__(self, path: str | os.PathLike, line: int | None, field: str, message: str):
-        self.path, self.line, self.field = str(path), line, field
-        where = self.path if line is None else f"{self.path}:{line}"
-        super().__init__(f"{where}: field '{field}': {message}")
 
 
 class Record(BaseModel):
@@ -419,8 +419,8 @@ def export_llamafactory(
         info = {"file_name": f"{name}.json", "formatting": "sharegpt", "columns": {"messages": "conversations", "system": "system"}}
     else:
         raise ValueError(f"unknown LLaMA-Factory format {fmt!r} (alpaca, sharegpt or sharegpt_observation)")
-    _atomic_write_text(out / f"{name}.json", json.dumps(rows, ensure_ascii=False, indent=1))
-    _atomic_write_text(out / "dataset_info.json", json.dumps({name: info}, indent=2))
+    write_atomically(out / f"{name}.json", json.dumps(rows, ensure_ascii=False, indent=1))
+    write_atomically(out / "dataset_info.json", json.dumps({name: info}, indent=2))
     return out / f"{name}.json"
 
 
@@ -507,9 +507,13 @@ def write_rl_parquet(rows: Iterable[RLRow], path: str | os.PathLike) -> Path:
     table = pa.Table.from_pylist(data, schema=schema)
     path = Path(path)
     path.parent.mkdir(parents=True, exist_ok=True)
-    tmp = path.with_name(path.name + ".tmp")
-    pq.write_table(table, tmp)
-    os.replace(tmp, path)
+    tmp = path.with_name(f".{path.name}.{os.getpid()}.tmp")
+    try:
+        pq.write_table(table, tmp)
+        os.replace(tmp, path)
+    except BaseException:  # as write_atomically: a failed write leaves nothing behind
+        tmp.unlink(missing_ok=True)
+        raise
     return path
 
 
@@ -539,7 +543,8 @@ def parse_record(model: type[R], data: Any, path: str | os.PathLike = "<memory>"
 
 
 def iter_jsonl(path: str | os.PathLike, partial_ok: bool = False) -> Iterator[tuple[int, Any]]:
-    """Yield (line number, decoded object) for every non-blank line of a JSONL file, streaming.
+    """Yield (line number, decoded value) for every non-blank line of a JSONL file, streaming, each
+    read as :func:`decode_json` reads it.
 
     A last line with no newline that does not decode is a record its writer was killed in the
     middle of: the file is incomplete, and reading on would silently drop a record, so it is an
@@ -549,11 +554,15 @@ def iter_jsonl(path: str | os.PathLike, partial_ok: bool = False) -> Iterator[tu
     path = Path(path)
     with path.open("rb") as f:
         for number, raw in enumerate(f, start=1):
+            if number == 1:
+                raw = raw.removeprefix(codecs.BOM_UTF8)
             if not raw.strip():
                 continue
             try:
-                yield number, json.loads(raw)
-            except ValueError as exc:
+                value = parse_json(raw, path, number)
+            except RecordError:
+                raise
+            except ValueError as error:
                 if not raw.endswith(b"\n"):  # the unterminated tail of an interrupted write
                     if partial_ok:
                         log.warning("%s:%d: skipping an incomplete last line (%d bytes)", path, number, len(raw))
@@ -565,52 +574,123 @@ def iter_jsonl(path: str | os.PathLike, partial_ok: bool = False) -> Iterator[tu
                         f"cut off: the last line ({len(raw)} bytes) is not valid JSON and has no newline, as when its writer "
                         "is killed; finish or remove the line (stages that read questions skip it with partial_input_ok=true)",
                     ) from None
-                raise RecordError(path, number, "(line)", f"not valid JSON: {exc}") from None
+                raise unparsable(error, raw, path, number) from None
+            yield number, value
 
 
 def iter_json_objects(source: IO[bytes], name: str) -> Iterator[tuple[int, dict]]:
     """Yield (line number, object) for every non-blank line of an open binary stream (a file, or
     ``sys.stdin.buffer``) of JSON objects, for the commands that read one request per line; a line
-    that is not UTF-8 or not a JSON object raises :class:`RecordError` naming ``name`` and the line.
-    (Bytes, so that a bad byte is reported with its line rather than by the text decoder.)"""
+    that :func:`decode_json` refuses, or that is not a JSON object, raises :class:`RecordError`
+    naming ``name`` and the line. (Bytes, so that a bad byte is reported with its line rather than
+    by the text decoder.)"""
     for number, raw in enumerate(source, start=1):
         if not raw.strip():
             continue
-        try:
-            text = raw.decode("utf-8")
-        except UnicodeDecodeError as exc:
-            raise RecordError(name, number, "(line)", f"not UTF-8: byte {raw[exc.start]:#04x} at column {exc.start + 1}") from None
-        try:
-            item = json.loads(text)
-        except ValueError as exc:
-            raise RecordError(name, number, "(line)", f"not valid JSON: {exc}") from None
+        item = decode_json(raw, name, number)
         if not isinstance(item, dict):
             raise RecordError(name, number, "(line)", "expected a JSON object")
         yield number, item
 
 
-def read_json_file(path: str | os.PathLike) -> Any:
-    """A whole JSON file; one that does not parse (or is not UTF-8) is a :class:`RecordError`
-    naming the file and line."""
-    path = Path(path)
-    try:
-        return json.loads(path.read_bytes().decode("utf-8"))
-    except UnicodeDecodeError as exc:
-        raise RecordError(path, None, "(file)", f"not UTF-8: byte {exc.object[exc.start]:#04x} at offset {exc.start}") from None
-    except ValueError as exc:
-        raise RecordError(path, getattr(exc, "lineno", None), "(file)", f"not valid JSON: {getattr(exc, 'msg', exc)}") from None
+def _arrow_problem(table, path) -> RecordError | None:
+    """A RecordError naming the first column of an Arrow ``table`` (read from ``path``) whose data
+    is not valid (strings that are not UTF-8, offsets past the data), or None: checked whole
+    before its rows are converted, where a bad string would raise without naming its column."""
+    import pyarrow as pa
+
+    for name, column in zip(table.column_names, table.columns, strict=True):
+        try:
+            column.validate(full=True)
+        except pa.ArrowException as error:
+            return RecordError(path, None, printable(name), f"holds data that is not valid ({first_line(error)})")
+    return None
+
+
+def _clashing_column(schema, other) -> str | None:
+    """The first column of schema ``other`` whose type cannot be unified with its type in ``schema``."""
+    import pyarrow as pa
+
+    for field in other:
+        index = schema.get_field_index(field.name)
+        if index >= 0:
+            try:
+                pa.unify_schemas([pa.schema([schema.field(index)]), pa.schema([field])])
+            except pa.ArrowException:
+                return field.name
+    return None
 
 
 def read_parquet_rows(path: str | os.PathLike) -> list[dict]:
-    """Every row of a parquet file (or a folder of parquet files) as a dict; a file that is not
-    parquet is a :class:`RecordError` naming it."""
+    """Every row of a parquet file, or of the files ending in ``.parquet`` directly in a folder (in
+    name order), as dicts. A folder's files are one table with the union of their columns
+    (``pyarrow.unify_schemas`` over each file's schema): a column a file lacks is null in its rows,
+    and a file whose column's type clashes with an earlier file's is a :class:`RecordError` naming
+    the file and the column. So is a file that is not parquet, or holds data that is not valid
+    (strings that are not UTF-8)."""
     import pyarrow as pa
+    import pyarrow.dataset as ds
     import pyarrow.parquet as pq
 
+    path = Path(path)
+    files = sorted(p for p in path.iterdir() if p.name.endswith(".parquet") and p.is_file()) if path.is_dir() else [path]
+    if not files:
+        raise RecordError(path, None, "(folder)", "holds no file ending in .parquet")
+    schema, origin = None, {}
+    for file in files:
+        try:
+            own = pq.read_schema(file)
+        except (pa.ArrowException, OSError, ValueError) as error:  # ValueError: column names that are not UTF-8
+            raise RecordError(file, None, "(file)", f"not a readable parquet file: {first_line(error)}") from None
+        try:
+            schema = own if schema is None else pa.unify_schemas([schema, own])
+        except pa.ArrowException as error:
+            column = _clashing_column(schema, own)
+            if column is None:
+                raise RecordError(file, None, "(file)", f"its columns cannot join the folder's other files': {first_line(error)}") from None
+            raise RecordError(
+                file,
+                None,
+                printable(column),
+                f"is {own.field(column).type} here but {schema.field(column).type} in {origin[column].name}: the files of one "
+                "folder are one table; convert one of them, or give the files apart",
+            ) from None
+        for name in own.names:
+            origin.setdefault(name, file)
+    rows = []
+    for file in files:
+        try:
+            table = ds.dataset(file, schema=schema, format="parquet").to_table()
+            problem = _arrow_problem(table, file)
+            if problem is None:
+                rows += table.to_pylist()
+        except (pa.ArrowException, OSError, ValueError, OverflowError) as error:  # what reading or converting this file's data met
+            raise RecordError(file, None, "(file)", f"not a readable parquet file: {first_line(error)}") from None
+        if problem is not None:
+            raise problem
+    return rows
+
+
+def read_datasets_folder(path: str | os.PathLike):
+    """A folder ``datasets``' ``save_to_disk`` wrote (one ``Dataset``, or a ``DatasetDict`` of
+    splits), loaded by ``datasets.load_from_disk`` and checked whole, so that its rows
+    (``to_list()``) read: a JSON file of it that does not read is a :class:`RecordError` naming the
+    file and line (as :func:`read_json_file`), a column whose data is not valid one naming the
+    column, and anything else ``datasets`` cannot load one naming the folder."""
+    import datasets  # the data extra; missing, it is one line naming the extra (etagent/errors.py)
+
+    path = Path(path)
+    for meta in sorted(path.rglob("*.json")):  # state.json, dataset_info.json, dataset_dict.json
+        read_json_file(meta)
     try:
-        return pq.read_table(path).to_pylist()
-    except (pa.ArrowInvalid, OSError) as exc:
-        raise RecordError(path, None, "(file)", f"not a readable parquet file: {str(exc).splitlines()[0]}") from None
+        loaded = datasets.load_from_disk(str(path))
+        parts = loaded.values() if isinstance(loaded, datasets.DatasetDict) else [loaded]
+        problem = next(filter(None, (_arrow_problem(part.data.table, path) for part in parts)), None)
+    except Exception as error:  # load_from_disk raises what its parsing of the folder meets: KeyError, TypeError, ArrowInvalid, OSError...
+        raise RecordError(path, None, "(folder)", f"not a readable datasets folder: {type(error).__name__}: {first_line(error)}") from None
+    if problem is not None:
+        raise problem
+    return loaded
 
 
 def read_jsonl(path: str | os.PathLike, model: type[R], partial_ok: bool = False) -> list[R]:
@@ -638,11 +718,22 @@ def read_records(path: str | os.PathLike, model: type[R], partial_ok: bool = Fal
 # Writing
 
 
-def _atomic_write_text(path: Path, text: str) -> None:
+def write_atomically(path: str | os.PathLike, data: str | bytes) -> Path:
+    """Write a file whole or not at all: text is encoded (UTF-8) before anything is opened, the
+    bytes go to a temporary file beside ``path`` that is renamed over it, and a write that fails
+    (a full disk) removes its temporary file. Readers never see half a file, and a failed write
+    leaves nothing behind."""
+    path = Path(path)
+    data = data.encode("utf-8") if isinstance(data, str) else data
     path.parent.mkdir(parents=True, exist_ok=True)
     tmp = path.with_name(f".{path.name}.{os.getpid()}.tmp")
-    tmp.write_text(text)
-    os.replace(tmp, path)
+    try:
+        tmp.write_bytes(data)
+        os.replace(tmp, path)
+    except BaseException:
+        tmp.unlink(missing_ok=True)
+        raise
+    return path
 
 
 def _dump(record: Record | dict) -> dict:
@@ -652,7 +743,7 @@ def _dump(record: Record | dict) -> dict:
 def write_jsonl(path: str | os.PathLike, records: Iterable[Record | dict]) -> Path:
     """Write a whole JSONL file at once, atomically (readers never see half a file)."""
     path = Path(path)
-    _atomic_write_text(path, "".join(json.dumps(_dump(r), ensure_ascii=False) + "\n" for r in records))
+    write_atomically(path, "".join(json.dumps(_dump(r), ensure_ascii=False) + "\n" for r in records))
     return path
 
 
@@ -690,10 +781,7 @@ class JsonlAppender:
         for number, raw in enumerate(data[:end].split(b"\n"), start=1):
             if not raw.strip():
                 continue
-            try:
-                record = json.loads(raw)
-            except ValueError as exc:
-                raise RecordError(self.path, number, "(line)", f"not valid JSON: {exc}") from None
+            record = decode_json(raw, self.path, number)
             if not isinstance(record, dict) or self.key not in record:
                 raise RecordError(self.path, number, self.key, "missing")
             self.done.add(str(record[self.key]))
@@ -811,8 +899,8 @@ def write_manifest(
 
     Records the stage, the resolved config, every input (:func:`input_identity`; by default the
     ones the manifest already holds, which ``etagent.rundir.claim_output`` wrote when the run
-    began), row counts, the seed, the toolkit's git revision, start and end times and summary
-    metrics.
+    began), the digest of those three (:func:`manifest_digest`), row counts, the seed, the
+    toolkit's git revision, start and end times and summary metrics.
     """
     from etagent import __version__
 
@@ -820,11 +908,15 @@ def write_manifest(
     if inputs is None:
         inputs = read_manifest(path).get("inputs", []) if path.exists() else []
     finished = time.time()
+    # as the file will hold them (a value JSON cannot hold written as its text), so that the
+    # digest of what is read back is the digest written
+    signed = json.loads(json.dumps({"stage": stage, "config": config, "inputs": list(inputs)}, ensure_ascii=False, default=str))
     manifest = {
-        "stage": stage,
+        "stage": signed["stage"],
         "status": status,
-        "config": config,
-        "inputs": list(inputs),
+        "config": signed["config"],
+        "inputs": signed["inputs"],
+        "digest": manifest_digest(signed),
         "counts": counts or {},
         "seed": seed,
         "git": git_revision(),
@@ -835,16 +927,27 @@ def write_manifest(
         "seconds": round(finished - started_at, 3),
         "metrics": metrics or {},
     }
-    _atomic_write_text(path, json.dumps(manifest, indent=2, ensure_ascii=False, default=str) + "\n")
+    write_atomically(path, json.dumps(manifest, indent=2, ensure_ascii=False, default=str) + "\n")
     return path
 
 
+def manifest_digest(manifest: dict[str, Any]) -> str:
+    """sha256 of what a resume is checked against, a manifest's ``stage``, ``config`` and
+    ``inputs``, as canonical JSON (sorted keys, no spaces): :func:`write_manifest` records it as
+    ``digest``, and etagent.rundir refuses to resume a folder whose manifest no longer matches it
+    (a config edited by hand would let a rerun with other settings pass as the same run)."""
+    signed = {key: manifest.get(key) for key in ("stage", "config", "inputs")}
+    text = json.dumps(signed, sort_keys=True, ensure_ascii=False, separators=(",", ":"), default=str)
+    return hashlib.sha256(text.encode("utf-8", "surrogatepass")).hexdigest()
+
+
 def read_manifest(path: str | os.PathLike) -> dict[str, Any]:
-    """A ``manifest.json`` as a dict; one that is not a JSON object is a :class:`RecordError`."""
+    """A ``manifest.json`` as a dict, read as :func:`read_json_file` reads it; one that does not
+    read, or is not a JSON object, is a :class:`RecordError`."""
     try:
-        manifest = json.loads(Path(path).read_text())
-    except (ValueError, UnicodeDecodeError) as exc:
-        raise RecordError(path, None, "(file)", f"not valid JSON ({exc}); move the directory aside, or rerun with --restart") from None
+        manifest = read_json_file(path)
+    except RecordError as error:
+        raise RecordError(path, error.line, error.field, f"{error.message}; move the directory aside, or rerun with --restart") from None
     if not isinstance(manifest, dict):
         raise RecordError(path, None, "(file)", f"expected a JSON object, got {type(manifest).__name__}")
     return manifest

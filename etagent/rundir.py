@@ -15,9 +15,18 @@ that safe, and :func:`claim_output` does them before any work starts:
 - **the same inputs**: the manifest records each input the schema declares (its path, size and
   content hash: ``etagent.records.input_identity``). A rerun whose inputs changed, even under
   the same path, is refused, naming the file.
+- **a manifest as its run wrote it**: the manifest records a digest of its stage, config and
+  inputs (``etagent.records.manifest_digest``); one that no longer matches it (a config edited
+  by hand, which would let a run with other settings pass the check above) is refused.
 
 ``--restart`` on a stage's command line (:func:`set_aside`) starts the stage over instead: what
-the folder holds is moved into a sibling folder, never deleted.
+the folder holds is moved into a sibling folder, never deleted, and only when a stage wrote it
+(its manifest.json says which): a folder of the user's own files is refused, not moved. The
+command line runs the stage's whole plan first (etagent.stage_cli), so a run that would be
+refused moves nothing.
+
+Everything else a stage can refuse is checked before the claim, by the stage's ``plan``
+(docs/design.md 4c), so a refused run leaves its folder as it was.
 
 The claim then writes a manifest with ``status: running``, so a run killed before its end leaves
 its settings behind for the next one to check; the stage's final ``write_manifest`` replaces
@@ -37,7 +46,7 @@ from pathlib import Path
 from typing import Any
 
 from etagent.errors import OutputBusy, UserError
-from etagent.records import input_identity, read_manifest, write_manifest
+from etagent.records import input_identity, manifest_digest, read_manifest, write_atomically, write_manifest
 from etagent.settings import check_apart, check_paths, free_keys, output_folders
 
 LOCK_NAME = ".lock"
@@ -49,6 +58,14 @@ class SettingsChanged(UserError):
 
 class InputsChanged(UserError):
     """A rerun on an output directory made from inputs that have changed since."""
+
+
+class ManifestEdited(UserError):
+    """An output directory whose manifest's stage, config or inputs are not what its run wrote."""
+
+
+class NotAStageFolder(UserError):
+    """``--restart`` on a folder that no stage wrote: its files are the user's, and stay."""
 
 
 def flatten(config: Any, prefix: str = "") -> dict[str, Any]:
@@ -136,14 +153,27 @@ def completed(out_dir: str | os.PathLike) -> dict | None:
 
 def restore_manifest(out: Path, manifest: dict) -> None:
     """Write ``manifest`` back as it was (atomically)."""
-    tmp = out / f".manifest.json.{os.getpid()}.tmp"
-    tmp.write_text(json.dumps(manifest, indent=2, ensure_ascii=False, default=str) + "\n")
-    os.replace(tmp, out / "manifest.json")
+    write_atomically(out / "manifest.json", json.dumps(manifest, indent=2, ensure_ascii=False, default=str) + "\n")
 
 
 def _previous_manifest(out: Path) -> dict | None:
+    """The manifest of the run that wrote ``out`` (None where there is none), refused where its
+    stage, config or inputs no longer match the digest its run recorded with them."""
     path = out / "manifest.json"
-    return read_manifest(path) if path.exists() else None
+    if not path.exists():
+        return None
+    manifest = read_manifest(path)
+    if manifest.get("digest") != manifest_digest(manifest):
+        why = (
+            "it has no digest of them (written by an older etagent, or edited)"
+            if "digest" not in manifest
+            else "they no longer match its digest"
+        )
+        raise ManifestEdited(
+            f"{path}: its stage, config or inputs are not as its run wrote them ({why}); a resume is checked against them, "
+            "so this folder cannot be resumed. Restore the manifest, set out_dir to a new directory, or rerun with --restart to start over"
+        )
+    return manifest
 
 
 def check_settings(out: Path, config: dict, free: Sequence[str] = ()) -> None:
@@ -179,16 +209,38 @@ def check_inputs(out: Path, inputs: list[dict]) -> None:
             )
 
 
+def written_by_a_stage(out: Path) -> bool:
+    """Whether ``out`` holds a manifest.json that a stage wrote (etagent.records.write_manifest:
+    a JSON object naming its ``stage`` and the ``etagent_version`` that wrote it)."""
+    path = out / "manifest.json"
+    if not path.is_file():
+        return False
+    try:
+        manifest = read_manifest(path)
+    except UserError:
+        return False
+    return isinstance(manifest.get("stage"), str) and bool(manifest["stage"]) and "etagent_version" in manifest
+
+
 def set_aside(schema: type, config: dict) -> list[Path]:
     """``--restart``: move what each output folder of ``config`` holds into a sibling folder
-    ``<name>.previous-<time>`` (nothing is deleted), so the stage starts over. The inputs are
-    checked first: an output folder that holds an input is refused before anything moves."""
+    ``<name>.previous-<time>`` (nothing is deleted), so the stage starts over. Checked first,
+    before anything moves: no output folder holds an input, and each one that holds anything was
+    written by a stage (:func:`written_by_a_stage`); a folder of the user's own files is refused."""
     check_apart(schema, config)
-    moved = []
-    for _, folder in output_folders(schema, config):
+    folders = []
+    for key, folder in output_folders(schema, config):
         out = Path(folder)
         if not out.is_dir() or not any(p.name != LOCK_NAME for p in out.iterdir()):
             continue
+        if not written_by_a_stage(out):
+            raise NotAStageFolder(
+                f"setting {key}: --restart moves aside only what a stage wrote, and {out} holds files but no stage's "
+                "manifest.json; set out_dir to a new directory, or move the files yourself"
+            )
+        folders.append(out)
+    moved = []
+    for out in folders:
         handle = _lock(out, "restart")
         try:
             aside = out.with_name(f"{out.name}.previous-{time.strftime('%Y%m%d-%H%M%S')}-{os.getpid()}")

@@ -24,7 +24,7 @@ import asyncio
 import logging
 import time
 from collections import Counter
-from collections.abc import Callable, Iterator, Sequence
+from collections.abc import Callable, Iterable, Iterator, Sequence
 from dataclasses import field
 from pathlib import Path
 from typing import Annotated
@@ -35,11 +35,22 @@ from etagent.agent import AgentConfig, AgentLoop
 from etagent.config import build
 from etagent.llm import EngineConfig, check_engine_settings
 from etagent.progress import Progress
-from etagent.question_formats import QuestionFormat, read_questions
-from etagent.records import JsonlAppender, Judgement, Question, TrajectoryGroup, write_manifest
+from etagent.question_formats import QuestionFormat, read_question_rows
+from etagent.records import JsonlAppender, Judgement, Question, Trajectory, TrajectoryGroup, write_manifest
 from etagent.rundir import claim_output
-from etagent.settings import FREE, InputData, NonNegativeFloat, NonNegativeInt, OutputFolder, PositiveInt, check_paths, group, validate
-from etagent.tools.executor import ToolsConfig, degraded, describe_failures, failure_counts
+from etagent.settings import (
+    FREE,
+    InputData,
+    NonNegativeFloat,
+    NonNegativeInt,
+    OutputFolder,
+    PositiveInt,
+    check_installed,
+    check_paths,
+    group,
+    validate,
+)
+from etagent.tools.executor import ToolsConfig, check_tools, degraded, describe_failures, failure_counts
 
 log = logging.getLogger(__name__)
 
@@ -215,11 +226,25 @@ def _ray(cfg: DictConfig, stage: str, todo: list[Question], judge: Judge, token_
 
 
 def check_sampling_settings(cfg: DictConfig) -> None:
-    """What a sampling run reads, present and of its kind, before any output is written (the
-    ranges were checked at load: etagent/settings.py)."""
+    """What a sampling run reads, present and of its kind (the model's weights those its config
+    needs), and what its engine, tools and Ray settings ask of this machine, before any output is
+    written (the ranges were checked at load: etagent/settings.py)."""
     validate(SamplingConfig, OmegaConf.to_container(cfg, resolve=True))
-    check_paths(SamplingConfig, OmegaConf.to_container(cfg, resolve=True))
     check_engine_settings(cfg.engine)
+    if cfg.ray.workers > 0:
+        check_installed("ray.workers", "ray", f"ray.workers={cfg.ray.workers}")
+    check_tools(cfg.tools)
+    check_paths(SamplingConfig, OmegaConf.to_container(cfg, resolve=True))
+
+
+def plan_sampling(cfg: DictConfig) -> tuple[list[Question], str]:
+    """Everything a sampling run can refuse, before it claims its output folder: its settings
+    (:func:`check_sampling_settings`) and every question read (first ``limit``); returns them, and
+    how they were read (etagent.question_formats' Mapping, for the manifest)."""
+    check_sampling_settings(cfg)
+    rows, mapping = read_question_rows(cfg.questions, build(QuestionFormat, cfg.question_format), cfg.partial_input_ok)
+    questions = [row.question for row in rows]
+    return (questions[: cfg.limit] if cfg.limit is not None else questions), mapping.describe()
 
 
 def run_sampling(cfg: DictConfig, stage: str, judge: Judge, token_arrays: bool = True) -> dict:
@@ -227,16 +252,15 @@ def run_sampling(cfg: DictConfig, stage: str, judge: Judge, token_arrays: bool =
     the manifest records all of it) not yet in the output for ``stage`` (the name in
     each trajectory's provenance and the manifest), judging each rollout with ``judge``; return
     summary metrics (``degraded`` when the tools failed on more than
-    ``tools.max_failure_share`` of the calls). ``token_arrays=False`` leaves the per-token fields
-    out."""
+    ``tools.max_failure_share`` of the calls, or the engine's context cut or the engine failed
+    more than that share of the trajectories: :func:`degraded_reasons`). ``token_arrays=False``
+    leaves the per-token fields out."""
     started = time.time()
-    check_sampling_settings(cfg)
+    questions, read_as = plan_sampling(cfg)
     config = OmegaConf.to_container(cfg, resolve=True)
-    questions = read_questions(cfg.questions, cfg.partial_input_ok, build(QuestionFormat, cfg.question_format))
-    if cfg.limit is not None:
-        questions = questions[: cfg.limit]
     with claim_output(cfg.out_dir, stage=stage, schema=SamplingConfig, config=config) as out:
         metrics = _sample(cfg, stage, out, questions, judge, token_arrays, started)
+        metrics["questions_read"] = read_as  # which column fed each field, and any kind inferred
         write_manifest(
             out,
             stage=stage,
@@ -247,8 +271,8 @@ def run_sampling(cfg: DictConfig, stage: str, judge: Judge, token_arrays: bool =
             metrics=metrics,
             status="degraded" if metrics["degraded"] else "complete",
         )
-    if metrics["tool_failures"]["failed"]:
-        (log.error if metrics["degraded"] else log.info)("%s: %s", out, describe_failures(metrics["tool_failures"]))
+    for counted in engine_and_tool_problems(metrics):
+        (log.error if metrics["degraded"] else log.info)("%s: %s", out, counted)
     return metrics
 
 
@@ -267,13 +291,13 @@ def _sample(cfg: DictConfig, stage: str, out: Path, questions: list[Question], j
             progress.update(len(groups), trajectories=trajectories, trajectories_per_s=f"{rate:.2f}")
         progress.close()
     metrics = summarise(out / "trajectories.jsonl")
-    metrics["degraded"] = degraded(metrics["tool_failures"], cfg.tools.max_failure_share)
+    metrics["degraded"] = bool(degraded_reasons(metrics, cfg.tools.max_failure_share))
     return metrics
 
 
 def summarise(path: Path) -> dict:
-    """Score, tool use, length, finish reasons and tool failures over a trajectories file,
-    overall and per kind."""
+    """Score, tool use, length, finish reasons, tool failures, context overflow and engine
+    failures over a trajectories file, overall and per kind."""
     from etagent.records import read_jsonl
 
     groups = read_jsonl(path, TrajectoryGroup)
@@ -296,5 +320,100 @@ def summarise(path: Path) -> dict:
         **stats(trajectories),
         "finish_reasons": dict(Counter(t.finish_reason for t in trajectories)),
         "tool_failures": failure_counts(call for t in trajectories for call in t.tool_calls),
+        "context_overflow": context_overflow(trajectories),
+        "engine_failures": engine_failures(trajectories),
         "per_kind": {kind: stats([t for g in groups if g.kind == kind for t in g.trajectories]) for kind in kinds},
     }
+
+
+# -- what the engine, not the policy, ended ---------------------------------------------------
+# A trajectory cut by the engine's context or failed by the engine has no answer, and is scored
+# wrong like any other: a score that measures engine.max_model_len or a broken server, not the
+# policy. They are counted beside the tools' failures, and over the same share
+# (tools.max_failure_share) a stage ends degraded (exit 3), as it does for the tools.
+
+
+def context_overflow(trajectories: Iterable[Trajectory]) -> dict:
+    """The trajectories the engine's context cut before their own response budget was spent
+    (finish reason ``context``: etagent/agent.py), of all; ``prompt_too_long`` counts those whose
+    prompt alone filled the context (not one token generated: a question longer than the
+    context): ``{"trajectories": 40, "overflowed": 3, "prompt_too_long": 2, "share": 0.075}``."""
+    total = overflowed = prompt_too_long = 0
+    for t in trajectories:
+        total += 1
+        if t.finish_reason == "context":
+            overflowed += 1
+            prompt_too_long += t.n_generated == 0
+    return {
+        "trajectories": total,
+        "overflowed": overflowed,
+        "prompt_too_long": prompt_too_long,
+        "share": round(overflowed / total, 4) if total else 0.0,
+    }
+
+
+def engine_failures(trajectories: Iterable[Trajectory]) -> dict:
+    """The trajectories the engine failed (finish reason ``error``: a request it refused, a
+    prompt past a served model's own context, a server down), of all, by cause (the error's text
+    up to its first colon): ``{"trajectories": 40, "failed": 1, "share": 0.025, "by_cause":
+    {"every server failed": 1}}``."""
+    total = 0
+    causes: Counter = Counter()
+    for t in trajectories:
+        total += 1
+        if t.finish_reason == "error":
+            causes[(t.error or "no reason given").split(":")[0][:80]] += 1
+    failed = sum(causes.values())
+    return {
+        "trajectories": total,
+        "failed": failed,
+        "share": round(failed / total, 4) if total else 0.0,
+        "by_cause": dict(causes.most_common()),
+    }
+
+
+def describe_context_overflow(counts: dict) -> str:
+    """``3 of 40 trajectories cut by the engine's context (7.5%), 2 of them prompts longer than
+    the context``."""
+    too_long = f", {counts['prompt_too_long']} of them prompts longer than the context" if counts["prompt_too_long"] else ""
+    return f"{counts['overflowed']} of {counts['trajectories']} trajectories cut by the engine's context ({100 * counts['share']:.1f}%){too_long}"
+
+
+def describe_engine_failures(counts: dict) -> str:
+    """``1 of 40 trajectories failed by the engine (2.5%): every server failed 1``."""
+    causes = ", ".join(f"{cause} {n}" for cause, n in counts["by_cause"].items())
+    return f"{counts['failed']} of {counts['trajectories']} trajectories failed by the engine ({100 * counts['share']:.1f}%)" + (
+        f": {causes}" if causes else ""
+    )
+
+
+def engine_and_tool_problems(metrics: dict) -> list[str]:
+    """Each of the tools' failures, the context's cuts and the engine's failures that happened in
+    a run's metrics (:func:`summarise`), described in one line, whatever their share."""
+    lines = []
+    if metrics["tool_failures"]["failed"]:
+        lines.append(describe_failures(metrics["tool_failures"]))
+    if metrics["context_overflow"]["overflowed"]:
+        lines.append(describe_context_overflow(metrics["context_overflow"]))
+    if metrics["engine_failures"]["failed"]:
+        lines.append(describe_engine_failures(metrics["engine_failures"]))
+    return lines
+
+
+def degraded_reasons(metrics: dict, max_share: float) -> list[str]:
+    """Why a run's scores are not to be trusted (empty when they are): the tools failed on more
+    than ``max_share`` of the calls, or the engine's context cut or the engine failed more than
+    ``max_share`` of the trajectories (``tools.max_failure_share``), each in one line with what
+    to change."""
+    reasons = []
+    if degraded(metrics["tool_failures"], max_share):
+        reasons.append(describe_failures(metrics["tool_failures"]) + " (fix the tools)")
+    if metrics["context_overflow"]["share"] > max_share:
+        reasons.append(
+            describe_context_overflow(metrics["context_overflow"])
+            + " (a longer context where the model has one: engine.vllm.max_model_len, or engine.openai.max_model_len and the"
+            " server's; or shorter questions)"
+        )
+    if metrics["engine_failures"]["share"] > max_share:
+        reasons.append(describe_engine_failures(metrics["engine_failures"]) + " (fix the engine; each trajectory's error says why)")
+    return reasons

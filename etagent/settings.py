@@ -17,7 +17,8 @@ and types at load. From the metadata come:
   load (``etagent.config.load_config``). Numbers are finite everywhere (NaN passes every ``<``
   and ``>``) unless a field says :data:`NON_FINITE_OK`.
 - :func:`input_paths` and :func:`check_paths`: the files, folders and models a run reads, each
-  checked for its kind before any work, and the output folder kept apart from all of them.
+  checked for its kind before any work (a model's weights against its config:
+  :func:`model_weights_problem`), and the output folder kept apart from all of them.
 - :func:`free_keys`: the settings a resumed run may change (``FREE``: where and how fast work
   runs, never what it computes); every other setting must equal the manifest's
   (``etagent.rundir``).
@@ -25,6 +26,10 @@ and types at load. From the metadata come:
 A group that has an ``enabled`` field set to false is not read by its stage: its paths are not
 checked (an editor or judge that is off may name a model that is not there). Ranges are checked
 all the same: a value out of range is wrong whether or not it is read.
+
+It also holds the checks of the machine a stage runs on that settings ask for
+(:func:`check_device`, :func:`check_installed`): every stage runs them in its plan, before it
+claims its output folder.
 
 What this module does not do: hold any setting's value or documentation (those are in
 ``configs/<stage>/_base.yaml``), or check relations between settings (each stage's
@@ -35,7 +40,7 @@ from __future__ import annotations
 
 import dataclasses
 import functools
-import json
+import importlib.util
 import math
 import types
 import typing
@@ -44,11 +49,12 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import Annotated, Any
 
-from annotated_types import Ge, Gt, Le, Lt
+from annotated_types import Ge, Gt, Le, Len, Lt
 from pydantic import AllowInfNan, ConfigDict, TypeAdapter, ValidationError
 from pydantic_core import core_schema
 
-from etagent.errors import SettingError
+from etagent.errors import EXTRAS, RecordError, SettingError
+from etagent.json_text import decode_json, read_json_file
 
 # ---------------------------------------------------------------------------------------------
 # The vocabulary of declarations
@@ -82,6 +88,23 @@ class OneOf:
         if value not in self.choices:
             raise ValueError(f"must be one of {', '.join(map(str, self.choices))}")
         return value
+
+
+@dataclass(frozen=True)
+class NotBlank:
+    """The value is text that is not empty or only spaces: an output folder named ``''`` would be
+    the current folder."""
+
+    def __get_pydantic_core_schema__(self, source, handler):
+        return core_schema.no_info_after_validator_function(self._check, handler(source))
+
+    def _check(self, value):
+        if not str(value).strip():
+            raise ValueError("must be a path, not empty")
+        return value
+
+
+NOT_BLANK = NotBlank()
 
 
 @dataclass(frozen=True)
@@ -122,7 +145,7 @@ InputFileOrFolder = Annotated[str, INPUT_FILE_OR_FOLDER]
 ModelPath = Annotated[str, INPUT_MODEL]
 TokenizerPath = Annotated[str, INPUT_TOKENIZER]
 # where a run writes is not what it computes: a resumed run may name its folder another way
-OutputFolder = Annotated[str, OUTPUT_FOLDER, FREE]
+OutputFolder = Annotated[str, OUTPUT_FOLDER, FREE, NOT_BLANK]
 
 
 def group(cls: type) -> type:
@@ -234,14 +257,21 @@ def validate(schema: type, values: dict, derived: frozenset[str] = frozenset()) 
         declared = {s.key: s for s in settings_of(schema)}.get(key.split("[")[0])
         value = first.get("input")
         finite = not (isinstance(value, float) and not math.isfinite(value))
-        reason = wanted(declared, finite) if declared is not None else first["msg"].replace("Input should be", "must be")
+        whole = declared is not None and declared.container is list and key == declared.key  # the list itself, not one of its values
+        reason = wanted(declared, finite, whole) if declared is not None else first["msg"].replace("Input should be", "must be")
         more = f" (and {len(problems) - 1} more)" if len(problems) > 1 else ""
         raise SettingError(key, f"{reason}, got {value!r}{more}") from None
 
 
-def wanted(setting: Setting, finite: bool = True) -> str:
+def wanted(setting: Setting, finite: bool = True, whole: bool = False) -> str:
     """What a setting must be, in words, from its declaration: ``must be an integer >= 1 or
-    null``, ``must be a number > 0 and <= 1``, ``must be one of hf, vllm, openai``."""
+    null``, ``must be a number > 0 and <= 1``, ``must be one of hf, vllm, openai``; with
+    ``whole``, what its list must be: ``must be a list of 2 values, each a number >= 0 and < 1``."""
+    if whole:
+        length = setting.first(Len)
+        count = f"{length.min_length} " if length is not None and length.min_length == length.max_length else ""
+        each = wanted(dataclasses.replace(setting, container=None, optional=False), finite).removeprefix("must be ")
+        return f"must be a list of {count}values, each {each}"
     choice = setting.first(OneOf)
     if choice is not None:
         return f"must be one of {', '.join(map(str, choice.choices))}"
@@ -258,6 +288,8 @@ def wanted(setting: Setting, finite: bool = True) -> str:
                 bounds.append(f"< {m.lt}")
         what = "an integer" if setting.type is int else "a number" if finite else "a finite number"
         return f"must be {what}" + (f" {' and '.join(bounds)}" if bounds else "") + (" or null" if setting.optional else "")
+    if setting.has(NotBlank):
+        return "must be a path, not empty"
     return f"must be a {setting.type.__name__}" + (" or null" if setting.optional else "")
 
 
@@ -374,9 +406,9 @@ def _path_problem(path: Path, kind: str) -> str | None:
             if not config.is_file():
                 return "has no config.json (not a model folder)"
             try:
-                json.loads(config.read_text())
-            except (ValueError, UnicodeDecodeError) as exc:
-                return f"has a config.json that is not valid JSON ({exc})"
+                read_json_file(config)
+            except RecordError as exc:
+                return f"has a config.json that is not valid JSON ({exc.message}, line {exc.line})"
             if not any((path / name).is_file() for name in WEIGHT_FILES) and not any(path.glob("*.safetensors")):
                 return f"has no weights ({', '.join(WEIGHT_FILES)})"
             for weights in sorted(path.glob("*.safetensors")):
@@ -388,9 +420,9 @@ def _path_problem(path: Path, kind: str) -> str | None:
         for name in ("tokenizer.json", "tokenizer_config.json"):  # a tokenizer that will not load
             if (path / name).is_file():
                 try:
-                    json.loads((path / name).read_bytes())
-                except (ValueError, UnicodeDecodeError) as exc:
-                    return f"has a {name} that is not valid JSON ({exc})"
+                    read_json_file(path / name)
+                except RecordError as exc:
+                    return f"has a {name} that is not valid JSON ({exc.message}, line {exc.line})"
     return None
 
 
@@ -404,13 +436,149 @@ def _safetensors_problem(path: Path) -> str | None:
         if header_bytes < 2 or 8 + header_bytes > size:
             return "is not a safetensors file (its header is cut or missing)"
         try:
-            header = json.loads(f.read(header_bytes))
-        except (ValueError, UnicodeDecodeError):
+            header = decode_json(f.read(header_bytes), path)
+        except RecordError:
             return "has a header that is not valid JSON"
+    if not isinstance(header, dict):
+        return "has a header that is not a JSON object"
     ends = [t["data_offsets"][1] for name, t in header.items() if name != "__metadata__" and isinstance(t, dict) and "data_offsets" in t]
     if ends and 8 + header_bytes + max(ends) > size:
         return f"is cut short ({size} bytes, its header says {8 + header_bytes + max(ends)})"
     return None
+
+
+def _stored_shapes(folder: Path) -> tuple[dict[str, tuple[int, ...]], dict[str, str]] | None:
+    """(name -> shape, name -> file) of every tensor of a folder's safetensors weights (one
+    ``model.safetensors``, or the shards its index names), read from the files' headers alone
+    (safetensors' ``safe_open``: no tensor is loaded); None where the weights are not
+    safetensors (``pytorch_model.bin``: its names are not read here)."""
+    from safetensors import safe_open
+
+    index = folder / "model.safetensors.index.json"
+    if index.is_file():
+        files = sorted(set(read_weight_map(index).values()))
+    elif (folder / "model.safetensors").is_file():
+        files = ["model.safetensors"]
+    else:
+        return None
+    shapes, where = {}, {}
+    for name in files:
+        with safe_open(folder / name, framework="pt") as weights:
+            for tensor in weights.keys():  # noqa: SIM118 -- safe_open is no mapping
+                shapes[tensor] = tuple(weights.get_slice(tensor).get_shape())
+                where[tensor] = name
+    return shapes, where
+
+
+def read_weight_map(index: Path) -> dict[str, str]:
+    """A safetensors index's ``weight_map`` (tensor name -> shard file)."""
+    content = read_json_file(index)
+    weight_map = content.get("weight_map") if isinstance(content, dict) else None
+    if not isinstance(weight_map, dict) or not all(isinstance(v, str) for v in weight_map.values()):
+        raise ValueError(f"{index.name} has no weight_map of tensor names to files")
+    return weight_map
+
+
+def model_on_meta(folder: str | Path):
+    """The causal LM that ``folder``'s config.json describes, built on the meta device (no memory,
+    no weights), as transformers builds it before it loads the weights."""
+    import torch
+    from transformers import AutoConfig, AutoModelForCausalLM
+
+    config = AutoConfig.from_pretrained(folder)
+    with torch.device("meta"):
+        return AutoModelForCausalLM.from_config(config)
+
+
+@functools.lru_cache(maxsize=16)
+def _weights_problem(folder: str, stamp: tuple) -> str | None:
+    index = Path(folder) / "model.safetensors.index.json"
+    if index.is_file():
+        try:
+            shards = sorted(set(read_weight_map(index).values()))
+        except ValueError as exc:  # RecordError is one
+            return f"has a {index.name} that cannot be read ({str(exc)[:200]})"
+        absent = [name for name in shards if not (Path(folder) / name).is_file()]
+        if absent:
+            return f"has a {index.name} that names {len(absent)} shard(s) not in the folder ({', '.join(absent[:3])})"
+    stored = _stored_shapes(Path(folder))
+    config = read_json_file(Path(folder) / "config.json")
+    if stored is None or "quantization_config" in config:
+        return None  # the names of .bin weights are not read; a quantized model stores other tensors than it computes with
+    shapes, where = stored
+    try:
+        lm = model_on_meta(folder)
+    except (ValueError, KeyError, OSError) as exc:  # a model type transformers does not know, or not a causal LM
+        return f"has a config.json that transformers cannot build a causal language model from ({str(exc).strip().splitlines()[0]})"
+    # the names one parameter goes by: a tied output layer is the input embedding's, and a
+    # checkpoint may hold it under either name (save_pretrained leaves the tied one out)
+    aliases: dict[int, list[str]] = {}
+    expected: dict[str, tuple[int, ...]] = {}
+    for name, parameter in lm.named_parameters(remove_duplicate=False):
+        aliases.setdefault(id(parameter), []).append(name)
+        expected[name] = tuple(parameter.shape)
+    prefix = lm.base_model_prefix
+    named = {}  # each stored name as the model names it (a base model's checkpoint lacks the prefix)
+    for name in shapes:
+        named[name] = name if name in expected or f"{prefix}.{name}" not in expected else f"{prefix}.{name}"
+    for stored_name, name in named.items():
+        if name in expected and shapes[stored_name] != expected[name]:
+            return (
+                f"has weights that do not fit its config.json: {stored_name} is {list(shapes[stored_name])} in "
+                f"{where[stored_name]}, and the model its config.json describes needs {list(expected[name])}"
+            )
+    if any(name not in expected for name in named.values()):
+        # a layout transformers converts as it loads (an MoE's experts one by one, renamed keys):
+        # the names are not the model's, so which are missing is not read from them
+        return None
+    present = set(named.values())
+    missing = [names[0] for names in aliases.values() if not present & set(names)]
+    if missing:
+        return (
+            f"has weights that are missing {len(missing)} of the {len(aliases)} tensors its config.json's model needs "
+            f"({', '.join(missing[:3])}{', ...' if len(missing) > 3 else ''}): transformers would start them at random. "
+            "Copy the model folder again, or save it with save_pretrained"
+        )
+    return None
+
+
+def model_weights_problem(folder: str | Path) -> str | None:
+    """Why a ``save_pretrained`` folder's weights do not make the model its config.json
+    describes, or None: every parameter of that model (built on the meta device) stored in its
+    safetensors under its name (a tied output layer may be left out, as save_pretrained leaves
+    it), each of the shape the config gives it. Only the files' headers are read. Not checked:
+    ``pytorch_model.bin`` weights, quantized models, and which names are missing from weights in
+    a layout that transformers converts as it loads (names the model lacks: their shapes are
+    checked where the names are the model's). Transformers itself only warns about a missing
+    weight and starts it at random; a stage refuses it before it writes anything. The answer is
+    kept per folder while its files stay as they are."""
+    folder = Path(folder)
+    files = [folder / "config.json", *sorted(folder.glob("*.safetensors")), folder / "model.safetensors.index.json"]
+    stamp = tuple((f.name, f.stat().st_mtime_ns, f.stat().st_size) for f in files if f.is_file())
+    return _weights_problem(str(folder.resolve()), stamp)
+
+
+def check_device(key: str, device: str) -> None:
+    """A setting that asks for ``cuda`` on a machine where torch sees no CUDA device is refused
+    (``auto`` takes what there is)."""
+    if device != "cuda":
+        return
+    import torch
+
+    if not torch.cuda.is_available():
+        build = f"torch {torch.__version__}" + ("" if torch.version.cuda else ", a build without CUDA")
+        raise SettingError(key, f"is cuda, and this machine has no CUDA device that torch can use ({build}): set {key}=cpu")
+
+
+def check_installed(key: str, module: str, why: str, install: str | None = None) -> None:
+    """A setting whose value needs an optional package (``module``) that is not installed is
+    refused, saying how to install it: ``install``, or the extra that installs it
+    (etagent.errors.EXTRAS)."""
+    if importlib.util.find_spec(module) is not None:
+        return
+    extra = EXTRAS.get(module)
+    how = install or (f"pip install 'etagent[{extra}]'" if extra else f"pip install {module}")
+    raise SettingError(key, f"{why} needs the {module} package, which is not installed here ({how})")
 
 
 def _overlap(a: Path, b: Path) -> str | None:
@@ -426,7 +594,9 @@ def _overlap(a: Path, b: Path) -> str | None:
 
 def check_paths(schema: type, values: dict) -> list[tuple[str, str, str]]:
     """Before any work: every input of the kind its declaration says, and the outputs apart from
-    the inputs (:func:`check_apart`). Returns the inputs (key, path, kind)."""
+    the inputs (:func:`check_apart`); then each model folder's weights against its config
+    (:func:`model_weights_problem`: it imports torch and transformers, so it comes after every
+    check that does not). Returns the inputs (key, path, kind)."""
     inputs = input_paths(schema, values)
     for key, value, kind in inputs:
         problem = _path_problem(Path(value), kind)
@@ -437,6 +607,10 @@ def check_paths(schema: type, values: dict) -> list[tuple[str, str, str]]:
         if problem:
             raise SettingError(key, f"{value!r} {problem}")
     check_apart(schema, values)
+    for key, value, kind in inputs:
+        problem = model_weights_problem(value) if kind == "model" and Path(value).is_dir() else None
+        if problem:
+            raise SettingError(key, f"{value!r} {problem}")
     return inputs
 
 
@@ -477,4 +651,6 @@ def out_of_range_values(setting: Setting) -> list[Any]:
     choice = setting.first(OneOf)
     if choice is not None:
         values.append("not-" + "-".join(map(str, choice.choices)))
+    if setting.has(NotBlank):
+        values += ["", "  "]
     return values

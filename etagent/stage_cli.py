@@ -10,7 +10,11 @@ Overrides are Hydra's (``key=value``, ``+new_key=value``, ``~key``); with ``-m``
 sweep (``a,b``, ``range(0,3)``, ``choice(a,b)``) and every combination runs in turn, as Hydra's
 basic sweeper orders them, each in its own output folder: every output folder the stage's schema
 declares gets a subfolder named after the swept values (``out_dir/seed=0``), as Hydra's multirun
-gives each job its own directory. A key whose value in the preset is an interpolation of another
+gives each job its own directory. Distinct runs never share a folder: the characters that would
+make two names one (a path separator, ``%``, and the ``,`` and ``=`` that join the pairs) are
+percent-encoded (``model=a/b`` is ``model=a%2Fb``, and ``model=a_b`` stays itself), and a sweep
+whose names would still meet (cut to the file system's limit, or equal but for case) is refused,
+naming both runs. A key whose value in the preset is an interpolation of another
 (``engine.model: ${model}``) is refused as an override, naming the key that sets it: one name per
 value across the stages.
 
@@ -20,13 +24,15 @@ What this module does not do: compose configs (etagent/config.py) or run a stage
 from __future__ import annotations
 
 import argparse
+import hashlib
 import itertools
 import logging
 import os
 import re
 import sys
-from collections.abc import Sequence
+from collections.abc import Callable, Sequence
 from pathlib import Path
+from typing import Any
 
 from omegaconf import DictConfig, OmegaConf
 
@@ -35,11 +41,20 @@ from etagent.errors import UserError
 from etagent.settings import PathKind, output_folders, settings_of, wanted
 
 
-def stage_configs(stage: str, argv: Sequence[str] | None, prog: str, doc: str | None = None, resumes: bool = True) -> list[DictConfig]:
+def stage_configs(
+    stage: str,
+    argv: Sequence[str] | None,
+    prog: str,
+    doc: str | None = None,
+    resumes: bool = True,
+    plan: Callable[[DictConfig], Any] | None = None,
+) -> list[DictConfig]:
     """The configs to run from a stage's command line: one, or one per sweep combination with
     ``-m``. ``--cfg job`` and ``--info`` print and exit. ``--restart`` starts the stage over in
     its output folder: what the folder holds is moved into a sibling folder first
-    (etagent.rundir.set_aside), instead of being resumed. A command that does not resume
+    (etagent.rundir.set_aside), instead of being resumed, once every run's ``plan`` (the stage's
+    checks before it claims its folder) has passed: a run that would be refused moves nothing.
+    A command that does not resume
     (``resumes=False``: the retriever's server, which writes nothing, and the flywheel's export,
     which rewrites its files and reads the flywheel's folder) has no ``--restart`` and no ``-m``."""
     argv = list(sys.argv[1:] if argv is None else argv)
@@ -84,6 +99,10 @@ def stage_configs(stage: str, argv: Sequence[str] | None, prog: str, doc: str | 
     if args.restart and int(os.environ.get("RANK", "0")) == 0:  # under torchrun, rank 0 owns the folder
         from etagent.rundir import set_aside
 
+        if plan is None:
+            raise TypeError(f"{prog}: a command with --restart passes its stage's plan to stage_configs")
+        for cfg in configs:  # every run's checks before anything moves
+            plan(cfg)
         for cfg in configs:
             for aside in set_aside(SCHEMAS[stage][0], OmegaConf.to_container(cfg, resolve=True)):
                 logging.getLogger(stage).warning("--restart: the earlier outputs are in %s", aside)
@@ -116,11 +135,45 @@ def sweep(overrides: Sequence[str]) -> list[tuple[list[str], str]]:
     if not any(swept for axis in axes for _, swept in axis):
         raise UserError("-m: no override sweeps anything; give a key several values, e.g. seed=0,1")
     jobs = []
+    folders: dict[str, str] = {}
     for combination in itertools.product(*axes):
         line = [text for text, _ in combination]
-        name = ",".join(text.lstrip("+~") for text, swept in combination if swept)
-        jobs.append((line, re.sub(r"[/\\]", "_", name)))
+        swept = [text.lstrip("+~").partition("=")[::2] for text, is_swept in combination if is_swept]
+        shown = " ".join(f"{key}={value}" for key, value in swept)
+        name = run_folder(swept)
+        other = folders.setdefault(name.casefold(), shown)
+        if other != shown:
+            raise UserError(
+                f"-m: the runs {other!r} and {shown!r} would share the output folder {name} (names cut to the file system's "
+                "limit, or equal but for case): sweep values that differ more"
+            )
+        jobs.append((line, name))
     return jobs
+
+
+# Characters percent-encoded in a sweep folder's name: the path separators, "%" itself, the "="
+# and "," that join the pairs, and control characters. What is left decodes back to the pairs.
+FOLDER_ESCAPED = re.compile(r"[%/\\,=\x00-\x1f\x7f]")
+# The longest file name the usual file systems allow, in bytes.
+MAX_NAME_BYTES = 255
+
+
+def run_folder(pairs: Sequence[tuple[str, str]]) -> str:
+    """A sweep run's subfolder: its swept ``key=value`` pairs joined by commas, as Hydra's
+    ``override_dirname``, each key and value percent-encoded where it holds a character of
+    :data:`FOLDER_ESCAPED`, so that distinct runs get distinct names. A name past the file
+    system's 255 bytes is cut and ends with a hash of the whole."""
+
+    def escape(text: str) -> str:
+        return FOLDER_ESCAPED.sub(lambda m: "".join(f"%{b:02X}" for b in m.group().encode()), text)
+
+    name = ",".join(f"{escape(key)}={escape(value)}" for key, value in pairs)
+    # as bytes, a command line's undecodable bytes (lone surrogates) included
+    encoded = name.encode(errors="surrogatepass")
+    if len(encoded) <= MAX_NAME_BYTES:
+        return name
+    digest = hashlib.sha256(encoded).hexdigest()[:16]
+    return f"{encoded[: MAX_NAME_BYTES - len(digest) - 1].decode(errors='ignore')}~{digest}"
 
 
 def in_subfolders(stage: str, cfg: DictConfig, subfolder: str) -> DictConfig:

@@ -18,7 +18,8 @@ from dataclasses import dataclass
 from pathlib import Path
 
 from etagent.errors import MissingInput, SettingError
-from etagent.records import Question, RecordError, iter_jsonl, read_json_file, read_parquet_rows
+from etagent.question_formats import Mapping, QuestionFormat, detect_format, iter_rows, to_question_row, with_choices
+from etagent.records import Question, RecordError
 
 
 @dataclass(frozen=True)
@@ -54,12 +55,6 @@ BENCHMARKS = {
 PAPER_TABLE = ("aime24", "amc23", "math500", "2wiki", "bamboogle", "musique")
 
 
-def with_choices(question: str, choices: list[str]) -> str:
-    """The paper's multiple-choice layout: the question, a blank line, ``A. option`` lines."""
-    lines = [f"{chr(ord('A') + i)}. {choice}" for i, choice in enumerate(choices)]
-    return question + "\n\n" + "\n".join(lines)
-
-
 def _first(row: dict, *names: str):
     for name in names:
         if row.get(name) not in (None, ""):
@@ -69,10 +64,23 @@ def _first(row: dict, *names: str):
 
 def _record(name: str, number: int, row: dict, path: Path) -> Question:
     spec = BENCHMARKS[name]
+    if detect_format(row) != "etagent":
+        # the benchmark as another project's preprocessing left it (verl's GSM8K parquet,
+        # Search-R1's, FlashRAG's): read as etagent.question_formats reads that format
+        question = to_question_row(
+            row, number, str(path), detect_format(row), QuestionFormat(kind=spec.kind, source=name), Mapping("")
+        ).question
+        return question.model_copy(update={"id": f"{name}-{question.id}"})
     if name == "gsm8k":
         question, raw = row.get("question"), row.get("answer")
         if not isinstance(raw, str) or "####" not in raw:
-            raise RecordError(path, number, "answer", "expected a rationale ending with '#### <number>'")
+            raise RecordError(
+                path,
+                number,
+                "answer",
+                "expected a rationale ending with '#### <number>' (openai/gsm8k's); for a file of another layout, evaluate it as "
+                "a dataset of your own: datasets=[mygsm] +files.mygsm=PATH +kinds.mygsm=math",
+            )
         answer = raw.split("####")[-1].strip().replace(",", "")
     elif name == "olympiadbench":
         question, final = row.get("question"), row.get("final_answer")
@@ -113,23 +121,20 @@ def benchmark_file(data_dir: str | Path, name: str) -> Path:
     return directory / "test.jsonl"
 
 
-def load_benchmark(name: str, path: str | Path, limit: int | None = None, partial_ok: bool = False) -> list[Question]:
-    """The questions of one benchmark file (first ``limit`` only, as the paper's --counts). An
-    empty file or a cut-off last line is refused unless ``partial_ok``."""
+def load_benchmark(
+    name: str, path: str | Path, limit: int | None = None, partial_ok: bool = False, split: str | None = None
+) -> list[Question]:
+    """The questions of one benchmark file (first ``limit`` only, as the paper's --counts), read as
+    etagent.question_formats reads any source (JSONL, JSON, parquet, a folder of parquet files or
+    of splits, a ``datasets`` folder; ``split`` where it holds several): rows in the paper's
+    layout by the benchmark's own rules, rows of another project's preprocessing by that
+    format's. An empty file or a cut-off last line is refused unless ``partial_ok``."""
     if name not in BENCHMARKS:
         raise SettingError("datasets", f"unknown benchmark {name!r}; known: {', '.join(BENCHMARKS)}")
     path = Path(path)
     if not path.exists():
         raise MissingInput(f"{path}: no file for benchmark {name} (see evaluation/prepare.py)")
-    if path.suffix == ".parquet" or path.is_dir():
-        rows = enumerate(read_parquet_rows(path), start=1)
-    elif path.suffix == ".json":
-        array = read_json_file(path)
-        if not isinstance(array, list):
-            raise RecordError(path, None, "(file)", "expected a JSON array of questions")
-        rows = enumerate(array, start=1)
-    else:
-        rows = iter_jsonl(path, partial_ok)
+    rows = iter_rows(path, split, partial_ok, split_key=f"splits.{name}")
     questions, seen = [], set()
     for number, row in rows:
         if not isinstance(row, dict):

@@ -53,6 +53,8 @@ class EvaluationConfig:
     files: Annotated[dict[str, InputData], FREE] = MISSING
     # per dataset of the user's (a name that is not a benchmark): how its answers are scored
     kinds: dict[str, Annotated[str, OneOf("math", "qa")]] = MISSING
+    # per dataset: the split to read of a source that holds several
+    splits: dict[str, str] = MISSING
     question_format: QuestionFormat = field(default_factory=QuestionFormat)
     limit: Annotated[PositiveInt | None, FREE] = MISSING
     partial_input_ok: Annotated[bool, FREE] = MISSING

@@ -28,6 +28,7 @@ from __future__ import annotations
 import dataclasses
 import json
 import logging
+import re
 import time
 from functools import partial
 from pathlib import Path
@@ -41,15 +42,19 @@ from etagent.evaluation.config import EvaluationConfig, EvaluationJudge
 from etagent.evaluation.metrics import aggregate, behaviour
 from etagent.evaluation.table import summary_rows, write_table
 from etagent.progress import Progress
-from etagent.question_formats import QuestionFormat, read_questions
+from etagent.question_formats import QuestionFormat, read_question_rows
 from etagent.records import JsonlAppender, TrajectoryGroup, iter_jsonl, read_jsonl, write_jsonl, write_manifest
 from etagent.rundir import claim_output
-from etagent.sampling import SamplingConfig, run_sampling
+from etagent.sampling import SamplingConfig, degraded_reasons, describe_context_overflow, describe_engine_failures, run_sampling
 from etagent.scoring import rule_judgement, sample_metrics
-from etagent.settings import check_paths
-from etagent.tools.executor import degraded, describe_failures
+from etagent.settings import check_installed, check_paths
+from etagent.tools.executor import check_tools, describe_failures
 
 log = logging.getLogger("evaluation")
+
+# A dataset's name: it names its folder in out_dir and its questions' file, so it is one plain
+# path component (a benchmark's name, or one of the user's files).
+DATASET_NAME = re.compile(r"[A-Za-z0-9._-]{1,128}")
 
 
 def dataset_sampling(cfg: DictConfig, name: str, questions_path: Path, out: Path) -> DictConfig:
@@ -141,45 +146,75 @@ def check_settings(cfg: DictConfig) -> dict:
 
     if not cfg.datasets:
         raise SettingError("datasets", "is empty: name at least one benchmark")
+    if len(set(cfg.datasets)) < len(cfg.datasets):
+        raise SettingError("datasets", f"names a dataset twice: {[n for n in cfg.datasets if list(cfg.datasets).count(n) > 1][0]!r}")
     for name in cfg.datasets:
+        # a dataset's name is its folder in out_dir and its questions' file name: never a path
+        if not DATASET_NAME.fullmatch(name) or name in (".", ".."):
+            raise SettingError(
+                "datasets", f"{name!r} is not a dataset name: letters, digits and . _ - only (it names a folder inside out_dir)"
+            )
         if name not in BENCHMARKS and name not in cfg.files:
             raise SettingError(
                 "datasets",
                 f"{name!r} is not a known benchmark ({', '.join(BENCHMARKS)}); for a dataset of your own give its file: "
                 f"+files.{name}=PATH (any format etagent.question_formats reads), and +kinds.{name}=math|qa where its rows do not say",
             )
+    for name in cfg.splits:
+        if name not in cfg.datasets:
+            raise SettingError(f"splits.{name}", f"{name!r} is not one of this run's datasets ({', '.join(cfg.datasets)})")
     for name in cfg.kinds:
         if name in BENCHMARKS:
             raise SettingError(
                 f"kinds.{name}", f"{name} is a known benchmark, scored as {BENCHMARKS[name].kind}; kinds is for datasets of your own"
             )
-    config = OmegaConf.to_container(cfg, resolve=True)
-    config["files"] = {name: str(benchmark_path(cfg, name)) for name in cfg.datasets}
-    check_paths(EvaluationConfig, config)
     if cfg.judge.enabled:
         check_engine_settings(cfg.judge.engine, "judge.engine")
     check_engine_settings(cfg.engine)
+    if cfg.ray.workers > 0:
+        check_installed("ray.workers", "ray", f"ray.workers={cfg.ray.workers}")
+    # each dataset's tools as its rollouts will build them (a web dataset may search the web)
+    tools = [
+        dataset_sampling(cfg, name, Path(cfg.out_dir) / "questions" / f"{name}.jsonl", Path(cfg.out_dir) / name).tools
+        for name in cfg.datasets
+    ]
+    for backend in sorted({t.search.backend for t in tools}):
+        check_tools(next(t for t in tools if t.search.backend == backend))
+    config = OmegaConf.to_container(cfg, resolve=True)
+    config["files"] = {name: str(benchmark_path(cfg, name)) for name in cfg.datasets}
+    check_paths(EvaluationConfig, config)
     return config
+
+
+def plan(cfg: DictConfig) -> tuple[dict, dict[str, tuple[list, str]]]:
+    """Everything the evaluation can refuse, before it claims its output folder: the settings
+    (:func:`check_settings`) and every dataset's questions read. Returns the config as run and
+    the questions of each dataset, with how its file was read."""
+    config = check_settings(cfg)
+    return config, {name: dataset_questions(cfg, name) for name in cfg.datasets}
 
 
 def benchmark_path(cfg: DictConfig, name: str) -> Path:
     return Path(cfg.files[name]) if name in cfg.files else benchmark_file(cfg.data_dir, name)
 
 
-def dataset_questions(cfg: DictConfig, name: str) -> list:
+def dataset_questions(cfg: DictConfig, name: str) -> tuple[list, str]:
     """The questions of one dataset: a known benchmark in its own format (evaluation/benchmarks.py),
     or a dataset of the user's in any format etagent.question_formats reads, with its kind from
-    ``kinds`` where given (first ``limit`` only)."""
+    ``kinds`` where given (first ``limit`` only); and how its file was read (for the manifest)."""
     path = benchmark_path(cfg, name)
     if name in BENCHMARKS:
-        return load_benchmark(name, path, cfg.limit, cfg.partial_input_ok)
+        split = cfg.splits.get(name, cfg.question_format.split)
+        return load_benchmark(name, path, cfg.limit, cfg.partial_input_ok, split), f"the {name} benchmark's own format"
     settings = build(QuestionFormat, cfg.question_format)
     if name in cfg.kinds:
         settings = dataclasses.replace(settings, kind=cfg.kinds[name])
     if settings.source is None:
         settings = dataclasses.replace(settings, source=name)
-    questions = read_questions(path, cfg.partial_input_ok, settings)
-    return questions[: cfg.limit] if cfg.limit is not None else questions
+    if name in cfg.splits:
+        settings = dataclasses.replace(settings, split=cfg.splits[name])
+    rows, mapping = read_question_rows(path, settings, cfg.partial_input_ok, split_key=f"splits.{name}")
+    return [row.question for row in rows][: cfg.limit], mapping.describe()
 
 
 def evaluate_dataset(cfg: DictConfig, name: str, questions: list, judge_settings: EvaluationJudge, judge) -> dict:
@@ -201,38 +236,57 @@ def evaluate_dataset(cfg: DictConfig, name: str, questions: list, judge_settings
     metrics.update(aggregate([(row["kind"], row["samples"]) for row in scored], cfg.qa_pass_mark, cfg.bootstrap_rounds, cfg.seed))
     metrics["behaviour"] = behaviour(scored, cfg.qa_pass_mark)
     metrics["tool_failures"] = rollouts["tool_failures"]
+    # trajectories the engine's context cut (a question longer than it among them) or the engine
+    # failed: scored wrong above, so counted here, and over tools.max_failure_share the run is degraded
+    metrics["context_overflow"] = rollouts["context_overflow"]
+    metrics["engine_failures"] = rollouts["engine_failures"]
     (out / "metrics.json").write_text(json.dumps(metrics, indent=2) + "\n")
     return metrics
 
 
 def run(cfg: DictConfig) -> dict:
     started = time.time()
-    config = check_settings(cfg)
-    # every benchmark read (and so checked) before anything is written
-    questions = {name: dataset_questions(cfg, name) for name in cfg.datasets}
+    config, questions = plan(cfg)  # every benchmark read (and so checked) before anything is written
     with claim_output(cfg.out_dir, stage="evaluation", schema=EvaluationConfig, config=config) as out:
         return _evaluate(cfg, out, config, questions, started)
 
 
-def _evaluate(cfg: DictConfig, out: Path, config: dict, questions: dict[str, list], started: float) -> dict:
+def _evaluate(cfg: DictConfig, out: Path, config: dict, questions: dict[str, tuple[list, str]], started: float) -> dict:
     judge_settings = build(EvaluationJudge, cfg.judge)
     judge = make_judge(judge_settings)
     results = {}
     for name in cfg.datasets:
         log.info("evaluating %s", name)
-        results[name] = evaluate_dataset(cfg, name, questions[name], judge_settings, judge)
+        results[name] = evaluate_dataset(cfg, name, questions[name][0], judge_settings, judge)
+        results[name]["questions_read"] = questions[name][1]
     failures = {name: r["tool_failures"] for name, r in results.items()}
-    degraded_datasets = [name for name, counts in failures.items() if degraded(counts, cfg.tools.max_failure_share)]
-    summary = {"run": cfg.run_name or out.name, "datasets": results, "degraded": degraded_datasets}
+    reasons = {name: degraded_reasons(r, cfg.tools.max_failure_share) for name, r in results.items()}
+    degraded_datasets = [name for name, why in reasons.items() if why]
+    summary = {
+        "run": cfg.run_name or out.name,
+        "datasets": results,
+        "degraded": degraded_datasets,
+        "degraded_reasons": {name: reasons[name] for name in degraded_datasets},
+    }
     (out / "summary.json").write_text(json.dumps(summary, indent=2) + "\n")
     md_path, _ = write_table(summary_rows([out]), out / "summary")
     behaviour_lines = behaviour_table(results)
     failure_lines = [f"Tool failures on {name}: {describe_failures(counts)}" for name, counts in failures.items() if counts["failed"]]
-    if degraded_datasets:
-        failure_lines.append(
-            f"DEGRADED: on {', '.join(degraded_datasets)} the tools failed on more than tools.max_failure_share="
-            f"{cfg.tools.max_failure_share} of the calls; these scores measure the tools' outage, not the policy."
-        )
+    failure_lines += [
+        f"Context overflow on {name}: {describe_context_overflow(r['context_overflow'])}"
+        for name, r in results.items()
+        if r["context_overflow"]["overflowed"]
+    ]
+    failure_lines += [
+        f"Engine failures on {name}: {describe_engine_failures(r['engine_failures'])}"
+        for name, r in results.items()
+        if r["engine_failures"]["failed"]
+    ]
+    failure_lines += [
+        f"DEGRADED: on {name}, {'; '.join(reasons[name])}, over tools.max_failure_share={cfg.tools.max_failure_share}; "
+        "these scores measure that, not the policy."
+        for name in degraded_datasets
+    ]
     extra = behaviour_lines + ([""] if behaviour_lines and failure_lines else []) + failure_lines
     if extra:
         md_path.write_text(md_path.read_text() + "\n" + "\n".join(extra) + "\n")
@@ -244,7 +298,19 @@ def _evaluate(cfg: DictConfig, out: Path, config: dict, questions: dict[str, lis
         seed=cfg.seed,
         started_at=started,
         metrics={
-            name: {k: r.get(k) for k in ("correctness", "efficiency", "judge_failures", "behaviour", "tool_failures")}
+            name: {
+                k: r.get(k)
+                for k in (
+                    "correctness",
+                    "efficiency",
+                    "judge_failures",
+                    "behaviour",
+                    "tool_failures",
+                    "questions_read",
+                    "context_overflow",
+                    "engine_failures",
+                )
+            }
             for name, r in results.items()
         },
         status="degraded" if degraded_datasets else "complete",
@@ -257,14 +323,16 @@ def _evaluate(cfg: DictConfig, out: Path, config: dict, questions: dict[str, lis
         print(
             f"{name}: correctness {r['correctness']:.1f}, efficiency {r['efficiency']:.1f}, {r['tool_calls']:.2f} tool calls, "
             f"{r['samples']} samples{judged}; tool failures: {describe_failures(r['tool_failures'])}"
+            + (f"; {describe_context_overflow(r['context_overflow'])}" if r["context_overflow"]["overflowed"] else "")
+            + (f"; {describe_engine_failures(r['engine_failures'])}" if r["engine_failures"]["failed"] else "")
         )
     if behaviour_lines:
         print("\n".join(behaviour_lines))
     print(f"table: {out / 'summary.md'}")
     if degraded_datasets:
         raise DegradedRun(
-            "; ".join(f"{name}: {describe_failures(failures[name])}" for name in degraded_datasets)
-            + f", over tools.max_failure_share={cfg.tools.max_failure_share} (summary.md says so): fix the tools and rerun into a new out_dir"
+            "; ".join(f"{name}: {'; '.join(reasons[name])}" for name in degraded_datasets)
+            + f", over tools.max_failure_share={cfg.tools.max_failure_share} (summary.md says so): rerun into a new out_dir once fixed"
         )
     return summary
 
@@ -275,7 +343,7 @@ def main(argv: list[str] | None = None) -> None:
 
     logging.basicConfig(level=logging.INFO, format="%(asctime)s %(name)s %(message)s")
     logging.getLogger("httpx").setLevel(logging.WARNING)
-    for cfg in stage_configs("evaluation", argv, prog="python -m etagent.evaluation.run", doc=__doc__):
+    for cfg in stage_configs("evaluation", argv, prog="python -m etagent.evaluation.run", doc=__doc__, plan=plan):
         run(cfg)
 
 

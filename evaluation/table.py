@@ -17,11 +17,11 @@ from __future__ import annotations
 
 import argparse
 import csv
-import json
 from pathlib import Path
 
 from etagent.errors import MissingInput, exit_on_user_error
 from etagent.evaluation.benchmarks import PAPER_TABLE
+from etagent.records import read_json_file
 
 
 def summary_rows(run_dirs: list[Path]) -> list[dict]:
@@ -30,7 +30,7 @@ def summary_rows(run_dirs: list[Path]) -> list[dict]:
         path = Path(run_dir) / "summary.json"
         if not path.is_file():
             raise MissingInput(f"{path}: no such file (is {run_dir} an evaluation output directory?)")
-        summary = json.loads(path.read_text())
+        summary = read_json_file(path)
         rows.append(
             {
                 "run": summary["run"],

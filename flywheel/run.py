@@ -49,12 +49,13 @@ from etagent.flywheel.evolve import OPERATIONS, STAT_FIELDS, Flywheel, FlywheelS
 from etagent.llm import Sampling, check_engine_settings
 from etagent.llm.text import TextModel, load_text_model, shared_engine
 from etagent.progress import Progress
-from etagent.question_formats import QuestionFormat, read_questions
+from etagent.question_formats import QuestionFormat, read_question_rows
 from etagent.records import JsonlAppender, Question, TrajectoryGroup, read_jsonl, write_manifest
 from etagent.rundir import claim_output
+from etagent.sampling import context_overflow, degraded_reasons, describe_context_overflow, describe_engine_failures, engine_failures
 from etagent.settings import check_paths
 from etagent.tools import ToolOutput
-from etagent.tools.executor import build_executor, degraded, describe_failures, failure_counts
+from etagent.tools.executor import build_executor, check_tools, describe_failures, failure_counts
 
 log = logging.getLogger("flywheel")
 
@@ -120,7 +121,8 @@ async def evolve_all(settings: FlywheelSettings, flywheel: Flywheel, todo: list[
 
 
 def check_settings(cfg: DictConfig) -> None:
-    """The models and questions present and of their kind, and how the roles go together, before
+    """How the roles go together, what the engines and tools ask of this machine, and the models
+    and questions present and of their kind (each model's weights those its config needs), before
     any model loads (ranges were checked at load: flywheel/config.py)."""
     if cfg.editor.enabled and not cfg.editor.engine.model:
         raise SettingError("editor.engine.model", "editor.enabled=true needs it (a model folder, hub id or .gguf file)")
@@ -128,19 +130,30 @@ def check_settings(cfg: DictConfig) -> None:
         raise SettingError(
             "editor.enabled", "judge.llm and summariser.enabled use the editor's model: set editor.enabled=true and editor.engine.model"
         )
-    check_paths(FlywheelConfig, OmegaConf.to_container(cfg, resolve=True))
     check_engine_settings(cfg.engine)
+    if cfg.editor.enabled:
+        check_engine_settings(cfg.editor.engine, "editor.engine")
+    check_tools(cfg.tools)
+    check_paths(FlywheelConfig, OmegaConf.to_container(cfg, resolve=True))
+
+
+def plan(cfg: DictConfig) -> tuple[list[Question], str]:
+    """Everything the flywheel can refuse, before it claims its output folder: the settings
+    (:func:`check_settings`) and every question read (first ``limit``); returns them, and how they
+    were read (etagent.question_formats' Mapping, for the manifest)."""
+    check_settings(cfg)
+    rows, mapping = read_question_rows(cfg.questions, build(QuestionFormat, cfg.question_format), cfg.partial_input_ok)
+    questions = [row.question for row in rows][: cfg.limit]
+    return questions, mapping.describe()
 
 
 def run(cfg: DictConfig) -> dict:
     started = time.time()
-    check_settings(cfg)  # before any model is loaded or output written
+    questions, read_as = plan(cfg)  # before any model is loaded or output written
     config = OmegaConf.to_container(cfg, resolve=True)
-    questions = read_questions(cfg.questions, cfg.partial_input_ok, build(QuestionFormat, cfg.question_format))
-    if cfg.limit is not None:
-        questions = questions[: cfg.limit]
     with claim_output(cfg.out_dir, stage="flywheel", schema=FlywheelConfig, config=config) as out:
         metrics = evolve(cfg, out, questions)
+        metrics["questions_read"] = read_as  # which column fed each field, and any kind inferred
         write_manifest(
             out,
             stage="flywheel",
@@ -176,7 +189,7 @@ def evolve(cfg: DictConfig, out: Path, questions: list[Question]) -> dict:
         log.info("%d questions, %d already done, %d to evolve", len(questions), len(questions) - len(todo), len(todo))
         asyncio.run(evolve_all(settings, flywheel, todo, writer, editor is not None))
     metrics = summarise(out / "trajectories.jsonl")
-    metrics["degraded"] = degraded(metrics["tool_failures"], cfg.tools.max_failure_share)
+    metrics["degraded"] = bool(degraded_reasons(metrics, cfg.tools.max_failure_share))
     return metrics
 
 
@@ -202,6 +215,8 @@ def summarise(path: Path) -> dict:
         "tool_calls_of_correct": dict(sorted(Counter(t.tool_calls_written or 0 for t in correct).items())),
         "operations": {op: {**dict.fromkeys(STAT_FIELDS, 0), **counts} for op, counts in operations.items()},
         "tool_failures": failure_counts(call for t in trajectories for call in t.tool_calls),
+        "context_overflow": context_overflow(trajectories),
+        "engine_failures": engine_failures(trajectories),
     }
 
 
@@ -211,7 +226,7 @@ def main(argv: list[str] | None = None) -> None:
 
     logging.basicConfig(level=logging.INFO, format="%(asctime)s %(name)s %(message)s")
     logging.getLogger("httpx").setLevel(logging.WARNING)
-    for cfg in stage_configs("flywheel", argv, prog="python -m etagent.flywheel.run", doc=__doc__):
+    for cfg in stage_configs("flywheel", argv, prog="python -m etagent.flywheel.run", doc=__doc__, plan=plan):
         m = run(cfg)
         print(
             f"flywheel: {m['trajectories']} trajectories of {m['questions']} questions in {cfg.out_dir}\n"
@@ -223,10 +238,11 @@ def main(argv: list[str] | None = None) -> None:
             other = ", ".join(f"{k} {v}" for k, v in counts.items() if k not in STAT_FIELDS)
             print(f"  {op:<20}" + "".join(f"{counts[f]:>11}" for f in STAT_FIELDS) + f"   {other}")
         print(f"  tool failures: {describe_failures(m['tool_failures'])}")
+        print(f"  {describe_context_overflow(m['context_overflow'])}; {describe_engine_failures(m['engine_failures'])}")
         if m["degraded"]:
             raise DegradedRun(
-                f"{describe_failures(m['tool_failures'])}, over tools.max_failure_share={cfg.tools.max_failure_share}: "
-                f"the trajectories in {cfg.out_dir} are written but not to be trusted; fix the tools and rerun into a new out_dir"
+                f"{'; '.join(degraded_reasons(m, cfg.tools.max_failure_share))}, over tools.max_failure_share={cfg.tools.max_failure_share}: "
+                f"the trajectories in {cfg.out_dir} are written but not to be trusted; rerun into a new out_dir once fixed"
             )
 
 

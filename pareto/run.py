@@ -31,7 +31,9 @@ The paper's mixed-outcome filter (math: a right and a wrong chain; QA: a chain a
 
 The stage is quick and deterministic under ``seed`` (questions are taken in id order, so the
 order of the rollouts file does not matter): a rerun recomputes everything and writes the same
-files. What it does not do: roll out (``direct_rollout/``) or stratify by source.
+files. The whole selection is computed before the output folder is claimed (:func:`plan`), so a
+run refused for its rollouts (unfinished, degraded, malformed, no question eligible) writes
+nothing. What it does not do: roll out (``direct_rollout/``) or stratify by source.
 """
 
 from __future__ import annotations
@@ -40,6 +42,7 @@ import json
 import logging
 import time
 from collections import Counter
+from dataclasses import dataclass
 from pathlib import Path
 
 import numpy as np
@@ -190,14 +193,48 @@ def check_settings(cfg: DictConfig) -> None:
     check_paths(ParetoConfig, OmegaConf.to_container(cfg, resolve=True))
     if not cfg.objectives:
         raise SettingError("objectives", "is empty: name at least one objective")
+    import matplotlib  # noqa: F401 -- scatter.png needs it: missing, it is one line naming the extra (etagent/errors.py), before any write
+
+
+@dataclass
+class Selection:
+    """What a run writes, computed before it claims its folder."""
+
+    rows: list[RLRow]  # rl.parquet's rows, in their order
+    scores: list[dict]  # scores.jsonl
+    report: dict  # report.json
+    scatter: tuple  # draw_scatter's points, status, names and title
+    counts: dict  # the manifest's
+    metrics: dict
+
+
+def plan(cfg: DictConfig) -> Selection:
+    """Everything the stage can refuse, before it claims its output folder: the settings, the
+    rollouts (finished, readable, some question eligible) and the whole selection."""
+    check_settings(cfg)
+    return select_questions(cfg)
 
 
 def run(cfg: DictConfig) -> dict:
-    check_settings(cfg)
+    started = time.time()
+    selection = plan(cfg)
     config = OmegaConf.to_container(cfg, resolve=True)
     # every run recomputes the selection from the rollouts, so nothing is resumed
     with claim_output(cfg.out_dir, stage=f"pareto/stage{cfg.rl_stage}", schema=ParetoConfig, config=config, resumes=False) as out:
-        return choose(cfg, out, config)
+        write_rl_parquet(selection.rows, out / "rl.parquet")
+        write_jsonl(out / "scores.jsonl", selection.scores)
+        (out / "report.json").write_text(json.dumps(selection.report, indent=2) + "\n")
+        draw_scatter(out / "scatter.png", *selection.scatter)
+        write_manifest(
+            out,
+            stage=f"pareto/stage{cfg.rl_stage}",
+            config=config,
+            counts=selection.counts,
+            seed=int(cfg.seed),
+            started_at=started,
+            metrics=selection.metrics,
+        )
+    return selection.report
 
 
 def finished_rollouts(cfg: DictConfig) -> Path:
@@ -216,10 +253,9 @@ def finished_rollouts(cfg: DictConfig) -> Path:
     return rollouts
 
 
-def choose(cfg: DictConfig, out: Path, config: dict) -> dict:
-    """Select the stage's questions, write the RL parquet, each question's scores, the report,
-    the scatter plot and the manifest; the report."""
-    started = time.time()
+def select_questions(cfg: DictConfig) -> Selection:
+    """Select the stage's questions: the RL parquet's rows, each question's scores, the report and
+    the scatter plot's points, for :func:`run` to write."""
     names = list(cfg.objectives)
     rollouts = finished_rollouts(cfg)
     questions, arrays, left_out = read_rollouts(rollouts)
@@ -260,11 +296,9 @@ def choose(cfg: DictConfig, out: Path, config: dict) -> dict:
     # the parquet: extra_info.index is the position in the selection, the rows are shuffled
     rows = [RLRow.for_question(questions[i], index=k, split=cfg.split) for k, i in enumerate(chosen)]
     order = np.random.default_rng(int(cfg.seed)).permutation(len(rows))
-    write_rl_parquet([rows[k] for k in order], out / "rl.parquet")
 
     selected = np.zeros(len(questions), dtype=bool)
     selected[chosen] = True
-    write_jsonl(out / "scores.jsonl", question_scores(questions, chains, points, names, reasons, front, distance, selected))
 
     status = ["selected" if selected[i] else "eligible" if reasons[i] is None else "ineligible" for i in range(len(questions))]
     dropped = Counter(r for r in reasons if r is not None)
@@ -299,22 +333,18 @@ def choose(cfg: DictConfig, out: Path, config: dict) -> dict:
             for source in sources
         },
     }
-    (out / "report.json").write_text(json.dumps(report, indent=2) + "\n")
     if cfg.method == "pareto":
         title = f"RL stage {cfg.rl_stage}: {len(chosen)} selected of {len(eligible)} eligible ({len(questions)} questions)"
     else:
         title = f"RL stage {cfg.rl_stage}: {len(chosen)} drawn at random of {len(questions)} questions ({len(eligible)} eligible)"
-    draw_scatter(out / "scatter.png", points, status, names, title)
-    write_manifest(
-        out,
-        stage=f"pareto/stage{cfg.rl_stage}",
-        config=config,
+    return Selection(
+        rows=[rows[k] for k in order],
+        scores=question_scores(questions, chains, points, names, reasons, front, distance, selected),
+        report=report,
+        scatter=(points, status, names, title),
         counts={"questions": len(questions), "eligible": int(len(eligible)), "selected": int(len(chosen))},
-        seed=int(cfg.seed),
-        started_at=started,
         metrics={"dropped": dict(dropped), "front_sizes": fronts.get("sizes", [])},
     )
-    return report
 
 
 def question_scores(questions, chains: Chains, points, names, reasons, front, distance, selected) -> list[dict]:
@@ -345,7 +375,7 @@ def main(argv: list[str] | None = None) -> None:
     from etagent.stage_cli import stage_configs
 
     logging.basicConfig(level=logging.INFO, format="%(asctime)s %(name)s %(message)s")
-    for cfg in stage_configs("pareto", argv, prog="python -m etagent.pareto.run", doc=__doc__):
+    for cfg in stage_configs("pareto", argv, prog="python -m etagent.pareto.run", doc=__doc__, plan=plan):
         report = run(cfg)
         c, f = report["counts"], report["fronts"]
         dropped = ", ".join(f"{k} {v}" for k, v in sorted(report["dropped"].items()))

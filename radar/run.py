@@ -18,7 +18,11 @@ drawn on a fixed 0-100 scale, Reasoning Length relative to the largest value amo
 runs (its raw values are in the legend and in radar.json). The caption under the chart says so.
 
 Writes ``{out_dir}/radar.json``, ``radar.md``, ``radar.png`` and ``radar.svg``. Judgements are
-cached in ``{out_dir}/{run}/{dataset}/conciseness.jsonl``, so a killed run resumes.
+cached in ``{out_dir}/{label}/{dataset}/conciseness.jsonl``, so a killed run resumes. Each run's
+label (``labels``, or the name it was evaluated under) is unique, or the radar is refused naming
+the label: results are keyed by it. A label is a name, never a path: its folder is the label
+percent-encoded (:func:`label_folder`: ``sft/rl`` is ``sft%2Frl``), one folder inside
+``out_dir`` whatever the label holds.
 """
 
 from __future__ import annotations
@@ -27,7 +31,9 @@ import asyncio
 import json
 import logging
 import time
+from dataclasses import dataclass
 from pathlib import Path
+from urllib.parse import quote
 
 from omegaconf import DictConfig, OmegaConf
 
@@ -96,8 +102,19 @@ def conciseness(judge: RadarJudge, groups: list[TrajectoryGroup], out: Path) -> 
     return {row["id"]: row["redundant"] for _, row in iter_jsonl(path)}
 
 
-def dataset_metrics(judge: RadarJudge, run_dir: Path, dataset: str, out: Path, tokenizer) -> dict:
-    """The radar's measures of one evaluated dataset of a run (``judge`` asks the redundancy question)."""
+@dataclass
+class Evaluated:
+    """One evaluated dataset of a run, as the radar reads it: its metrics.json, its trajectories
+    and each question's scored samples (by id)."""
+
+    table: dict
+    groups: list[TrajectoryGroup]
+    scored: dict[str, dict]
+
+
+def read_evaluated(run_dir: Path, dataset: str) -> Evaluated:
+    """What the radar reads of one evaluated dataset, refused where it cannot be measured: no
+    metrics.json, none of its samples, a malformed line, or a question without its scores."""
     metrics_path = run_dir / dataset / "metrics.json"
     if not metrics_path.is_file():
         raise MissingInput(f"{metrics_path}: no such file (was {dataset} evaluated in {run_dir}?)")
@@ -109,7 +126,21 @@ def dataset_metrics(judge: RadarJudge, run_dir: Path, dataset: str, out: Path, t
             f"{metrics_path}: no samples (the evaluation ran on no questions): nothing to measure; leave {dataset} out with datasets=[...]"
         )
     groups = read_jsonl(run_dir / dataset / "trajectories.jsonl", TrajectoryGroup)
-    scored = {row["id"]: row for _, row in iter_jsonl(run_dir / dataset / "scored.jsonl")}
+    scored_path = run_dir / dataset / "scored.jsonl"
+    scored = {}
+    for line, row in iter_jsonl(scored_path):
+        if not isinstance(row, dict) or not isinstance(row.get("id"), str) or not isinstance(row.get("samples"), list):
+            raise RecordError(scored_path, line, "(record)", "expected an object with an id and its samples' scores")
+        scored[row["id"]] = row
+    for g in groups:
+        if len(scored.get(g.id, {}).get("samples", [])) != len(g.trajectories):
+            raise RecordError(scored_path, None, "samples", f"question {g.id!r} has no scores for its {len(g.trajectories)} samples")
+    return Evaluated(table, groups, scored)
+
+
+def dataset_metrics(judge: RadarJudge, evaluated: Evaluated, out: Path, tokenizer) -> dict:
+    """The radar's measures of one evaluated dataset of a run (``judge`` asks the redundancy question)."""
+    table, groups, scored = evaluated.table, evaluated.groups, evaluated.scored
     out.mkdir(parents=True, exist_ok=True)
     redundant = conciseness(judge, groups, out)
     rows = []
@@ -167,6 +198,48 @@ def run_name(run_dir: Path) -> str:
     return summary["run"]
 
 
+# Characters a label keeps as they are in its folder's name; every other one is percent-encoded
+# (a path separator, "%" itself, control characters, any non-ASCII character), so the name is one
+# path component, and decodes back to the label (distinct labels, distinct folders).
+LABEL_SAFE = " !#$&'()+,;=@[]^_`{}~-."
+# The longest file name the usual file systems allow, in bytes.
+MAX_NAME_BYTES = 255
+
+
+def label_folder(label: str) -> str:
+    """The folder of a run's cached judgements under ``out_dir``: the label percent-encoded
+    (``sft/rl`` -> ``sft%2Frl``, ``..`` -> ``%2E%2E``), so that it is one path component inside
+    ``out_dir`` and ``urllib.parse.unquote`` gives the label back (distinct labels, distinct
+    folders)."""
+    name = quote(label, safe=LABEL_SAFE, errors="surrogatepass")  # a command line's undecodable bytes too
+    return name.replace(".", "%2E") if set(name) <= {"."} else name
+
+
+def run_labels(cfg: DictConfig) -> list[str]:
+    """Each run's label: ``labels``, or the name it was evaluated under (its summary's ``run``).
+    Refused, naming the labels: two runs with one label (one would replace the other in the
+    chart and share its cached judgements; two that differ only in case would share a folder on
+    a case-insensitive file system), an empty label, and one too long for a folder name."""
+    given = bool(cfg.labels)
+    labels = list(cfg.labels) if given else [run_name(Path(r)) for r in cfg.runs]
+    key = "labels" if given else "runs"
+    seen: dict[str, int] = {}
+    for i, label in enumerate(labels):
+        where = f"{key}[{i}]"
+        if not label:
+            raise SettingError(where, f"{'is' if given else 'was evaluated under'} an empty label: give each run a name in labels=[...]")
+        if len(label_folder(label).encode()) > MAX_NAME_BYTES:
+            raise SettingError(where, f"the label {label[:40]!r}... is too long for a folder name: give a shorter one in labels=[...]")
+        first = seen.setdefault(label.casefold(), i)
+        if first != i:
+            same = "is" if labels[first] == label else f"differs only in case from {labels[first]!r}, which is"
+            how = "" if given else f" (the name each was evaluated under: {cfg.runs[first]} and {cfg.runs[i]})"
+            raise SettingError(
+                where, f"the label {label!r} {same} the label of {key}[{first}]{how}: give each run its own label in labels=[...]"
+            )
+    return labels
+
+
 def check_settings(cfg: DictConfig) -> dict:
     """The runs and the tokenizer present, and what the declarations (radar/config.py) cannot say
     alone, before any work. Returns the config as run (with the toy oracle, no judge model)."""
@@ -184,30 +257,49 @@ def check_settings(cfg: DictConfig) -> dict:
             )
     if cfg.labels and len(cfg.labels) != len(cfg.runs):
         raise SettingError("labels", f"{len(cfg.labels)} labels for {len(cfg.runs)} runs")
+    run_labels(cfg)
+    for i, dataset in enumerate(cfg.datasets or []):
+        if dataset in ("", ".", "..") or "/" in dataset or "\\" in dataset:
+            raise SettingError(f"datasets[{i}]", f"{dataset!r} is not the name of a dataset's folder in a run (a name, not a path)")
     if cfg.judge.mode == "llm":
         check_engine_settings(cfg.judge.engine, "judge.engine")
     return config
 
 
-def run(cfg: DictConfig) -> dict:
+def plan(cfg: DictConfig) -> tuple[dict, list[dict[str, Evaluated]]]:
+    """Everything the radar can refuse, before it claims its output folder: the settings
+    (:func:`check_settings`), matplotlib for the chart, and every dataset of every run read
+    (:func:`read_evaluated`; a run with none is refused). Returns the config as run and each
+    run's datasets."""
     config = check_settings(cfg)
+    import matplotlib  # noqa: F401 -- the chart needs it: missing, it is one line naming the extra (etagent/errors.py)
+
+    runs = []
+    for i, run_dir in enumerate(map(Path, cfg.runs)):
+        datasets = list(cfg.datasets) if cfg.datasets else sorted(p.name for p in run_dir.iterdir() if (p / "metrics.json").exists())
+        if not datasets:
+            raise SettingError(f"runs[{i}]", f"{run_dir} holds no evaluated dataset (no <dataset>/metrics.json): nothing to measure")
+        runs.append({d: read_evaluated(run_dir, d) for d in datasets})
+    return config, runs
+
+
+def run(cfg: DictConfig) -> dict:
+    config, runs = plan(cfg)
     with claim_output(cfg.out_dir, stage="radar", schema=RadarConfig, config=config) as out:
-        return measure(cfg, out, config)
+        return measure(cfg, out, config, runs)
 
 
-def measure(cfg: DictConfig, out: Path, config: dict) -> dict:
+def measure(cfg: DictConfig, out: Path, config: dict, runs: list[dict[str, Evaluated]]) -> dict:
     from transformers import AutoTokenizer
 
     started = time.time()
     tokenizer = AutoTokenizer.from_pretrained(cfg.tokenizer)
     # A run is labelled with the name it was evaluated under (evaluation's run_name).
-    labels = list(cfg.labels) if cfg.labels else [run_name(Path(r)) for r in cfg.runs]
+    labels = run_labels(cfg)
     judge = build(RadarJudge, cfg.judge)
     result = {}
-    for label, run_dir in zip(labels, cfg.runs):
-        run_dir = Path(run_dir)
-        datasets = list(cfg.datasets) if cfg.datasets else sorted(p.name for p in run_dir.iterdir() if (p / "metrics.json").exists())
-        per_dataset = {d: dataset_metrics(judge, run_dir, d, out / label / d, tokenizer) for d in datasets}
+    for label, run_dir, datasets in zip(labels, cfg.runs, runs):
+        per_dataset = {d: dataset_metrics(judge, evaluated, out / label_folder(label) / d, tokenizer) for d, evaluated in datasets.items()}
         result[label] = {"run": str(run_dir), "datasets": per_dataset, "axes": axes(per_dataset, cfg.execution_rule)}
     (out / "radar.json").write_text(json.dumps(result, indent=2) + "\n")
     lines = ["| run | " + " | ".join(AXES) + " |", "|---" * (len(AXES) + 1) + "|"]
@@ -240,7 +332,7 @@ def main(argv: list[str] | None = None) -> None:
 
     logging.basicConfig(level=logging.INFO, format="%(asctime)s %(name)s %(message)s")
     logging.getLogger("httpx").setLevel(logging.WARNING)
-    for cfg in stage_configs("radar", argv, prog="python -m etagent.radar.run", doc=__doc__):
+    for cfg in stage_configs("radar", argv, prog="python -m etagent.radar.run", doc=__doc__, plan=plan):
         run(cfg)
 
 

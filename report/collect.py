@@ -26,7 +26,6 @@ page made to be shared carries nothing from outside the run. It does not draw an
 
 from __future__ import annotations
 
-import json
 import math
 import os
 import random
@@ -35,15 +34,17 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
 
-from etagent.records import origin_segments
+from etagent.records import RecordError, decode_json, origin_segments, read_json_file
 
 # Files that show a stage wrote here.
 OUTPUT_FILES = {"metrics.jsonl", "summary.json", "trajectories.jsonl"}
 # What a manifest's status says is wrong (etagent.rundir writes "running" when a stage starts;
-# etagent.sampling finishes with "degraded" when the tools failed too often).
+# etagent.sampling finishes with "degraded" when the tools, the engine's context or the engine
+# failed too often).
 STATUS_PROBLEMS = {
     "running": "still running, or stopped before its end",
-    "degraded": "finished, but its tools failed on more calls than tools.max_failure_share allows",
+    "degraded": "finished, but its tools failed, or the engine's context cut or the engine failed its trajectories, "
+    "more often than tools.max_failure_share allows",
 }
 # Folders no stage's outputs sit in: model weights and checkpoints, ray's temporary files.
 SKIPPED_FOLDERS = {"model", "models", "checkpoints", "__pycache__", ".git"}
@@ -140,9 +141,9 @@ def read_json(run: Run, path: Path, kind: type = dict, quiet: bool = False) -> A
     if not readable(run, path, problems):
         return None
     try:
-        value = json.loads(path.read_text())
-    except (json.JSONDecodeError, UnicodeDecodeError) as exc:
-        problems.append(f"{path}: not valid JSON ({exc})")
+        value = read_json_file(path)  # the toolkit's one JSON reader: a file it refuses is listed, not a crash
+    except RecordError as error:
+        problems.append(f"{path}: not valid JSON ({why(error)})")
         return None
     if not isinstance(value, kind):
         problems.append(f"{path}: holds a JSON {type(value).__name__}, not the {kind.__name__} expected; not read")
@@ -163,20 +164,25 @@ def numbered_lines(run: Run, path: Path, wanted: set[int] | None = None, quiet: 
     problems = [] if quiet else run.problems
     if not readable(run, path, problems):
         return
-    with path.open(errors="replace") as f:
+    with path.open("rb") as f:
         for number, line in enumerate(f, start=1):
             if (wanted is not None and number not in wanted) or not line.strip():
                 continue
             try:
-                row = json.loads(line)
-            except json.JSONDecodeError:
-                ending = " (the last line: its writer was stopped while writing it)" if not line.endswith("\n") else ""
-                problems.append(f"{path}:{number}: not a JSON line{ending}; skipped")
+                row = decode_json(line, path, number)
+            except RecordError as error:
+                ending = " (the last line: its writer was stopped while writing it)" if not line.endswith(b"\n") else ""
+                problems.append(f"{path}:{number}: not a JSON line{ending}: {why(error)}; skipped")
                 continue
             if not isinstance(row, dict):
                 problems.append(f"{path}:{number}: a JSON {type(row).__name__}, not an object; skipped")
                 continue
             yield number, row
+
+
+def why(error: RecordError) -> str:
+    """What a reader refused in a file, without the file and line a problem's line names already."""
+    return error.message if error.field.startswith("(") else f"field '{error.field}' {error.message}"
 
 
 def number(value) -> float | None:
@@ -473,7 +479,7 @@ def rl_questions(run: Run, folder: Path) -> dict[int, dict]:
 def read_evaluation(run: Run, folder: Path, stage: Stage, tokenizer_for) -> None:
     summary_path = folder / "summary.json"
     summary = read_json(run, summary_path) if summary_path.exists() else None
-    if summary is None and stage.status == "complete":
+    if summary is None and stage.status == "complete" and not summary_path.exists():  # one that does not read is listed by read_json
         run.problems.append(f"{summary_path}: missing")
     name = text((summary or {}).get("run") or stage.folder)
     datasets = (summary or {}).get("datasets") or {}

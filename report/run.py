@@ -28,6 +28,7 @@ from functools import cache
 from pathlib import Path
 
 from etagent.errors import MissingInput, UserError, exit_on_user_error
+from etagent.records import write_atomically
 from etagent.report.collect import collect
 from etagent.report.page import render
 from etagent.settings import PositiveInt, group, validate
@@ -56,9 +57,9 @@ def write_report(run_dir: str | os.PathLike, settings: ReportSettings, out: str 
     started = time.time()
     run = collect(run_dir, settings.max_trajectories, tokenizer_for)
     path = Path(out) if out else Path(run_dir) / "report.html"
-    tmp = path.with_name(path.name + ".tmp")
-    tmp.write_text(render(run, settings.max_trajectories), encoding="utf-8")
-    tmp.replace(path)
+    # a name in the run folder that is not UTF-8 (os.walk gives its bytes as surrogates) is shown
+    # as its escapes: the page is for reading, and it is written whole or not at all
+    write_atomically(path, render(run, settings.max_trajectories).encode("utf-8", "backslashreplace"))
     sampled = f" (a sample of the run's {run.trajectories_found})" if run.trajectories_found > len(run.trajectories) else ""
     print(
         f"report: {len(run.stages)} stage folders, {len(run.curves)} curves, {len(run.evaluations)} evaluations, "

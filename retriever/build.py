@@ -4,7 +4,11 @@
     python -m etagent.retriever.build corpus=data/wiki-18.jsonl index_dir=data/wiki-18-e5 --preset paper
 
 Reads a corpus in the FlashRAG/Search-R1 JSONL format (``id``, ``contents``, optional
-``title``), streaming it in chunks of ``build.chunk_size`` passages. For each chunk it encodes the
+``title``). Before anything is written, one pass reads every passage and refuses a bad line or an
+id that an earlier line holds (naming file, line and id: the server's hybrid search fuses
+passages by id, so two passages under one id would come back as one); a second build into the
+same ``index_dir`` while one runs is refused (the lock of etagent/rundir.py). Then it streams the
+corpus in chunks of ``build.chunk_size`` passages. For each chunk it encodes the
 passages, writes their vectors to ``embeddings/part-NNNNN.npy`` and their text to the document
 store (``docs.sqlite``), and records the chunk as done in the same transaction: a build killed at
 any point resumes from the first unfinished chunk and ends with the same index, byte for byte, as
@@ -18,25 +22,29 @@ if ``build.bm25``, a BM25 index (``bm25s``). Writes ``index.faiss``, ``bm25/``, 
 
 from __future__ import annotations
 
+import hashlib
 import json
 import logging
 import os
 import shutil
 import sqlite3
 import time
+from array import array
 from collections.abc import Iterator
 from dataclasses import asdict
 from pathlib import Path
 
 import numpy as np
+from omegaconf import DictConfig
 
-from etagent.errors import UserError, exit_on_user_error
+from etagent.config import build
+from etagent.errors import SettingError, UserError, exit_on_user_error
 from etagent.progress import Progress
 from etagent.records import RecordError, input_identity, iter_jsonl, write_manifest
 from etagent.retriever.config import EncoderSettings, IndexBuildSettings, RetrieverConfig
 from etagent.retriever.encoder import resolve_model
-from etagent.rundir import changed_settings
-from etagent.settings import check_paths, free_keys
+from etagent.rundir import changed_settings, claim_output, completed
+from etagent.settings import check_device, check_installed, check_paths, free_keys
 
 log = logging.getLogger("etagent.retriever.build")
 
@@ -47,9 +55,9 @@ CREATE TABLE IF NOT EXISTS meta (key TEXT PRIMARY KEY, value TEXT NOT NULL);
 """
 
 
-def read_corpus(path: Path, chunk_size: int) -> Iterator[list[dict]]:
-    """Chunks of passages {id, title, contents}; a bad line names file, line and field."""
-    chunk: list[dict] = []
+def read_passages(path: Path) -> Iterator[tuple[int, dict]]:
+    """(line number, passage {id, title, contents}) for every passage; a bad line names file,
+    line and field."""
     for number, row in iter_jsonl(path):
         if not isinstance(row, dict):
             raise RecordError(path, number, "(record)", "expected a JSON object")
@@ -58,7 +66,47 @@ def read_corpus(path: Path, chunk_size: int) -> Iterator[list[dict]]:
             raise RecordError(path, number, "contents", "missing or empty")
         if "id" not in row:
             raise RecordError(path, number, "id", "missing")
-        chunk.append({"id": str(row["id"]), "title": row.get("title"), "contents": contents})
+        yield number, {"id": str(row["id"]), "title": row.get("title"), "contents": contents}
+
+
+def check_corpus(path: Path) -> int:
+    """Every passage of the corpus readable and every id unique (as the server returns it: a
+    string, so ``1`` and ``"1"`` are one id), before anything is written; returns the number of
+    passages. A repeated id is refused at its second line, naming the first. Memory stays at 8
+    bytes per passage (a hash of each id), so a corpus of tens of millions of passages is checked
+    in one pass; a second pass, only when two hashes are equal, finds the lines."""
+    digests = array("Q")
+    for _, passage in read_passages(path):
+        digests.append(_id_digest(passage["id"]))
+    hashes = np.frombuffer(digests, dtype=np.uint64) if digests else np.zeros(0, dtype=np.uint64)
+    values, counts = np.unique(hashes, return_counts=True)
+    repeated = set(values[counts > 1].tolist())
+    if repeated:
+        first_line: dict[str, int] = {}
+        for number, passage in read_passages(path):
+            if _id_digest(passage["id"]) not in repeated:
+                continue
+            if passage["id"] in first_line:
+                raise RecordError(
+                    path,
+                    number,
+                    "id",
+                    f"{passage['id']!r} is the id of line {first_line[passage['id']]} too: every passage needs its own id "
+                    "(hybrid search fuses passages by id)",
+                )
+            first_line[passage["id"]] = number
+    return len(hashes)
+
+
+def _id_digest(passage_id: str) -> int:
+    return int.from_bytes(hashlib.blake2b(passage_id.encode("utf-8", "surrogatepass"), digest_size=8).digest(), "little")
+
+
+def read_corpus(path: Path, chunk_size: int) -> Iterator[list[dict]]:
+    """Chunks of passages {id, title, contents}; a bad line names file, line and field."""
+    chunk: list[dict] = []
+    for _, passage in read_passages(path):
+        chunk.append(passage)
         if len(chunk) == chunk_size:
             yield chunk
             chunk = []
@@ -126,11 +174,7 @@ def build_faiss(b: IndexBuildSettings, seed: int, out: Path, n: int):
     elif b.index_type == "HNSW":
         index = faiss.IndexHNSWFlat(dim, b.hnsw_m, faiss.METRIC_INNER_PRODUCT)
         index.hnsw.efConstruction = b.hnsw_ef_construction
-    elif b.index_type == "IVF-PQ":
-        if n < 39 * b.ivf_lists:
-            raise ValueError(
-                f"IVF-PQ with {b.ivf_lists} lists needs at least {39 * b.ivf_lists} passages (have {n}); lower build.ivf_lists"
-            )
+    elif b.index_type == "IVF-PQ":  # its passages were counted against its lists before the claim (check_passages)
         quantizer = faiss.IndexFlatIP(dim)
         index = faiss.IndexIVFPQ(quantizer, dim, b.ivf_lists, b.pq_m, 8, faiss.METRIC_INNER_PRODUCT)
         sample = _training_sample(parts, b.train_size, seed=seed)
@@ -180,34 +224,91 @@ def build_bm25(out: Path, db: sqlite3.Connection) -> None:
     os.replace(tmp, out / "bm25")
 
 
-def build_index(cfg: RetrieverConfig) -> dict:
-    """Encode, index and store the corpus (resuming a killed build); the build's metrics."""
-    started = time.time()
+def check_build(cfg: RetrieverConfig) -> dict:
+    """What a build can refuse without reading the whole corpus, before the index folder is
+    claimed: the corpus present and not empty, the encoder there, the packages the build needs
+    (faiss; sentence-transformers for that encoder kind) and the device it asks for. Returns the
+    corpus's identity (etagent.records.input_identity)."""
     [corpus_input] = [input_identity(key, path) for key, path, _ in check_paths(RetrieverConfig, asdict(cfg))]
     with open(cfg.corpus, "rb") as f:
         if not any(line.strip() for line in f):  # stops at the first passage
             raise UserError(f"{cfg.corpus}: no passages (the corpus is empty): an index of nothing would serve no search")
     resolve_model(cfg.encoder.model)  # a missing encoder is refused before the index folder is made
+    import_faiss()  # missing, it is one line naming the extra (etagent/errors.py)
+    if cfg.encoder.kind == "sentence-transformers":
+        check_installed("encoder.kind", "sentence_transformers", "encoder.kind=sentence-transformers")
+    check_device("encoder.device", cfg.encoder.device)
+    return corpus_input
+
+
+def check_passages(cfg: RetrieverConfig) -> int:
+    """Every passage of the corpus readable and its id unique (:func:`check_corpus`), and as many
+    as the index type needs (IVF-PQ trains 39 points per list, as faiss asks); returns how many."""
+    n = check_corpus(Path(cfg.corpus))
+    if cfg.build.index_type == "IVF-PQ" and n < 39 * cfg.build.ivf_lists:
+        raise SettingError(
+            "build.ivf_lists",
+            f"is {cfg.build.ivf_lists}: IVF-PQ with that many lists needs at least {39 * cfg.build.ivf_lists} passages, and {cfg.corpus} "
+            f"has {n}; lower it, or set build.index_type=Flat",
+        )
+    return n
+
+
+def plan(cfg: DictConfig) -> None:
+    """Everything a build can refuse before it claims its index folder (:func:`check_build`,
+    :func:`check_passages`); what the folder holds is checked by :func:`build_index` itself."""
+    built = build(RetrieverConfig, cfg)
+    check_build(built)
+    check_passages(built)
+
+
+def build_index(cfg: RetrieverConfig) -> dict:
+    """Encode, index and store the corpus (resuming a killed build); the build's metrics."""
+    started = time.time()
+    corpus_input = check_build(cfg)
     out = Path(cfg.index_dir)
-    manifest = out / "manifest.json"
-    if manifest.exists() and (out / "index.faiss").exists():
-        previous = json.loads(manifest.read_text())
-        same = not changed_settings(previous.get("config") or {}, asdict(cfg), free_keys(RetrieverConfig))
-        if previous.get("status") == "complete" and same and previous.get("inputs") == [corpus_input]:
+    if (out / "index.faiss").exists():
+        previous = completed(out)  # refused where its manifest was edited since
+        same = previous is not None and not changed_settings(previous.get("config") or {}, asdict(cfg), free_keys(RetrieverConfig))
+        if same and previous.get("inputs") == [corpus_input]:
             print(f"index in {out} is already built ({previous['counts']['passages']} passages); nothing to do")
             return previous["metrics"]
-    out.mkdir(parents=True, exist_ok=True)
     corpus = Path(cfg.corpus)
-    db = open_store(out / "docs.sqlite")
+    check_passages(cfg)
     # what the stored vectors are of: the corpus's content (wherever it lies) and the encoder
     encoder = {k: v for k, v in asdict(cfg.encoder).items() if k not in free_keys(EncoderSettings)}
     signature = json.dumps({"corpus": corpus_input["sha256"], "encoder": encoder, "chunk_size": cfg.build.chunk_size}, sort_keys=True)
-    previous = db.execute("SELECT value FROM meta WHERE key = 'signature'").fetchone()
+    check_stored_vectors(out, signature)
+    # one build per folder at a time: the lock every stage takes on its out_dir; the build checks
+    # its own resume (the stored vectors' signature, above), so the claim does not
+    with claim_output(out, stage="etagent.retriever.build", schema=RetrieverConfig, config=asdict(cfg), resumes=False):
+        return _build(cfg, out, corpus, corpus_input, signature, started)
+
+
+def check_stored_vectors(out: Path, signature: str) -> None:
+    """Refuse to resume a folder whose stored vectors are of another corpus or encoder, before the
+    folder is claimed: a refused build leaves it as it was (the store is only read; SQLite's
+    transient -wal and -shm files go when the connection closes, where a read-only connection
+    would leave them)."""
+    store = out / "docs.sqlite"
+    if not store.is_file():
+        return
+    db = sqlite3.connect(store)
+    try:
+        previous = db.execute("SELECT value FROM meta WHERE key = 'signature'").fetchone()
+    except sqlite3.OperationalError:  # a store a kill left before its tables were made
+        previous = None
+    finally:
+        db.close()
     if previous and previous[0] != signature:
         raise UserError(
             f"{out} holds vectors of another corpus (or the corpus has changed since) or another encoder; "
             "use a new index_dir, or rerun with --restart to build it again"
         )
+
+
+def _build(cfg: RetrieverConfig, out: Path, corpus: Path, corpus_input: dict, signature: str, started: float) -> dict:
+    db = open_store(out / "docs.sqlite")
     db.execute("INSERT OR REPLACE INTO meta VALUES ('signature', ?)", (signature,))
     t0 = time.time()
     n = encode_corpus(corpus, cfg.build.chunk_size, cfg.encoder, out, db)
@@ -246,12 +347,11 @@ def build_index(cfg: RetrieverConfig) -> dict:
 
 @exit_on_user_error
 def main(argv: list[str] | None = None) -> None:
-    from etagent.config import build
     from etagent.stage_cli import stage_configs
 
     logging.basicConfig(level=logging.INFO, format="%(asctime)s %(name)s %(message)s")
     logging.getLogger("faiss.loader").setLevel(logging.WARNING)  # its CPU-feature probing is noise
-    for cfg in stage_configs("retriever", argv, prog="python -m etagent.retriever.build", doc=__doc__):
+    for cfg in stage_configs("retriever", argv, prog="python -m etagent.retriever.build", doc=__doc__, plan=plan):
         build_index(build(RetrieverConfig, cfg))
 
 

@@ -22,6 +22,7 @@ from etagent.settings import (
     Gt,
     InputData,
     Le,
+    Len,
     Lt,
     ModelPath,
     NonNegativeFloat,
@@ -40,6 +41,7 @@ from etagent.tools.executor import ToolsConfig
 class RLData:
     train: InputData = MISSING
     validation: InputData | None = MISSING
+    validation_split: str | None = MISSING
     prompts_per_step: PositiveInt = MISSING
     epochs: PositiveInt = MISSING
     max_prompt_tokens: PositiveInt | None = MISSING
@@ -98,7 +100,7 @@ class AlgorithmSettings:
 class OptimSettings:
     # AdamW's first step is lr / (1 - beta1) in float32: above 1e37 it cannot be taken at all
     lr: Annotated[float, Gt(0), Le(1e37)] = MISSING
-    betas: list[Annotated[float, Ge(0), Lt(1)]] = MISSING
+    betas: Annotated[list[Annotated[float, Ge(0), Lt(1)]], Len(2, 2)] = MISSING
     eps: PositiveFloat = MISSING
     weight_decay: NonNegativeFloat = MISSING
     grad_clip: PositiveFloat = MISSING

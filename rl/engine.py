@@ -38,6 +38,7 @@ from etagent.errors import SettingError
 from etagent.rl.adapters import save_adapter
 from etagent.rl.policy import Policy, gathered, lend_gathered, unhooked_twin
 from etagent.rl.weights import adapter_weights, release_cached_memory, sync_engine
+from etagent.settings import check_installed
 
 
 class ColocatedEngine:
@@ -162,8 +163,16 @@ def check_engine_settings(cfg: DictConfig) -> None:
         raise SettingError("engine.kind", "must be hf or vllm: RL's engine runs in the trainer's process")
     if cfg.engine.kind != "vllm":
         return
-    from etagent.llm.vllm_engine import MAX_LOGPROBS  # the module imports vLLM only when an engine is built
+    from etagent.llm.vllm_engine import LORA_RANKS, MAX_LOGPROBS  # the module imports vLLM only when an engine is built
 
+    check_installed("engine.kind", "vllm", "engine.kind=vllm")
+    if cfg.rollout.kind == "tree" and cfg.rollout.entropy == "exact":
+        raise SettingError(
+            "rollout.entropy",
+            "is exact, which only the hf engine measures (it sees whole distributions); use rollout.entropy=topk with vllm",
+        )
+    if cfg.lora.enabled and cfg.lora.rank > LORA_RANKS[-1]:
+        raise SettingError("lora.rank", f"is {cfg.lora.rank}, and vLLM serves LoRA adapters of rank <= {LORA_RANKS[-1]}")
     if cfg.rollout.top_logprobs > MAX_LOGPROBS:
         raise SettingError(
             "rollout.top_logprobs",

@@ -56,6 +56,20 @@ from etagent.rl import paper_reward
 
 MODES = ("paper", "default")
 DATA_SOURCES = {"math_effi_rl": "math", "qa_effi_rl": "qa"}
+SOURCE_OF_KIND = {kind: source for source, kind in DATA_SOURCES.items()}
+
+
+def rl_data_source(data_source, ground_truth: Sequence[str]) -> str:
+    """The RL data source a row's reward is computed as: ours as it is; another project's
+    (``openai/gsm8k``, Search-R1's ``nq``, ``searchR1_hotpotqa``, ...) by the scoring it calls
+    for (etagent.question_formats.kind_of_data_source), else by its gold answers (a number or
+    LaTeX is math)."""
+    from etagent.question_formats import inferred_kind, kind_of_data_source
+
+    if data_source in DATA_SOURCES:
+        return data_source
+    kind = kind_of_data_source(data_source) or inferred_kind([str(g) for g in ground_truth])
+    return SOURCE_OF_KIND[kind]
 
 
 def kind_of(data_source: str) -> str:

@@ -41,7 +41,7 @@ from pathlib import Path
 
 from etagent import protocol
 from etagent.agent import AgentLoop, SegmentEntropy, TrajectoryState
-from etagent.question_formats import DEFAULT_FORMAT, QuestionFormat, read_question_rows
+from etagent.question_formats import DEFAULT_FORMAT, Mapping, QuestionFormat, read_question_rows
 from etagent.records import Question, RecordError, TokenOrigin
 from etagent.rl.config import RolloutSettings
 from etagent.rl.reward import DATA_SOURCES
@@ -57,13 +57,14 @@ class Prompt:
     data_source: str
 
 
-def read_prompts(
+def read_prompt_set(
     path: str | Path,
     tokenizer=None,
     max_prompt_tokens: int | None = None,
     question_format: QuestionFormat = DEFAULT_FORMAT,
     rerender_prompts: bool = False,
-) -> list[Prompt]:
+    split_key: str = "data.question_format.split",
+) -> tuple[list[Prompt], Mapping]:
     """The rows of an RL data source as prompts: our RL parquet (verl's schema, as ``pareto/``
     writes it or as the paper's files are), or any format etagent.question_formats reads (verl's
     GSM8K, Search-R1, FlashRAG, TRL, a ``datasets`` folder). The agent loop renders every question
@@ -72,8 +73,9 @@ def read_prompts(
     would train on prompts the data never had. With it, the question read from the row (see
     :mod:`etagent.question_formats`) is rendered with the protocol's prompt. With
     ``max_prompt_tokens``, a longer prompt is an error naming its row, as verl's
-    ``truncation=error`` (a cut question would be scored against its full answer)."""
-    rows, mapping = read_question_rows(path, question_format)
+    ``truncation=error`` (a cut question would be scored against its full answer). Also returns
+    how the rows were read (for the run's manifest)."""
+    rows, mapping = read_question_rows(path, question_format, split_key=split_key)
     prompts, seen = [], set()
     for row in rows:
         question = row.question
@@ -104,7 +106,19 @@ def read_prompts(
                 raise RecordError(path, row.number, "prompt", f"{length} tokens, over data.max_prompt_tokens ({max_prompt_tokens})")
         source = question.source if question.source in DATA_SOURCES else ("math_effi_rl" if question.kind == "math" else "qa_effi_rl")
         prompts.append(Prompt(question=question, index=row.index, data_source=source))
-    return prompts
+    return prompts, mapping
+
+
+def read_prompts(
+    path: str | Path,
+    tokenizer=None,
+    max_prompt_tokens: int | None = None,
+    question_format: QuestionFormat = DEFAULT_FORMAT,
+    rerender_prompts: bool = False,
+    split_key: str = "data.question_format.split",
+) -> list[Prompt]:
+    """The prompts of :func:`read_prompt_set`, without how they were read."""
+    return read_prompt_set(path, tokenizer, max_prompt_tokens, question_format, rerender_prompts, split_key)[0]
 
 
 @dataclass

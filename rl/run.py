@@ -55,9 +55,13 @@ root; gloo on CPU, NCCL on GPUs), also in one process. Each rank rolls out its s
 step's prompts; during generation with the hf engine every layer stays gathered, so ranks that
 decode different lengths never wait on each other.
 
-This module is the command line: the settings are checked here, before the trainer (rl/trainer.py:
-setup, the step's phases, the loop over steps) and with it torch, transformers and the engines
-are imported, so that a refused setting is reported in about a second.
+This module is the command line and the run's plan (:func:`plan`): everything RL can refuse is
+checked here, before the output folder is claimed, so that a refused run writes nothing and a
+corrected rerun needs no ``--restart``: how the settings go together first (about a second), then
+the inputs and the model's files (its weights against its config), the engine, what the settings
+ask of this machine (the device, the optional packages, the batch plan over the processes, the
+tools, LoRA's target modules) and the data under the model's tokenizer. The trainer
+(rl/trainer.py: setup, the step's phases, the loop over steps) refuses nothing.
 
 What it does not do: choose a stage's data (pareto/) or chain the stages
 (scripts/rl_curriculum.sh runs data, RL and evaluation per stage).
@@ -65,7 +69,6 @@ What it does not do: choose a stage's data (pareto/) or chain the stages
 
 from __future__ import annotations
 
-import importlib.util
 import logging
 import os
 
@@ -74,21 +77,21 @@ from omegaconf import DictConfig, OmegaConf
 from etagent.errors import SettingError, exit_on_user_error
 from etagent.rl.config import RLConfig
 from etagent.rundir import claim_output
-from etagent.settings import check_paths
+from etagent.settings import check_device, check_installed, check_paths
 
 log = logging.getLogger("rl")
 
 
 def check_settings(cfg: DictConfig) -> None:
-    """Before anything starts: the model and data present and of their kind, and what the
-    declarations (rl/config.py, checked at load) cannot say alone: how settings go together.
-    (RL trains ``model``; the engine group's ``model`` is not read.)"""
-    check_paths(RLConfig, OmegaConf.to_container(cfg, resolve=True))
-    if cfg.train.attn_implementation == "flash_attention_2" and importlib.util.find_spec("flash_attn") is None:
+    """What the declarations (rl/config.py, checked at load) cannot say alone, how settings go
+    together; then the model and data present and of their kind, the model's weights those its
+    config needs (etagent.settings.check_paths). (RL trains ``model``; the engine group's
+    ``model`` is not read.)"""
+    if cfg.rollout.kind == "tree" and cfg.rollout.initial_rollouts > cfg.rollout.n:
         raise SettingError(
-            "train.attn_implementation",
-            "flash_attention_2 needs the flash-attn package (pip install flash-attn --no-build-isolation, on a GPU machine); "
-            "without it set train.attn_implementation=sdpa",
+            "rollout.initial_rollouts",
+            f"is {cfg.rollout.initial_rollouts}, more than rollout.n={cfg.rollout.n}: the tree starts that many of the n "
+            "rollouts of each prompt; set it <= rollout.n (ARPO: 8 of 16)",
         )
     if cfg.rollout.partial and cfg.rollout.stale_tokens == "tis" and cfg.algorithm.tis_cap is None:
         raise SettingError(
@@ -137,32 +140,67 @@ def check_settings(cfg: DictConfig) -> None:
             "agent.sampling.temperature",
             f"must be a number > 0, got {cfg.agent.sampling.temperature}: RL's policy gradient needs a distribution (0 is greedy)",
         )
+    check_paths(RLConfig, OmegaConf.to_container(cfg, resolve=True))
 
 
 def check_data(cfg: DictConfig) -> None:
-    """Every row of the training and validation data readable as a prompt, before the trainer
-    loads the model: a malformed row is reported in seconds. The trainer's setup reads them again
-    with the tokenizer, which their lengths need (``data.max_prompt_tokens``)."""
-    from etagent.config import build
-    from etagent.question_formats import QuestionFormat
-    from etagent.rl.rollout import read_prompts
+    """Every row of the training and validation data readable as a prompt, each prompt within
+    ``data.max_prompt_tokens`` under the model's tokenizer, and at least a step's prompts
+    (``data.prompts_per_step``), before the output folder is claimed. The trainer's setup reads
+    them again (rl/trainer.py's read_data)."""
+    from transformers import AutoTokenizer
 
-    question_format = build(QuestionFormat, cfg.data.question_format)
-    for path in (cfg.data.train, cfg.data.validation):
-        if path:
-            read_prompts(path, question_format=question_format, rerender_prompts=cfg.data.rerender_prompts)
+    from etagent.rl.trainer import read_data
+
+    prompts, _, _ = read_data(cfg, AutoTokenizer.from_pretrained(cfg.model))
+    if len(prompts) < cfg.data.prompts_per_step:
+        raise SettingError(
+            "data.prompts_per_step", f"is {cfg.data.prompts_per_step}, more than the {len(prompts)} prompts of {cfg.data.train}"
+        )
+
+
+def check_machine(cfg: DictConfig) -> None:
+    """What the settings ask of this machine and this launch: the device, the optional packages,
+    the batch plan over the processes torchrun started (WORLD_SIZE), the tools, and LoRA's target
+    modules in the model."""
+    from etagent.config import build
+    from etagent.rl.batch import batch_plan
+    from etagent.rl.config import RLLoraSettings
+    from etagent.tools.executor import check_tools
+
+    check_device("train.device", cfg.train.device)
+    if cfg.train.attn_implementation == "flash_attention_2":
+        check_installed(
+            "train.attn_implementation",
+            "flash_attn",
+            "flash_attention_2",
+            install="pip install flash-attn --no-build-isolation on a GPU machine, or set train.attn_implementation=sdpa",
+        )
+    if cfg.wandb.enabled:
+        check_installed("wandb.enabled", "wandb", "wandb.enabled=true")
+    batch_plan(cfg.data.prompts_per_step, cfg.rollout.n, cfg.train.mini_batch_prompts, int(os.environ.get("WORLD_SIZE", "1")))
+    check_tools(cfg.tools)
+    if cfg.lora.enabled:
+        build(RLLoraSettings, cfg.lora).check_targets(cfg.model)
+
+
+def plan(cfg: DictConfig) -> None:
+    """Everything RL can refuse, before the output folder is claimed (the module docstring says
+    in which order): the settings, the model's files, the engine, the machine, the data."""
+    check_settings(cfg)
+    # rl/engine.py and the trainer import torch, transformers and the engines: only once the
+    # settings passed, so that those refusals answer in about a second
+    from etagent.rl.engine import check_engine_settings
+
+    check_engine_settings(cfg)
+    check_machine(cfg)
+    check_data(cfg)
 
 
 def run(cfg: DictConfig) -> list[dict]:
     """Train from the last checkpoint in cfg.out_dir (or cfg.model); return the metrics of the steps run."""
-    check_settings(cfg)
-    check_data(cfg)
-    # rl/engine.py and the trainer import torch, transformers and the engines: only once the
-    # settings and the data passed, so that those refusals answer in about a second
-    from etagent.rl.engine import check_engine_settings
+    plan(cfg)
     from etagent.rl.trainer import train
-
-    check_engine_settings(cfg)
 
     if int(os.environ.get("RANK", "0")) != 0:  # under torchrun, rank 0 holds the output directory
         return train(cfg)
@@ -177,7 +215,7 @@ def main(argv: list[str] | None = None) -> None:
 
     logging.basicConfig(level=logging.INFO, format="%(asctime)s %(name)s %(message)s")
     logging.getLogger("httpx").setLevel(logging.WARNING)
-    for cfg in stage_configs("rl", argv, prog="python -m etagent.rl.run", doc=__doc__):
+    for cfg in stage_configs("rl", argv, prog="python -m etagent.rl.run", doc=__doc__, plan=plan):
         run(cfg)
 
 

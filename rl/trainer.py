@@ -9,6 +9,7 @@ What it does not do: read the command line or check settings (rl/run.py), comput
 from __future__ import annotations
 
 import asyncio
+import dataclasses
 import functools
 import json
 import logging
@@ -27,7 +28,7 @@ from omegaconf import DictConfig, OmegaConf
 from etagent import protocol
 from etagent.agent import AgentConfig, AgentLoop, TrajectoryState
 from etagent.config import build
-from etagent.errors import DegradedRun, SettingError, TrainingDiverged
+from etagent.errors import DegradedRun, TrainingDiverged
 from etagent.progress import Progress
 from etagent.question_formats import QuestionFormat
 from etagent.records import origin_segments, policy_text, write_manifest
@@ -41,7 +42,7 @@ from etagent.rl.engine import ColocatedEngine, colocated_engine
 from etagent.rl.paper_reward import validation_score
 from etagent.rl.policy import Policy, Reference, gathered, load_policy
 from etagent.rl.reward import efficiency_reward, kind_of, raw_correctness, sigma_factor
-from etagent.rl.rollout import PartialRollout, Prompt, make_rollout, read_prompts, rollout_metrics, segment_entropy
+from etagent.rl.rollout import PartialRollout, Prompt, make_rollout, read_prompt_set, rollout_metrics, segment_entropy
 from etagent.timing import phase
 from etagent.tools.executor import degraded, describe_failures, failure_counts, merge_failure_counts
 
@@ -74,8 +75,30 @@ class Trainer:
     optimizer: torch.optim.Optimizer
     prompts: list[Prompt]
     validation: list[Prompt]
+    read_as: dict[str, str]  # how each data file was read (etagent.question_formats' Mapping)
     engine: ColocatedEngine
     export: Callable[[Path], None]  # the policy as the stage's output model, into a folder
+
+
+def read_data(cfg: DictConfig, tokenizer) -> tuple[list[Prompt], list[Prompt], dict[str, str]]:
+    """The training and validation prompts (``data.train``, ``data.validation`` at its own split),
+    each within ``data.max_prompt_tokens`` under ``tokenizer``, and how each file was read."""
+    question_format = build(QuestionFormat, cfg.data.question_format)
+    read = functools.partial(
+        read_prompt_set,
+        tokenizer=tokenizer,
+        max_prompt_tokens=cfg.data.max_prompt_tokens,
+        question_format=question_format,
+        rerender_prompts=cfg.data.rerender_prompts,
+    )
+    prompts, mapping = read(cfg.data.train)
+    read_as = {"data.train": mapping.describe()}
+    validation = []
+    if cfg.data.validation:
+        own_split = dataclasses.replace(question_format, split=cfg.data.validation_split)
+        validation, mapping = read(cfg.data.validation, question_format=own_split, split_key="data.validation_split")
+        read_as["data.validation"] = mapping.describe()
+    return prompts, validation, read_as
 
 
 def setup(cfg: DictConfig) -> Trainer:
@@ -135,19 +158,8 @@ def setup(cfg: DictConfig) -> Trainer:
         )
         reference = Reference(frozen, adapters_off=False)
 
-    question_format = build(QuestionFormat, cfg.data.question_format)
-    read = functools.partial(
-        read_prompts,
-        tokenizer=tokenizer,
-        max_prompt_tokens=cfg.data.max_prompt_tokens,
-        question_format=question_format,
-        rerender_prompts=cfg.data.rerender_prompts,
-    )
-    prompts = read(cfg.data.train)
-    validation = read(cfg.data.validation) if cfg.data.validation else []
+    prompts, validation, read_as = read_data(cfg, tokenizer)  # rl/run.py's plan read them before the claim
     per_step = int(cfg.data.prompts_per_step)
-    if len(prompts) < per_step:
-        raise SettingError("data.prompts_per_step", f"{per_step}, more than the {len(prompts)} prompts of {cfg.data.train}")
     total = int(cfg.train.max_steps or len(prompts) // per_step * cfg.data.epochs)
 
     engine = colocated_engine(cfg, policy, tokenizer, device, int(cfg.train.weight_bucket_mb) << 20, lora)
@@ -171,6 +183,7 @@ def setup(cfg: DictConfig) -> Trainer:
         optimizer=optimizer,
         prompts=prompts,
         validation=validation,
+        read_as=read_as,
         engine=engine,
         export=functools.partial(
             export_model,
@@ -616,7 +629,11 @@ def run_steps(cfg: DictConfig) -> list[dict]:
             seed=trainer.seed,
             started_at=started,
             # a rerun of a finished run steps nothing: its last logged step is still the result
-            metrics={**(history[-1] if history else trainer.resumed_metrics), "reward_reads": REWARD_READS[cfg.reward.mode]},
+            metrics={
+                **(history[-1] if history else trainer.resumed_metrics),
+                "reward_reads": REWARD_READS[cfg.reward.mode],
+                "questions_read": trainer.read_as,
+            },
         )
         if wandb_run is not None:
             wandb_run.finish()

@@ -15,8 +15,9 @@ column (one value per completion), ``trainer_state``, ``log_metric`` and ``log_e
 sampler puts the ``num_generations`` completions of a prompt next to each other, so each run of
 ``num_generations`` is one prompt's group, and :func:`etagent.rl.reward.efficiency_reward` runs on it:
 T from the paired tags in the completion's text, the lengths from ``completion_ids``, the gold
-answers from the ``answer`` column (a list of strings, as our questions have, or one string), the
-kind (math or qa) from the ``kind`` column or, for every row, ``kind=``. The group is why
+answers from the ``answer`` column (a list of strings, as our questions have, or one string) or
+the dataset's own ``solution`` or ``ground_truth``, the kind (math or qa) from ``kind=`` for every
+row, else the ``kind`` column, else inferred from the gold answers. The group is why
 ``num_generations`` is given: a run of equal prompts cannot tell one group from two neighbouring
 groups of a question the dataset holds twice, nor show a group cut in two. TRL cuts one between
 processes when a process's share of the generation batch (``per_device_train_batch_size x
@@ -50,10 +51,15 @@ from dataclasses import dataclass
 import numpy as np
 
 from etagent import protocol
+from etagent.question_formats import inferred_kind
 from etagent.records import Question
 from etagent.rl.reward import DATA_SOURCES, efficiency_reward
 
 DATA_SOURCE_OF_KIND = {kind: source for source, kind in DATA_SOURCES.items()}
+# The columns that may hold a row's gold answers, in order: ours (prompt_dataset), TRL's math
+# datasets' (DeepMath-103K, NuminaMath-TIR: ``solution``, which TRL's own accuracy_reward reads),
+# and verl's name for it.
+GOLD_COLUMNS = ("answer", "solution", "ground_truth")
 
 
 def prompt_dataset(questions: Sequence[Question]):
@@ -75,8 +81,10 @@ def completion_text(completion) -> str:
 @dataclass(frozen=True)
 class EfficiencyReward:
     """TRL reward function: rl/reward.py's efficiency reward of each completion, within its
-    prompt's group of ``num_generations`` (GRPOConfig's value). ``kind``: math or qa for every
-    row; None reads each row's ``kind`` column."""
+    prompt's group of ``num_generations`` (GRPOConfig's value). The gold answers from the
+    dataset's ``answer``, ``solution`` or ``ground_truth`` column (:data:`GOLD_COLUMNS`, the first
+    it has). ``kind``: math or qa for every row; None reads each row's ``kind`` column, or where
+    the dataset has none infers it from the gold answers (a number or LaTeX, ``$72$``, is math)."""
 
     num_generations: int
     sigma_tool: float
@@ -84,16 +92,17 @@ class EfficiencyReward:
     mode: str = "default"
     kind: str | None = None
 
-    def __call__(self, prompts, completions, completion_ids, answer, log_metric=None, **columns) -> list[float]:
+    def __call__(self, prompts, completions, completion_ids, log_metric=None, **columns) -> list[float]:
         n = self.num_generations
         if len(completions) % n:
             raise ValueError(
                 f"{len(completions)} completions are not whole groups of {n}: give EfficiencyReward GRPOConfig's num_generations, "
                 "and make each process's generation batch (per_device_train_batch_size x steps_per_generation) a multiple of it"
             )
-        if self.kind is None and "kind" not in columns:
-            raise ValueError("the dataset has no 'kind' column: add one (math or qa per row) or give EfficiencyReward(kind=...)")
-        kinds = [self.kind] * len(completions) if self.kind is not None else columns["kind"]
+        column = next((c for c in GOLD_COLUMNS if c in columns), None)
+        if column is None:
+            raise ValueError(f"the dataset has no gold-answer column: name it one of {', '.join(GOLD_COLUMNS)}")
+        answer = columns[column]
         rewards, raw, calls = [], [], []
         for start in range(0, len(completions), n):
             group = range(start, start + n)
@@ -101,12 +110,14 @@ class EfficiencyReward:
                 raise ValueError(
                     f"completions {start} to {start + n - 1} answer different prompts: TRL's groups are runs of num_generations={n}"
                 )
-            if kinds[start] not in DATA_SOURCE_OF_KIND:
-                raise ValueError(f"kind must be one of {', '.join(DATA_SOURCE_OF_KIND)}, got {kinds[start]!r}")
             golds = answer[start]
+            golds = [golds] if isinstance(golds, str) else [str(g) for g in golds]
+            kind = self.kind or (columns["kind"][start] if "kind" in columns else inferred_kind(golds))
+            if kind not in DATA_SOURCE_OF_KIND:
+                raise ValueError(f"kind must be one of {', '.join(DATA_SOURCE_OF_KIND)}, got {kind!r}")
             terms = efficiency_reward(
-                DATA_SOURCE_OF_KIND[kinds[start]],
-                [golds] if isinstance(golds, str) else [str(g) for g in golds],
+                DATA_SOURCE_OF_KIND[kind],
+                golds,
                 [completion_text(completions[i]) for i in group],
                 [len(completion_ids[i]) for i in group],
                 self.sigma_tool,

@@ -1,7 +1,9 @@
 """Our reward for verl users: ``compute_score`` (one response) and ``compute_score_batch`` (the
 group-relative efficiency reward), with verl's custom-reward signatures.
 
-Per response, in any verl, on our RL parquet (``data_source`` ``math_effi_rl`` / ``qa_effi_rl``)::
+Per response, in any verl, on our RL parquet (``data_source`` ``math_effi_rl`` / ``qa_effi_rl``) or
+another project's (verl's GSM8K and MATH, Search-R1's ``{target: [...]}`` ground truth; any
+``data_source``, scored as math or qa by etagent.rl.reward.rl_data_source)::
 
     custom_reward_function.path=/path/to/etagent/rl/verl_reward.py
     custom_reward_function.name=compute_score
@@ -28,7 +30,7 @@ The whole efficiency reward, in verl 0.4 to 0.7.0, whose ``batch`` reward manage
 That manager calls ``compute_score_batch(data_sources=, solution_strs=, ground_truths=,
 extra_infos=, **reward_kwargs)`` once per batch (every rollout of every prompt, in the order
 ``trainer.balance_batch`` left them) and takes one dict per response, ``score`` and the terms.
-Responses are grouped by ``extra_info["index"]``, which our RL parquet makes unique per question
+Responses are grouped by ``data_source`` and ``extra_info["index"]``, which our RL parquet makes unique per question
 (the paper's own manager grouped the same way; verl's GRPO ``uid`` is not passed to the reward),
 and :func:`etagent.rl.reward.efficiency_reward` runs on each group. From verl 0.7.1 on (0.9.1 included)
 rewards are computed one response at a time in verl's reward loop, the batch manager is no longer
@@ -64,21 +66,30 @@ from __future__ import annotations
 
 from functools import lru_cache
 
-from etagent.rl.reward import efficiency_reward
+from etagent.rl.reward import efficiency_reward, rl_data_source
 
 
 def gold_answers(ground_truth) -> list[str]:
     """A row's ``reward_model.ground_truth`` as a list of gold answers: any sequence (a numpy
-    array, as verl loads our parquet's list column) or a single string."""
-    return [ground_truth] if isinstance(ground_truth, str) else [str(g) for g in ground_truth]
+    array, as verl loads our parquet's list column), a single string or number (verl's GSM8K and
+    MATH), or Search-R1's ``{"target": [...]}``."""
+    if isinstance(ground_truth, dict):
+        if "target" not in ground_truth:
+            raise ValueError(f"ground_truth is an object without 'target' (Search-R1's gold answers): {sorted(ground_truth)}")
+        ground_truth = ground_truth["target"]
+    if isinstance(ground_truth, (str, int, float)):
+        return [str(ground_truth)]
+    return [str(g) for g in ground_truth]
 
 
 def compute_score(data_source: str, solution_str: str, ground_truth, extra_info: dict | None = None, mode: str = "default") -> dict:
     """The reward of one response to an RL-parquet prompt. ``ground_truth`` is the row's
     ``reward_model.ground_truth``: a list of gold answers (any sequence, a numpy array as verl
-    loads it, or a single string)."""
+    loads it, a single string, or Search-R1's ``{target: [...]}``). ``data_source`` is ours, or
+    any other project's, scored as the kind it calls for (etagent.rl.reward.rl_data_source)."""
+    golds = gold_answers(ground_truth)
     # one response is its own group: f_tool = f_length = 1 whatever the sigmas, so pass 0
-    terms = efficiency_reward(data_source, gold_answers(ground_truth), [solution_str], [0], 0.0, 0.0, mode)
+    terms = efficiency_reward(rl_data_source(data_source, golds), golds, [solution_str], [0], 0.0, 0.0, mode)
     return {
         "score": float(terms.rewards[0]),
         "raw": float(terms.raw[0]),
@@ -106,8 +117,10 @@ def compute_score_batch(
     sigma_length: float,
     mode: str = "default",
 ) -> list[dict]:
-    """The efficiency reward of every response of a batch, grouped by ``extra_info["index"]``:
-    one dict per response, in the batch's order (``score`` and the terms verl logs beside it).
+    """The efficiency reward of every response of a batch, grouped by ``data_source`` and
+    ``extra_info["index"]`` (a file that merges sources, Search-R1's NQ and HotpotQA, numbers each
+    source's rows from 0): one dict per response, in the batch's order (``score`` and the terms
+    verl logs beside it).
 
     Raises ValueError when a response has no index, or when one index holds responses to two
     questions (a data source or gold answers that differ): the groups would be wrong."""
@@ -117,17 +130,25 @@ def compute_score_batch(
             raise ValueError(
                 f"response {i}: extra_info has no 'index'; the group reward groups a prompt's responses by it (our RL parquet sets it)"
             )
-        members.setdefault(extra["index"], []).append(i)
+        members.setdefault((str(data_sources[i]), extra["index"]), []).append(i)
     # one call for the batch: the fast tokenizer encodes a list in parallel
     lengths = [len(ids) for ids in policy_tokenizer(tokenizer_path)(list(solution_strs), add_special_tokens=False)["input_ids"]]
     scores: list[dict] = [{} for _ in solution_strs]
-    for index, group in members.items():
-        data_source, golds = str(data_sources[group[0]]), gold_answers(ground_truths[group[0]])
+    for (data_source, index), group in members.items():
+        golds = gold_answers(ground_truths[group[0]])
         for i in group[1:]:
-            if str(data_sources[i]) != data_source or gold_answers(ground_truths[i]) != golds:
-                raise ValueError(f"extra_info.index {index!r} holds responses to two questions: the index must be unique per question")
+            if gold_answers(ground_truths[i]) != golds:
+                raise ValueError(
+                    f"extra_info.index {index!r} of {data_source!r} holds responses to two questions: the index must be unique per question"
+                )
         terms = efficiency_reward(
-            data_source, golds, [solution_strs[i] for i in group], [lengths[i] for i in group], sigma_tool, sigma_length, mode
+            rl_data_source(data_source, golds),
+            golds,
+            [solution_strs[i] for i in group],
+            [lengths[i] for i in group],
+            sigma_tool,
+            sigma_length,
+            mode,
         )
         for k, i in enumerate(group):
             scores[i] = {

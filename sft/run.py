@@ -9,8 +9,11 @@ LLaMA-Factory alpaca/sharegpt JSON) and a model; writes ``out_dir/model`` (a pla
 ``save_pretrained`` folder with the tokenizer and chat template, loadable by transformers and
 vLLM as is), checkpoints in ``out_dir/checkpoints`` and ``out_dir/manifest.json``.
 
-The recipe: setup (tokenize with the rollout's prompt rendering and tool results masked,
-sequences over ``cutoff_len`` dropped and counted; load the model, optionally with LoRA) ->
+The recipe: plan (:func:`plan`, before the output folder is claimed, so that a refused run writes
+nothing: the settings, the model's files, the optional packages, LoRA's target modules, the data
+tokenized with the rollout's prompt rendering and tool results masked, sequences over
+``cutoff_len`` dropped and counted, and the Trainer's arguments) -> setup (load the model,
+optionally with LoRA) ->
 train (the transformers Trainer: full fine-tuning by default, DeepSpeed ZeRO-3 or FSDP across
 GPUs, bf16, gradient checkpointing, length-grouped batches, or packed batches with correct
 attention boundaries under flash-attention) -> save. A run resumes from its last checkpoint.
@@ -27,7 +30,9 @@ import logging
 import os
 import shutil
 import time
+from dataclasses import dataclass
 from pathlib import Path
+from typing import Any
 
 from omegaconf import DictConfig, OmegaConf
 
@@ -36,7 +41,7 @@ from etagent.errors import SettingError, TrainingDiverged, UserError, exit_on_us
 from etagent.progress import Progress
 from etagent.records import write_manifest
 from etagent.rundir import claim_output, completed, restore_manifest
-from etagent.settings import check_paths
+from etagent.settings import check_installed, check_paths
 from etagent.sft.config import SFTConfig, SFTTrainSettings
 from etagent.sft.data import IGNORE, build_dataset, load_examples
 
@@ -215,9 +220,9 @@ def load_model(name: str, dtype: str, attn_implementation: str | None, lora: Lor
 
 
 def check_settings(cfg: DictConfig) -> None:
-    """The model and the data present and of their kind, before anything loads, and what the
-    declarations (sft/config.py, checked at load) cannot say alone."""
-    check_paths(SFTConfig, OmegaConf.to_container(cfg, resolve=True))
+    """What the declarations (sft/config.py, checked at load) cannot say alone, and the model and
+    the data present and of their kind (the model's weights those its config needs:
+    etagent.settings.check_paths)."""
     # transformers reads max_steps -1 as "train for train.epochs"
     if cfg.train.max_steps == 0:
         raise SettingError("train.max_steps", "must be at least 1, or -1 to train for train.epochs; got 0")
@@ -226,14 +231,74 @@ def check_settings(cfg: DictConfig) -> None:
             "train.packing",
             "needs attn_implementation=flash_attention_2 (only it keeps packed examples apart); on CPU use train.sampling=group_by_length",
         )
+    if cfg.train.fsdp and cfg.train.deepspeed:
+        raise SettingError(
+            "train.fsdp", f"is {cfg.train.fsdp!r}, and train.deepspeed is set too: the Trainer shards one way, set one of them"
+        )
+    if cfg.train.fsdp and "LOCAL_RANK" not in os.environ:  # the Trainer's own condition (its parallel mode)
+        raise SettingError("train.fsdp", f"is {cfg.train.fsdp!r}, which shards across processes: launch with torchrun (scripts/sft.sh)")
+    check_paths(SFTConfig, OmegaConf.to_container(cfg, resolve=True))
+
+
+@dataclass
+class SFTPlan:
+    """What :func:`plan` checked and made, which the training uses as it is."""
+
+    config: dict  # the resolved config, as the manifest records it
+    tokenizer: Any
+    dataset: list[dict]  # the tokenized examples: input_ids, labels, length
+    data_report: dict
+    args: Any  # the Trainer's TrainingArguments
+
+
+def plan(cfg: DictConfig) -> SFTPlan:
+    """Everything SFT can refuse, before the output folder is claimed: the settings and the
+    model's files (:func:`check_settings`), the optional packages the settings ask for, LoRA's
+    target modules in the model, every example read and tokenized (none left is refused), and the
+    Trainer's arguments built (with a ZeRO-3 config they register DeepSpeed with transformers, so
+    that from_pretrained builds the model partitioned across the ranks)."""
+    check_settings(cfg)
+    if cfg.attn_implementation == "flash_attention_2":
+        check_installed(
+            "attn_implementation",
+            "flash_attn",
+            "flash_attention_2",
+            install="pip install flash-attn --no-build-isolation on a GPU machine, or set attn_implementation=sdpa",
+        )
+    if cfg.train.deepspeed:
+        check_installed("train.deepspeed", "deepspeed", "DeepSpeed (train.deepspeed)")
+    if cfg.wandb.enabled:
+        check_installed("wandb.enabled", "wandb", "wandb.enabled=true")
+    if cfg.lora.enabled:
+        build(LoraSettings, cfg.lora).check_targets(cfg.model)
+    examples = load_examples(cfg.data.path, cfg.data.format)
+    from transformers import AutoTokenizer
+
+    tokenizer = AutoTokenizer.from_pretrained(cfg.model)
+    rows, data_report = build_dataset(examples, tokenizer, cfg.cutoff_len)
+    if not rows:
+        raise UserError(f"{cfg.data.path}: no example left to train on ({data_report})")
+    args = training_arguments(build(SFTTrainSettings, cfg.train), build(WandbConfig, cfg.wandb), cfg.seed, Path(cfg.out_dir))
+    return SFTPlan(
+        config=OmegaConf.to_container(cfg, resolve=True),
+        tokenizer=tokenizer,
+        dataset=[{"input_ids": r.input_ids, "labels": r.labels, "length": len(r)} for r in rows],
+        data_report=data_report,
+        args=args,
+    )
 
 
 def run(cfg: DictConfig) -> dict:
-    check_settings(cfg)
-    config = OmegaConf.to_container(cfg, resolve=True)
+    # a finished run is left as it is: nothing of it is read again or trained, so only its
+    # settings are checked (the claim compares them with the manifest's)
     previous = completed(cfg.out_dir) if (Path(cfg.out_dir) / "model").is_dir() else None
+    if previous is None:
+        planned = plan(cfg)
+    else:
+        check_settings(cfg)
+    config = OmegaConf.to_container(cfg, resolve=True)
     if int(os.environ.get("RANK", "0")) != 0:  # under torchrun, rank 0 holds the output directory
-        return previous["metrics"] if previous is not None else train(cfg, Path(cfg.out_dir), config)
+        return previous["metrics"] if previous is not None else train(cfg, Path(cfg.out_dir), planned)
     with claim_output(cfg.out_dir, stage="sft", schema=SFTConfig, config=config) as out:
         if previous is not None:
             # the Trainer, resumed from a checkpoint at max_steps, takes one step more and saves the
@@ -241,31 +306,21 @@ def run(cfg: DictConfig) -> dict:
             restore_manifest(out, previous)
             print(f"SFT already complete in {out} ({previous['counts']['steps']} steps); nothing to do (--restart to train again)")
             return previous["metrics"]
-        return train(cfg, out, config)
+        return train(cfg, out, planned)
 
 
-def train(cfg: DictConfig, out: Path, config: dict) -> dict:
+def train(cfg: DictConfig, out: Path, planned: SFTPlan) -> dict:
     started = time.time()
     # -- setup ------------------------------------------------------------------------------
-    # the data first: a malformed row is reported before torch, transformers and the tokenizer load
-    examples = load_examples(cfg.data.path, cfg.data.format)
     import torch
-    from transformers import AutoTokenizer, Trainer
+    from transformers import Trainer
     from transformers.trainer_callback import PrinterCallback
 
     out.mkdir(parents=True, exist_ok=True)
     if cfg.threads:
         torch.set_num_threads(cfg.threads)
-    tokenizer = AutoTokenizer.from_pretrained(cfg.model)
-    rows, data_report = build_dataset(examples, tokenizer, cfg.cutoff_len)
-    if not rows:
-        raise UserError(f"{cfg.data.path}: no example left to train on ({data_report})")
-    dataset = [{"input_ids": r.input_ids, "labels": r.labels, "length": len(r)} for r in rows]
+    tokenizer, dataset, data_report, args, config = planned.tokenizer, planned.dataset, planned.data_report, planned.args, planned.config
     log.info("data: %s", data_report)
-    # The arguments first: with a ZeRO-3 config they register DeepSpeed with transformers, and
-    # from_pretrained then builds the model partitioned across the ranks (zero.Init) instead of
-    # every rank loading the whole model into host memory.
-    args = training_arguments(build(SFTTrainSettings, cfg.train), build(WandbConfig, cfg.wandb), cfg.seed, out)
     model = load_model(cfg.model, cfg.model_dtype, cfg.attn_implementation, build(LoraSettings, cfg.lora))
 
     # -- train ------------------------------------------------------------------------------
@@ -322,7 +377,7 @@ def main(argv: list[str] | None = None) -> None:
     from etagent.stage_cli import stage_configs
 
     logging.basicConfig(level=logging.INFO, format="%(asctime)s %(name)s %(message)s")
-    for cfg in stage_configs("sft", argv, prog="python -m etagent.sft.run", doc=__doc__):
+    for cfg in stage_configs("sft", argv, prog="python -m etagent.sft.run", doc=__doc__, plan=plan):
         run(cfg)
 
 

@@ -13,7 +13,7 @@ from pathlib import Path
 
 import pytest
 import yaml
-from omegaconf import MISSING, DictConfig
+from omegaconf import MISSING, DictConfig, ListConfig
 
 from etagent.config import config_dir, load_config, presets, stages
 from etagent.errors import UserError
@@ -297,3 +297,52 @@ def _node_paths(cfg: DictConfig, path: str = "") -> list[str]:
         if isinstance(node, Dict) and not node._is_none() and not node._is_missing():
             paths += _node_paths(node, name)
     return paths
+
+
+def _scalar_settings(cfg: DictConfig, path: str = "") -> list[str]:
+    """The dotted keys of the settings under ``cfg`` that hold a value of their own (not null, not a
+    group, not a list, not another setting's value)."""
+    keys = []
+    for key in cfg.keys():
+        name = f"{path}.{key}" if path else str(key)
+        node = cfg._get_node(key)
+        if isinstance(node, DictConfig):
+            if not node._is_none() and not node._is_missing():
+                keys += _scalar_settings(node, name)
+        elif not isinstance(node, ListConfig) and not node._is_none() and not node._is_interpolation():
+            keys.append(name)
+    return keys
+
+
+@pytest.mark.parametrize("stage", stages())
+def test_an_interpolation_that_does_not_resolve_is_refused_naming_the_setting(stage, monkeypatch):
+    """``key=${oc.env:UNSET}`` and ``key=${no_such_key}`` on two settings of every stage, chosen at
+    random: one error naming the setting (OmegaConf's own was a 70-100-line traceback, exit 1).
+    Where the override sets a value other settings take (``model``, which ``engine.model: ${model}``
+    reads), the override's key is named, not the one OmegaConf met first."""
+    import random
+
+    from etagent.errors import SettingError
+
+    monkeypatch.delenv("ETAGENT_TEST_UNSET", raising=False)
+    preset = presets(stage)[0]
+    cfg = load_config(stage, preset)
+    keys = random.Random(stage).sample(_scalar_settings(cfg), 2)
+    targets = sorted(_interpolation_targets(cfg))
+    for key, value, reason in (
+        (keys[0], "${oc.env:ETAGENT_TEST_UNSET}", "Environment variable 'ETAGENT_TEST_UNSET' not found"),
+        (keys[1], "${no_such_key}", "Interpolation key 'no_such_key' not found"),
+        *[(target, "${oc.env:ETAGENT_TEST_UNSET}", "Environment variable") for target in targets[:1]],
+    ):
+        with pytest.raises(SettingError, match=rf"^setting {re.escape(key)}: its interpolation does not resolve: {reason}") as error:
+            load_config(stage, preset, [f"{key}={value}"])
+        assert "\n" not in str(error.value)
+    if stage == "evaluation":  # as a user runs it: exit 2, one line
+        result = subprocess.run(
+            [sys.executable, "-m", "etagent.launcher", "evaluate", "out_dir=${oc.env:ETAGENT_TEST_UNSET}"],
+            capture_output=True,
+            text=True,
+            cwd=ROOT,
+        )
+        assert result.returncode == 2 and result.stderr.strip().count("\n") == 0, result.stderr
+        assert result.stderr.startswith("error: setting out_dir: its interpolation does not resolve: Environment variable"), result.stderr

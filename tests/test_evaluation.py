@@ -1,6 +1,7 @@
 """Evaluation: benchmark formats, metric formulas on hand-made cases, the judge's failures,
-kill-and-resume giving the same metrics, and the toy world end to end with the radar chart (the
-radar's own rules, chart and judge: tests/test_radar.py)."""
+kill-and-resume giving the same metrics, the toy world end to end with the radar chart (the
+radar's own rules, chart and judge: tests/test_radar.py), and what the engine, not the policy,
+ended (a question longer than the context) counted and ending every sampling stage degraded."""
 
 from __future__ import annotations
 
@@ -348,3 +349,114 @@ def test_toy_evaluation_end_to_end_resumes_after_a_kill_and_draws_the_radar(sft_
         )
         print(f"radar axes: {axes}")
         print(result.stdout[-600:])
+
+
+# --- what the engine, not the policy, ended --------------------------------------------------
+
+
+def test_every_way_a_trajectory_ends_is_counted_once_and_over_the_share_degrades():
+    """The class: over random runs of trajectories ending in every finish reason the agent loop
+    gives, the context's cuts are exactly the ``context`` ones (those with no token generated:
+    prompts longer than the context), the engine's failures exactly the ``error`` ones by cause,
+    and a run is degraded exactly when one of the shares is over ``tools.max_failure_share``."""
+    import random
+
+    from etagent.sampling import context_overflow, degraded_reasons, engine_failures
+    from etagent.tools.executor import failure_counts
+
+    reasons = ("answer", "eos", "length", "context", "budget", "timeout", "format", "fake_result", "error")
+    rng = random.Random(0)
+    for _ in range(300):
+        trajectories = [
+            Trajectory(
+                id=f"q/{i}",
+                text="",
+                finish_reason=(reason := rng.choice(reasons)),
+                n_generated=rng.choice([0, 5]),
+                error=rng.choice(["every server failed: 400 maximum context length", "decoding thread failed: x"])
+                if reason == "error"
+                else None,
+            )
+            for i in range(rng.randint(0, 12))
+        ]
+        overflow, failures = context_overflow(trajectories), engine_failures(trajectories)
+        cut = [t for t in trajectories if t.finish_reason == "context"]
+        failed = [t for t in trajectories if t.finish_reason == "error"]
+        assert overflow["trajectories"] == failures["trajectories"] == len(trajectories)
+        assert overflow["overflowed"] == len(cut) and overflow["prompt_too_long"] == sum(t.n_generated == 0 for t in cut)
+        assert failures["failed"] == len(failed) == sum(failures["by_cause"].values())
+        assert set(failures["by_cause"]) <= {"every server failed", "decoding thread failed"}
+        share = rng.choice([0.0, 0.05, 0.25, 1.0])
+        metrics = {"tool_failures": failure_counts([]), "context_overflow": overflow, "engine_failures": failures}
+        expected = bool(trajectories) and max(len(cut), len(failed)) / len(trajectories) > share
+        assert bool(degraded_reasons(metrics, share)) == expected
+
+
+def test_questions_longer_than_the_context_are_counted_and_end_the_evaluation_degraded(toy, tmp_path, capsys):
+    """Two questions longer than the toy model's context (2048 tokens) beside one of the toy
+    world's: each long one is cut before one token is generated (finish reason context) and
+    scored wrong. The evaluation counts them per dataset (metrics.json, summary.json, summary.md,
+    the manifest) and, over tools.max_failure_share, exits 3 with one line naming the dataset, the
+    count and the setting. Resumed with a share the user accepts, it exits 0 and still says so."""
+    from etagent.evaluation.run import main
+    from etagent.question_formats import read_questions
+
+    questions = tmp_path / "questions.jsonl"
+    [short] = [q for q in read_questions(toy / "questions" / "test.jsonl") if q.source == "toy_none"][:1]
+    long = [{"id": f"long-{i}", "question": "How old is Zorvak " * 600, "answer": ["1"], "kind": "qa"} for i in range(2)]
+    questions.write_text("".join(json.dumps(row) + "\n" for row in [*long, short.to_json()]))
+    out = tmp_path / "eval"
+    argv = [
+        f"model={toy / 'model'}",
+        f"files.toy={questions}",
+        f"out_dir={out}",
+        "tools.search.local.url=http://127.0.0.1:9",
+        "tools.search.attempts=1",
+        "agent.max_response_tokens=32",
+        "n=1",
+        "bootstrap_rounds=10",
+    ]
+    with pytest.raises(SystemExit) as exit_status:
+        main(argv)
+    assert exit_status.value.code == 3
+    [line] = [line for line in capsys.readouterr().err.splitlines() if line.startswith("degraded: ")]
+    assert line.startswith(
+        "degraded: toy: 2 of 3 trajectories cut by the engine's context (66.7%), 2 of them prompts longer than the context"
+    )
+    assert line.endswith("over tools.max_failure_share=0.05 (summary.md says so): rerun into a new out_dir once fixed")
+    metrics = json.loads((out / "toy" / "metrics.json").read_text())
+    assert metrics["context_overflow"] == {"trajectories": 3, "overflowed": 2, "prompt_too_long": 2, "share": 0.6667}
+    assert metrics["engine_failures"]["failed"] == 0
+    groups = [json.loads(line) for line in (out / "toy" / "trajectories.jsonl").read_text().splitlines()]
+    cut = [g["trajectories"][0] for g in groups if g["question"] == long[0]["question"]]
+    assert [(t["finish_reason"], t["n_generated"]) for t in cut] == [("context", 0), ("context", 0)]
+    summary = json.loads((out / "summary.json").read_text())
+    assert summary["degraded"] == ["toy"] and "cut by the engine's context" in summary["degraded_reasons"]["toy"][0]
+    assert "Context overflow on toy: 2 of 3 trajectories" in (out / "summary.md").read_text()
+    manifest = json.loads((out / "manifest.json").read_text())
+    assert manifest["status"] == "degraded" and manifest["metrics"]["toy"]["context_overflow"]["overflowed"] == 2
+
+    main([*argv, "tools.max_failure_share=1"])  # resumed: the rollouts are done, the share is the user's
+    assert "2 of 3 trajectories cut by the engine's context" in capsys.readouterr().out
+    assert json.loads((out / "manifest.json").read_text())["status"] == "complete"
+
+
+@pytest.mark.parametrize("stage", ["direct_rollout", "flywheel"])
+def test_the_other_sampling_stages_end_degraded_on_questions_longer_than_the_context(stage, toy, tmp_path, capsys):
+    """Direct rollout (through etagent/sampling.py, as evaluation) and the flywheel (its own
+    loop) count the context's cuts the same way, and over tools.max_failure_share exit 3 with
+    one line and a degraded manifest."""
+    import importlib
+
+    main = importlib.import_module(f"etagent.{stage}.run").main
+    questions = tmp_path / "questions.jsonl"
+    questions.write_text(json.dumps({"id": "long", "question": "How old is Zorvak " * 600, "answer": ["1"], "kind": "qa"}) + "\n")
+    out = tmp_path / "out"
+    argv = [f"model={toy / 'model'}", f"questions={questions}", f"out_dir={out}", "tools.search.local.url=http://127.0.0.1:9"]
+    with pytest.raises(SystemExit) as exit_status:
+        main([*argv, "n=2"] if stage == "direct_rollout" else [*argv, "flywheel.rounds=1"])
+    [line] = capsys.readouterr().err.strip().splitlines()[-1:]
+    assert exit_status.value.code == 3 and line.startswith("degraded: ") and "trajectories cut by the engine's context (100.0%)" in line
+    assert "over tools.max_failure_share=0.05" in line
+    manifest = json.loads((out / "manifest.json").read_text())
+    assert manifest["status"] == "degraded" and manifest["metrics"]["context_overflow"]["prompt_too_long"] >= 1

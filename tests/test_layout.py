@@ -160,12 +160,14 @@ def imported_modules(path: Path) -> set[str]:
 
 
 def test_the_declarations_sit_at_the_bottom_and_config_imports_no_group():
-    """etagent/settings.py and etagent/errors.py import nothing of the core but each other, and
+    """etagent/settings.py, etagent/json_text.py and etagent/errors.py import nothing of the core but
+    each other (settings reads a model folder's JSON as every reader does), and
     etagent/config.py (loading configs) imports no module that defines a group: each group's
     module registers its own schema, so there is no import circle through config.py."""
     core = ROOT / "etagent"
     assert imported_modules(core / "errors.py") == set()
-    assert imported_modules(core / "settings.py") <= {"etagent.errors"}
+    assert imported_modules(core / "settings.py") <= {"etagent.errors", "etagent.json_text"}
+    assert imported_modules(core / "json_text.py") <= {"etagent.errors"}
     assert imported_modules(core / "config.py") <= {"etagent.errors", "etagent.settings", "etagent.rundir"}
     assert imported_modules(core / "rundir.py") <= {"etagent.errors", "etagent.settings", "etagent.records"}
 

@@ -16,10 +16,12 @@ import datasets
 import pytest
 
 from etagent import protocol
+from etagent.cli import convert_main
 from etagent.config import load_config
 from etagent.direct_rollout.run import run as run_direct_rollout
+from etagent.errors import SettingError
 from etagent.evaluation.run import run as run_evaluation
-from etagent.question_formats import QuestionFormat, read_question_rows, read_questions
+from etagent.question_formats import QuestionFormat, inferred_kind, read_question_rows, read_questions
 from etagent.records import Question, RecordError, RLRow, read_jsonl, write_rl_parquet
 from etagent.rl.rollout import read_prompts
 from tests.support.commands import TOKEN
@@ -122,8 +124,10 @@ def test_every_format_reads_as_the_questions_it_was_made_from(formats, toy_quest
             assert kinds == [q.kind for q in toy_questions], name
         elif name.startswith("search_r1"):  # Search-R1's ability is fact-reasoning: QA, scored by F1
             assert set(kinds) == {"qa"} and "'fact-reasoning' read as qa" in mapping.describe(), name
-        else:  # no kind in the row: qa, and the mapping says it was the default
-            assert set(kinds) == {"qa"} and "kind <- the default (qa" in mapping.describe(), name
+        elif name == "flashrag":  # FlashRAG's sets are question answering
+            assert set(kinds) == {"qa"} and "kind <- the flashrag format (question answering)" in mapping.describe(), name
+        else:  # no kind in the row: inferred from the gold answer (a number is math: a year too), and said
+            assert kinds == [inferred_kind(q.answer) for q in toy_questions] and "kind <- inferred from the answer" in mapping.describe()
     # a column of the user's own: the fields mapping reads it, dotted for a nested one
     rows, mapping = read_question_rows(formats["flashrag"], QuestionFormat(fields={"kind": "metadata.kind"}))
     assert [r.question.kind for r in rows] == [q.kind for q in toy_questions]
@@ -285,3 +289,187 @@ def test_evaluation_names_the_setting_for_a_dataset_of_ones_own(toy, server, tmp
         timeout=120,
     )
     assert done.returncode == 2 and "+files.myqa=PATH" in done.stderr and done.stderr.count("\n") == 1, done.stderr
+
+
+@pytest.fixture(scope="module")
+def producer_files(tmp_path_factory) -> dict:
+    from tests.support.producers import PRODUCERS
+
+    out = tmp_path_factory.mktemp("producers")
+    return {name: build(out) for name, build in PRODUCERS.items()}
+
+
+@pytest.mark.parametrize(
+    "producer",
+    [
+        "search_r1_merged",
+        "gsm8k_datasets_folder",
+        "verl_gsm8k_folder",
+        "verl_math_folder",
+        "trl_deepmath_folder",
+        "trl_numina_tir",
+        "flashrag_multiple_choice",
+    ],
+)
+def test_each_producers_own_file_reads_with_the_right_question_gold_and_kind(producer_files, producer, tmp_path):
+    """A file made by its producer's own recipe (tests/support/producers.py) reads, through the
+    one reader every stage uses and through ``etagent convert``, with each row's question as
+    asked (no producer's instruction, a multiple-choice question with its options), its gold
+    answers as meant (the number after GSM8K's ``####``, a worked solution's last box, the
+    options' text for their indices) and its kind (math where the producer or the gold answer
+    says so); ids unique, qualified by source where sources restart their numbering; and the
+    mapping says where each field came from."""
+    from tests.support.producers import SPLITS
+
+    path, expected = producer_files[producer]
+    settings = QuestionFormat(split=SPLITS.get(producer))
+    rows, mapping = read_question_rows(path, settings)
+    assert [(r.question.question, r.question.answer, r.question.kind) for r in rows] == expected, mapping.describe()
+    assert len({r.question.id for r in rows}) == len(rows) == mapping.rows
+    if producer == "search_r1_merged":
+        assert [r.question.id for r in rows] == ["nq/train_0", "nq/train_1", "hotpotqa/train_0", "hotpotqa/train_1"]
+        assert len({r.index for r in rows}) == len(rows) and "ids qualified by source" in mapping.describe()
+
+    out = tmp_path / "converted.jsonl"
+    assert convert_main([str(path), str(out), *(("--split", SPLITS[producer]) if producer in SPLITS else ())]) == 0
+    converted = [json.loads(line) for line in out.read_text().splitlines()]
+    assert [(q["question"], q["answer"], q["kind"]) for q in converted] == expected
+
+
+def test_a_kind_is_inferred_from_the_gold_answer_and_every_reading_says_where_it_came_from(tmp_path, caplog):
+    """With no kind in the row, its producer's field or a known data_source, a gold answer that is
+    a number or LaTeX is math and any other text qa (seeded random answers of both); the reader
+    logs the mapping it used, so every stage says it on its first lines."""
+    import logging
+
+    from etagent.question_formats import inferred_kind, kind_of_data_source
+
+    rng = random.Random(0)
+    numbers = [str(rng.randint(-(10**6), 10**6)) for _ in range(50)] + [f"{rng.random() * 100:.3f}" for _ in range(50)]
+    numbers += [f"{rng.randint(1, 999):,}" for _ in range(20)] + [f"{rng.randint(1, 9)}/{rng.randint(2, 9)}" for _ in range(20)]
+    latex = ["$72$", "\\frac{63}{400}", "20\\sqrt3", "x^2 + 1", "\\dfrac{1}{3}", "$\\pi$", "a_{n+1}"]
+    words = ["".join(rng.choice("abcdefghij ") for _ in range(rng.randint(3, 20))).strip() or "yes" for _ in range(100)]
+    assert all(inferred_kind([a]) == "math" for a in numbers + latex)
+    assert all(inferred_kind([w]) == "qa" for w in words + ["Yes", "Arthur's Magazine", "Delhi", "seven", "2,718 people"])
+    assert inferred_kind(["72", "seventy-two"]) == "qa"  # every gold answer must be math
+    assert {kind_of_data_source(s) for s in ("openai/gsm8k", "aime24", "numina_olympiads", "lighteval/MATH")} == {"math"}
+    assert {kind_of_data_source(s) for s in ("nq", "hotpotqa", "searchR1_nq", "qa_effi_rl")} == {"qa"} and kind_of_data_source("x") is None
+
+    path = tmp_path / "mine.jsonl"
+    path.write_text(json.dumps({"question": "6 x 7?", "answer": "42"}) + "\n" + json.dumps({"question": "Who?", "answer": "Kess"}) + "\n")
+    with caplog.at_level(logging.INFO, logger="etagent.questions"):
+        rows, _ = read_question_rows(path)
+    assert [r.question.kind for r in rows] == ["math", "qa"]
+    [line] = [r.getMessage() for r in caplog.records if r.name == "etagent.questions"]
+    assert line.startswith(f"read {path}: etagent format, 2 rows") and "kind <- inferred from the answer (math" in line
+
+
+def test_a_source_of_several_splits_is_read_only_where_a_split_is_named(producer_files, tmp_path):
+    """A `datasets` dict folder and verl's folder of train.parquet and test.parquet hold several
+    splits: read with none named, each is refused naming its splits and the setting (an
+    evaluation that silently read train would score the training split); each split reads alone;
+    verl's example JSON beside its parquet is not read."""
+    for producer in ("gsm8k_datasets_folder", "verl_gsm8k_folder"):
+        path, expected = producer_files[producer]
+        with pytest.raises(SettingError, match=r"question_format.split: .* holds several splits: (train, test|test, train); name the one"):
+            read_question_rows(path)
+        assert len(read_question_rows(path, QuestionFormat(split="test"))[0]) == len(expected)
+        assert len(read_question_rows(path, QuestionFormat(split="train"))[0]) < len(expected)
+        with pytest.raises(SettingError, match=r"has no split 'dev'"):
+            read_question_rows(path, QuestionFormat(split="dev"))
+
+
+def test_rl_trains_on_the_question_alone_from_a_merged_search_r1_file_and_verls_math(producer_files):
+    """RL's data loading takes Search-R1's merged NQ and HotpotQA file (its indices restart per
+    source) with unique groups, and verl's MATH prompts without verl's instruction, rendered
+    with the protocol's prompt."""
+    path, expected = producer_files["search_r1_merged"]
+    prompts = read_prompts(path, rerender_prompts=True)
+    assert len({p.index for p in prompts}) == len(prompts) == len(expected)
+    assert {p.data_source for p in prompts} == {"qa_effi_rl"} and [p.question.question for p in prompts] == [e[0] for e in expected]
+    path, expected = producer_files["verl_math_folder"]
+    prompts = read_prompts(path, rerender_prompts=True)
+    assert [p.question.question for p in prompts] == [e[0] for e in expected]
+    assert not any("think step by step" in p.question.question for p in prompts) and {p.data_source for p in prompts} == {"math_effi_rl"}
+
+
+def test_the_gsm8k_benchmark_reads_a_datasets_folder_and_verls_parquet(producer_files, tmp_path):
+    """The ``gsm8k`` benchmark name reads openai/gsm8k saved to disk and verl's preprocessed
+    folder (its test split), each question with the number after ``####`` as its gold answer;
+    a file of another layout is refused saying how to evaluate it as a dataset of one's own."""
+    from etagent.evaluation.benchmarks import load_benchmark
+
+    for producer in ("gsm8k_datasets_folder", "verl_gsm8k_folder"):
+        path, expected = producer_files[producer]
+        questions = load_benchmark("gsm8k", path, split="test")
+        assert [(q.question, q.answer, q.kind) for q in questions] == expected, producer
+    other = tmp_path / "other.jsonl"
+    other.write_text(json.dumps({"question": "6 x 7?", "answer": "42"}) + "\n")
+    with pytest.raises(RecordError, match=r"datasets=\[mygsm\] \+files.mygsm=PATH \+kinds.mygsm=math"):
+        load_benchmark("gsm8k", other)
+
+
+def test_verls_and_trls_rewards_read_their_producers_own_columns():
+    """verl's reward reads Search-R1's ``{target: [...]}`` ground truth as its gold answers and
+    scores any data_source as the kind it calls for (nq: F1; openai/gsm8k: math), grouping a
+    batch by data_source and index (Search-R1's merged files restart the index per source). TRL's
+    reward reads TRL's own ``solution`` column, its kind inferred from it where no column says."""
+    import numpy as np
+
+    from etagent.rl.trl_reward import EfficiencyReward
+    from etagent.rl.verl_reward import compute_score, gold_answers
+
+    target = {"target": np.array(["Arthur's Magazine", "Arthurs Magazine"])}
+    assert gold_answers(target) == ["Arthur's Magazine", "Arthurs Magazine"]
+    right = "<think>look</think><answer>Arthur's Magazine</answer>"
+    assert compute_score("nq", right, target)["raw"] == 1.0
+    assert compute_score("searchR1_hotpotqa", right, target)["raw"] == 1.0
+    assert compute_score("openai/gsm8k", "<think>so</think><answer>\\boxed{72}</answer>", "72")["raw"] == 1.0
+    assert compute_score("my_own_source", "<think>so</think><answer>\\boxed{72}</answer>", ["72"])["raw"] == 1.0  # by its gold
+
+    reward = EfficiencyReward(num_generations=2, sigma_tool=0.0, sigma_length=0.0)
+    completions = ["<think>so</think><answer>\\boxed{72}</answer>", "<think>so</think><answer>\\boxed{71}</answer>"]
+    scores = reward(prompts=["p", "p"], completions=completions, completion_ids=[[1, 2], [1, 2]], solution=["$72$", "$72$"])
+    assert scores[0] > scores[1] and scores[0] == pytest.approx(1.0)
+
+
+def test_evaluation_reads_each_dataset_at_its_own_split(producer_files, toy, tmp_path):
+    """Two datasets of one's own in folders of several splits: ``splits.<name>`` names each one's;
+    one not named is refused naming its setting; a split for a dataset the run lacks is refused."""
+    from etagent.evaluation.run import check_settings, dataset_questions
+
+    gsm, expected = producer_files["gsm8k_datasets_folder"]
+    deepmath, deepmath_expected = producer_files["trl_deepmath_folder"]
+    base = [f"model={toy / 'model'}", f"out_dir={tmp_path / 'eval'}", "datasets=[gsm,deep]", f"+files.gsm={gsm}", f"+files.deep={deepmath}"]
+    cfg = load_config("evaluation", "tiny", [*base, "+splits.gsm=test", "+splits.deep=train"])
+    questions, read_as = dataset_questions(cfg, "gsm")
+    assert [q.answer for q in questions] == [e[1] for e in expected] and "the number after '####'" in read_as
+    assert len(dataset_questions(cfg, "deep")[0]) == 1
+    cfg = load_config("evaluation", "tiny", [*base, "+splits.gsm=test"])
+    with pytest.raises(SettingError, match=r"splits.deep: .* holds several splits"):
+        dataset_questions(cfg, "deep")
+    cfg = load_config("evaluation", "tiny", [*base, "+splits.gsm=test", "+splits.deep=test", "+splits.other=test"])
+    with pytest.raises(SettingError, match=r"splits.other: 'other' is not one of this run's datasets"):
+        check_settings(cfg)
+
+
+def test_a_dataset_name_never_forms_a_path(toy, tmp_path):
+    """An evaluation dataset's name becomes its folder in out_dir and its questions' file name: a
+    name that is not one plain path component (a separator, '..', empty) or that repeats is refused
+    before anything is written."""
+    from omegaconf import open_dict
+
+    from etagent.evaluation.run import check_settings
+
+    questions = toy / "questions" / "test.jsonl"
+    base = [f"model={toy / 'model'}", f"out_dir={tmp_path / 'eval'}"]
+    for name in ("../up", "a/b", "..", "a\\b", "x" * 200):
+        cfg = load_config("evaluation", "tiny", base)
+        with open_dict(cfg):  # names Hydra's override grammar would not take
+            cfg.datasets, cfg.files[name] = [name], str(questions)
+        with pytest.raises(SettingError, match=r"setting datasets: .* is not a dataset name"):
+            check_settings(cfg)
+    cfg = load_config("evaluation", "tiny", [*base, "datasets=[toy,toy]"])
+    with pytest.raises(SettingError, match="names a dataset twice: 'toy'"):
+        check_settings(cfg)
+    assert not (tmp_path / "eval").exists() and not (tmp_path / "up").exists()

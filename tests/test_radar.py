@@ -1,12 +1,16 @@
 """The radar metrics (radar/): the paper's rules for a tool result and redundancy votes, the chart's
-layout, and the redundancy judge through a served text model."""
+layout, the redundancy judge through a served text model, and labels that are unique and never
+form a path."""
 
 from __future__ import annotations
 
 import json
+import os
 
 import pytest
 from fastapi import FastAPI, Request
+from hypothesis import given, settings
+from hypothesis import strategies as st
 
 from etagent.config import build, load_config
 from etagent.radar.config import RadarJudge
@@ -103,3 +107,76 @@ def test_radar_llm_judge_votes_through_a_served_text_model(tmp_path):
     rows = [json.loads(line) for line in (tmp_path / "conciseness.jsonl").read_text().splitlines()]
     # which round came first (and was unreadable) is the server's arrival order
     assert {row["id"]: sorted(row["votes"]) for row in rows} == {"q/0": ["NA", "no", "no"], "q/1": ["NA", "yes", "yes"]}
+
+
+# --- labels: unique, and never a path ------------------------------------------------------------
+
+
+@given(st.text(st.characters(codec=None, categories=None) | st.sampled_from("/\\.%\x00\udc80"), min_size=1))
+@settings(max_examples=400, deadline=None)
+def test_every_label_is_one_folder_inside_out_dir_and_decodes_back(label):
+    """The class: whatever a label holds (separators, ``..``, ``%``, control characters,
+    any unicode, a command line's undecodable bytes), its folder is one path component inside
+    out_dir, and decodes back to the label, so two labels never share a folder."""
+    from urllib.parse import unquote
+
+    from etagent.radar.run import label_folder
+
+    name = label_folder(label)
+    assert name not in ("", ".", "..") and "/" not in name and "\\" not in name and "\0" not in name
+    assert os.path.dirname(os.path.normpath(os.path.join("/out", name))) == "/out"
+    assert unquote(name, errors="surrogatepass") == label
+
+
+def test_labels_are_unique_and_never_form_paths(toy, tmp_path, capsys):
+    """A real evaluation drawn twice: labels holding ``../`` and ``/`` keep every file the radar
+    writes inside out_dir, one folder per label; two runs under one label (given, or the name both
+    were evaluated under) are refused before anything is written, naming the label."""
+    from etagent.evaluation.run import main as evaluate
+    from etagent.radar.run import label_folder
+    from etagent.radar.run import main as radar
+
+    evaluation = tmp_path / "eval"
+    questions = toy / "questions" / "test.jsonl"
+    evaluate(
+        [
+            f"model={toy / 'model'}",
+            f"files.toy={questions}",
+            f"out_dir={evaluation}",
+            "limit=2",
+            "n=1",
+            "agent.max_response_tokens=16",
+            "tools.search.local.url=http://127.0.0.1:9",
+            "tools.search.attempts=1",
+            "tools.max_failure_share=1",
+            "bootstrap_rounds=10",
+        ]
+    )
+    before = {p for p in tmp_path.rglob("*")}
+    out = tmp_path / "charts" / "radar"
+    labels = ["../escape", "a/b", "..", "a%2Fb"]
+    common = [f"tokenizer={toy / 'model'}", "judge.mode=toy_oracle"]
+    radar([f"runs=[{','.join([str(evaluation)] * 4)}]", f"labels=[{','.join(repr(x) for x in labels)}]", f"out_dir={out}", *common])
+    written = {p for p in tmp_path.rglob("*")} - before
+    assert written and all(p == out or out in p.parents for p in written if p != out.parent)
+    assert sorted(p.name for p in out.iterdir() if p.is_dir()) == sorted(label_folder(x) for x in labels)
+    assert list(json.loads((out / "radar.json").read_text())) == labels
+    capsys.readouterr()
+
+    for argv, message in (
+        ([f"runs=[{evaluation},{evaluation}]", "labels=[a,a]"], "setting labels[1]: the label 'a' is the label of labels[0]"),
+        ([f"runs=[{evaluation},{evaluation}]", "labels=[SFT,sft]"], "setting labels[1]: the label 'sft' differs only in case from 'SFT'"),
+        (
+            [f"runs=[{evaluation},{evaluation}]"],
+            "setting runs[1]: the label 'eval' is the label of runs[0] (the name each was evaluated under",
+        ),
+        ([f"runs=[{evaluation}]", "datasets=[../eval]"], "setting datasets[0]: '../eval' is not the name of a dataset's folder"),
+        ([f"runs=[{evaluation},{evaluation}]", "labels=['',b]"], "setting labels[0]: is an empty label"),
+        ([f"runs=[{evaluation}]", f"labels=[{'x' * 300}]"], "setting labels[0]: the label 'xxxx"),
+    ):
+        refused = tmp_path / "refused"
+        with pytest.raises(SystemExit) as exit_status:
+            radar([*argv, f"out_dir={refused}", *common])
+        err = capsys.readouterr().err.strip()
+        assert exit_status.value.code == 2 and len(err.splitlines()) == 1 and message in err, err
+        assert not refused.exists()

@@ -1,6 +1,7 @@
 """The retriever service for real: an index built from the toy corpus, the server started as a
 subprocess on 127.0.0.1, both API contracts, validation, the limits on one request's work,
-clients that leave mid-request, load, and a build killed with kill -9 and resumed."""
+clients that leave mid-request, load, a build killed with kill -9 and resumed, corpus ids that
+are unique or refused, and one build per index folder at a time."""
 
 from __future__ import annotations
 
@@ -457,3 +458,79 @@ def test_a_server_that_cannot_start_exits_2_with_one_line(index_dir, tmp_path):
         assert result.stderr.strip().splitlines()[-1].startswith("error: ") and "Traceback" not in result.stderr
     out_of_range = subprocess.run(serve_command(index_dir, "serve.port=70000"), capture_output=True, text=True, timeout=120)
     assert out_of_range.returncode == 2 and "setting serve.port: must be an integer >= 1 and <= 65535, got 70000" in out_of_range.stderr
+
+
+def test_corpus_ids_are_unique_or_refused_at_the_second_line(tmp_path):
+    """The class: random corpora whose ids are drawn from a small pool, numbers beside their own
+    text (``1`` and ``"1"`` are one id, as the server returns it): the check refuses exactly the
+    corpora with a repeated id, at the line of its second occurrence, naming the first; the
+    others pass with every passage counted."""
+    import random
+
+    from etagent.records import RecordError
+    from etagent.retriever.build import check_corpus
+
+    rng = random.Random(0)
+    pool = [1, "1", 2, "2", "a", "b", "c", "d", "e", "f", "g", "h", "ü", "x y"]
+    corpus = tmp_path / "corpus.jsonl"
+    refused = passed = 0
+    for _ in range(300):
+        ids = [rng.choice(pool) for _ in range(rng.randint(1, 8))]
+        corpus.write_text("".join(json.dumps({"id": i, "contents": f"passage {n}"}) + "\n" for n, i in enumerate(ids)))
+        first: dict[str, int] = {}
+        repeat = None
+        for line, passage_id in enumerate(ids, start=1):
+            if str(passage_id) in first:
+                repeat = (line, str(passage_id), first[str(passage_id)])
+                break
+            first[str(passage_id)] = line
+        if repeat is None:
+            assert check_corpus(corpus) == len(ids)
+            passed += 1
+            continue
+        with pytest.raises(RecordError) as error:
+            check_corpus(corpus)
+        line, passage_id, first_line = repeat
+        assert str(error.value) == (
+            f"{corpus}:{line}: field 'id': {passage_id!r} is the id of line {first_line} too: every passage needs its own id "
+            "(hybrid search fuses passages by id)"
+        )
+        refused += 1
+    assert refused > 50 and passed > 50
+
+
+def test_a_corpus_with_a_repeated_id_is_refused_before_anything_is_written(tmp_path, capsys):
+    from etagent.retriever.build import main
+
+    corpus = tmp_path / "corpus.jsonl"
+    corpus.write_text("".join(json.dumps({"id": i, "contents": f"passage {n}"}) + "\n" for n, i in enumerate(["a", "b", "c", "b"])))
+    index = tmp_path / "index"
+    with pytest.raises(SystemExit) as exit_status:
+        main([f"corpus={corpus}", f"index_dir={index}"])
+    err = capsys.readouterr().err.strip()
+    assert exit_status.value.code == 2 and err == f"error: {corpus}:4: field 'id': 'b' is the id of line 2 too: " + (
+        "every passage needs its own id (hybrid search fuses passages by id)"
+    )
+    assert not index.exists()
+
+
+def test_a_second_build_into_a_busy_folder_is_refused(toy, tmp_path, capsys):
+    """A build holds its index_dir's lock as every stage holds its out_dir (etagent/rundir.py):
+    a second build into it, while the first runs, is refused with one line naming the holder,
+    and writes nothing there."""
+    import fcntl
+
+    from etagent.retriever.build import main
+
+    index = tmp_path / "index"
+    index.mkdir()
+    with open(index / ".lock", "w") as held:  # what the running build holds
+        fcntl.flock(held, fcntl.LOCK_EX | fcntl.LOCK_NB)
+        held.write("pid 12345, etagent.retriever.build, since 2026-01-01 00:00:00\n")
+        held.flush()
+        with pytest.raises(SystemExit) as exit_status:
+            main([f"corpus={toy / 'corpus.jsonl'}", f"index_dir={index}"])
+    err = capsys.readouterr().err.strip()
+    assert exit_status.value.code == 2 and len(err.splitlines()) == 1
+    assert err.startswith(f"error: {index} is being written by another run (pid 12345, etagent.retriever.build")
+    assert [p.name for p in index.iterdir()] == [".lock"]

@@ -8,9 +8,12 @@ from __future__ import annotations
 import json
 import subprocess
 import sys
+from pathlib import Path
 
 import pytest
 import yaml
+from hypothesis import given, settings
+from hypothesis import strategies as st
 from omegaconf import OmegaConf
 
 from etagent.config import SCHEMAS, config_dir, load_config, presets
@@ -107,6 +110,54 @@ def test_sweep_expands_like_hydra_and_names_each_run(tmp_path):
     out = tmp_path / "sweep"
     configs = stage_configs("evaluation", ["-m", "seed=0,1", f"out_dir={out}"], prog="evaluation")
     assert [(c.seed, c.out_dir) for c in configs] == [(0, str(out / "seed=0")), (1, str(out / "seed=1"))]
+
+
+@given(
+    st.lists(st.text(st.characters(codec=None, categories=None), max_size=3), min_size=1, max_size=3),
+    st.lists(
+        st.text(st.characters(codec=None, categories=None) | st.sampled_from("/\\_%,=.~\udc80"), max_size=150), min_size=2, max_size=2
+    ),
+    st.lists(
+        st.text(st.characters(codec=None, categories=None) | st.sampled_from("/\\_%,=.~\udc80"), max_size=150), min_size=2, max_size=2
+    ),
+)
+@settings(max_examples=400, deadline=None)
+def test_distinct_sweep_runs_never_share_a_folder(keys, first, second):
+    """The class: two runs of one sweep (the same keys, values of any characters: separators,
+    ``_`` beside ``/``, ``%``, the ``,`` and ``=`` that join the pairs, unicode, a command line's
+    undecodable bytes, values long enough to be cut) get distinct folder names, each one path
+    component within the file system's 255 bytes, which decodes back to the pairs where it is
+    not cut."""
+    from urllib.parse import unquote
+
+    from etagent.stage_cli import run_folder
+
+    runs = [list(zip(keys, values)) for values in (first, second)]
+    names = [run_folder(pairs) for pairs in runs]
+    for pairs, name in zip(runs, names):
+        encoded = name.encode(errors="surrogatepass")
+        assert len(encoded) <= 255 and "/" not in name and "\\" not in name and "\0" not in name and name not in (".", "..")
+        if len(",".join(f"{k}={v}" for k, v in pairs).encode(errors="surrogatepass")) < 80:  # never cut
+            decoded = [tuple(unquote(part, errors="surrogatepass") for part in pair.split("=")) for pair in name.split(",")]
+            assert decoded == pairs
+    assert (names[0] == names[1]) == (runs[0] == runs[1])
+
+
+def test_sweep_values_that_differ_in_a_separator_get_their_own_folders(tmp_path):
+    out = tmp_path / "sweep"
+    configs = stage_configs("evaluation", ["-m", "run_name=a/b,a_b,a%2Fb", f"out_dir={out}"], prog="evaluation")
+    assert [(c.run_name, c.out_dir) for c in configs] == [
+        ("a/b", str(out / "run_name=a%2Fb")),
+        ("a_b", str(out / "run_name=a_b")),
+        ("a%2Fb", str(out / "run_name=a%252Fb")),
+    ]
+    long = ["x" * 300 + "1", "x" * 300 + "2"]
+    configs = stage_configs("evaluation", ["-m", f"run_name={','.join(long)}", f"out_dir={out}"], prog="evaluation")
+    names = [Path(c.out_dir).name for c in configs]
+    assert names[0] != names[1] and all(len(name.encode()) <= 255 for name in names)
+    with pytest.raises(UserError, match="-m: the runs 'run_name=Eval' and 'run_name=eval' would share the output folder"):
+        stage_configs("evaluation", ["-m", "run_name=Eval,eval", f"out_dir={out}"], prog="evaluation")
+    assert not out.exists()
 
 
 def test_a_sweep_runs_two_evaluations_into_two_folders(toy, server, tmp_path, monkeypatch):

@@ -165,7 +165,7 @@ def test_verl_batch_function_refuses_a_batch_it_cannot_group(toy):
         "ground_truths": [np.array(["42"]), np.array(["41"])],
         "extra_infos": [{"index": 3}, {"index": 3}],
     }
-    with pytest.raises(ValueError, match="index 3 holds responses to two questions"):
+    with pytest.raises(ValueError, match="index 3 of 'math_effi_rl' holds responses to two questions"):
         compute_score_batch(**two_questions, **kwargs)
     with pytest.raises(ValueError, match="response 1: extra_info has no 'index'"):
         compute_score_batch(**{**two_questions, "extra_infos": [{"index": 3}, {}]}, **kwargs)
@@ -223,8 +223,8 @@ def test_trl_reward_refuses_groups_it_cannot_see_whole():
         reward(**{key: value[2:] for key, value in batch.items()})
     with pytest.raises(ValueError, match="answer different prompts"):  # num_generations not the trainer's
         EfficiencyReward(num_generations=2, **SIGMAS)(**{key: value[1:-1] for key, value in batch.items()})
-    with pytest.raises(ValueError, match="no 'kind' column"):
-        reward(**{key: value for key, value in batch.items() if key != "kind"})
+    with pytest.raises(ValueError, match="no gold-answer column: name it one of answer, solution, ground_truth"):
+        reward(**{key: value for key, value in batch.items() if key != "answer"})
 
 
 def test_trl_grpo_trainer_takes_a_step_with_our_reward(toy, tmp_path):

@@ -336,11 +336,17 @@ class EngineConfig:
 
 
 def check_engine_settings(cfg, prefix: str = "engine") -> None:
-    """What the ``engine`` group's declarations cannot say alone: an openai engine needs the
-    servers' group and at least one URL. (Ranges, choices and the model's presence follow from
-    the declarations: etagent/settings.py.)"""
+    """What the ``engine`` group's declarations cannot say alone, before a stage claims its
+    folder: an openai engine needs the servers' group and at least one URL; an hf engine on
+    ``cuda`` a CUDA device; a vllm engine the vllm package. (Ranges, choices and the model's
+    presence and weights follow from the declarations: etagent/settings.py.)"""
     from etagent.errors import SettingError
+    from etagent.settings import check_device, check_installed
 
+    if cfg.kind == "hf":
+        check_device(f"{prefix}.device", cfg.device)
+    if cfg.kind == "vllm":
+        check_installed(f"{prefix}.kind", "vllm", f"{prefix}.kind=vllm")
     if cfg.kind == "openai":
         if cfg.openai is None:
             raise SettingError(f"{prefix}.kind", "is openai, and this stage's config includes no servers' settings (configs/openai) for it")

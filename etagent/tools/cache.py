@@ -137,7 +137,9 @@ def import_reference_json(cache: ToolCache, path: str | os.PathLike, backend: st
     ``backend`` and ``params`` must be what the search tool that will read these entries uses
     (see ``SearchTool.cache_params``), or lookups will miss. Returns the number of entries.
     """
-    data = json.loads(Path(path).read_text())
+    from etagent.records import read_json_file
+
+    data = read_json_file(path)
     if not isinstance(data, dict) or not all(isinstance(v, str) for v in data.values()):
         raise ValueError(f"{path}: expected a JSON object mapping queries to result strings")
     for query, text in data.items():

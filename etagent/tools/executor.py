@@ -10,7 +10,8 @@ Budgets are per trajectory, so the agent loop enforces them; it answers an over-
 :func:`budget_exhausted_record` (an explicit message, never silence and never an unexecuted call
 left for the model to hallucinate a result to).
 
-:func:`build_executor` makes the tools from the ``tools`` config group (configs/tools/*.yaml).
+:func:`build_executor` makes the tools from the ``tools`` config group (configs/tools/*.yaml);
+:func:`check_tools` refuses, before a stage claims its output folder, what building them would.
 """
 
 from __future__ import annotations
@@ -21,6 +22,7 @@ import time
 from collections import Counter
 from collections.abc import Callable, Iterable, Sequence
 from dataclasses import field
+from pathlib import Path
 from typing import Annotated, Any
 
 from omegaconf import MISSING
@@ -187,24 +189,55 @@ class ToolsConfig:
 register_schema("tools", ToolsConfig)
 
 
+def check_tools(cfg: ToolsConfig) -> None:
+    """What building the tools of a ``tools`` group would refuse, refused before a stage claims
+    its output folder: a SandboxFusion backend without its URL, a web search whose API key is not
+    in the environment, a cache replayed from a file that is not there, and a sandbox that cannot
+    give the code the isolation asked for with the interpreter asked for (it is started and
+    stopped: a tenth of a second). Nothing is written (a cache's file is made only by the run)."""
+    from etagent.config import build
+
+    cfg = build(ToolsConfig, cfg)
+    py, se = cfg.python, cfg.search
+    if py.backend == "sandbox_fusion" and not py.sandbox_fusion_url:
+        raise SettingError(
+            "tools.python.sandbox_fusion_url", "is null, and tools.python.backend=sandbox_fusion sends code to it: give its URL"
+        )
+    if se.backend != "local" and not os.environ.get(se.web.api_key_env):
+        raise SettingError(
+            "tools.search.web.api_key_env",
+            f"is {se.web.api_key_env}, which is not set in the environment, and tools.search.backend={se.backend} needs the API key in it",
+        )
+    if se.cache.path and se.cache.mode == "replay" and not Path(se.cache.path).is_file():
+        raise SettingError("tools.search.cache.path", f"no file at {se.cache.path!r}, and tools.search.cache.mode=replay only reads it")
+    if py.backend == "sandbox":
+        python_sandbox(py).close()
+
+
+def python_sandbox(py: PythonToolConfig):
+    """The python tool's sandbox, started: a sandbox that cannot give the code its isolation, or a
+    Python that cannot import the standard library, refuses the run now (SandboxError, exit 2)
+    instead of failing every call of it."""
+    from etagent.tools.sandbox import PythonSandbox
+
+    backend = PythonSandbox(
+        python=py.interpreter, limits=py.limits, isolation=py.isolation, preload=tuple(py.preload), max_concurrency=py.concurrency
+    )
+    return backend.start()
+
+
 def build_executor(cfg: ToolsConfig) -> ToolExecutor:
     """The tools described by a ``tools`` config group (configs/tools/), as loaded or built."""
     from etagent.config import build
     from etagent.tools.cache import ToolCache
-    from etagent.tools.sandbox import PythonSandbox, PythonTool, SandboxFusion
+    from etagent.tools.sandbox import PythonTool, SandboxFusion
     from etagent.tools.search import RetrieverClient, SearchTool, WebSearch
 
     cfg = build(ToolsConfig, cfg)
     py = cfg.python
     limits = py.limits
     if py.backend == "sandbox":
-        backend = PythonSandbox(
-            python=py.interpreter, limits=limits, isolation=py.isolation, preload=tuple(py.preload), max_concurrency=py.concurrency
-        )
-        # started here, before any rollout: a sandbox that cannot give the code its isolation or a
-        # Python that imports the standard library refuses the run now (SandboxError, exit 2),
-        # instead of failing every call of it
-        backend.start()
+        backend = python_sandbox(py)  # started here, before any rollout
     elif py.backend == "sandbox_fusion":
         backend = SandboxFusion(py.sandbox_fusion_url, limits=limits)
     else:
