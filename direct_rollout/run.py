@@ -30,14 +30,13 @@ import logging
 from collections.abc import Sequence
 from functools import partial
 
-from omegaconf import DictConfig, OmegaConf
+from omegaconf import DictConfig
 
 from etagent import scoring
 from etagent.direct_rollout.config import DirectRolloutConfig
 from etagent.errors import DegradedRun, exit_on_user_error
 from etagent.records import Judgement
 from etagent.sampling import degraded_reasons, describe_context_overflow, describe_engine_failures, plan_sampling, run_sampling
-from etagent.settings import check_paths
 from etagent.tools.executor import describe_failures
 
 log = logging.getLogger("direct_rollout")
@@ -54,20 +53,18 @@ def chain_judgement(prediction: str, golds: Sequence[str], kind: str, qa_pass_ma
 
 
 def plan(cfg: DictConfig) -> None:
-    """Everything the stage can refuse, before it claims its output folder: its own inputs first,
-    so a missing policy is named as the user set it (``model``), then the sampling's settings and
-    questions (etagent.sampling.plan_sampling, which :func:`run` runs inside run_sampling)."""
-    check_paths(DirectRolloutConfig, OmegaConf.to_container(cfg, resolve=True))
-    plan_sampling(cfg)
+    """Everything the stage can refuse, before it claims its output folder: the sampling's settings,
+    inputs and questions under this stage's schema, so that a refused policy is named as the user
+    set it (``model``) (etagent.sampling.plan_sampling, which :func:`run` runs inside run_sampling)."""
+    plan_sampling(cfg, DirectRolloutConfig)
 
 
 def run(cfg: DictConfig) -> dict:
     """Roll out every question not yet in cfg.out_dir; return the summary metrics."""
     stage = f"direct_rollout/stage{cfg.rl_stage}"
-    # the stage's own inputs first, so a missing policy is named as the user set it (model); the
-    # sampling plans the rest before it claims the folder
-    check_paths(DirectRolloutConfig, OmegaConf.to_container(cfg, resolve=True))
-    return run_sampling(cfg, stage, judge=partial(chain_judgement, qa_pass_mark=cfg.qa_pass_mark), token_arrays=False)
+    return run_sampling(
+        cfg, stage, judge=partial(chain_judgement, qa_pass_mark=cfg.qa_pass_mark), token_arrays=False, schema=DirectRolloutConfig
+    )
 
 
 @exit_on_user_error

@@ -46,6 +46,7 @@ from etagent.settings import (
     OutputFolder,
     PositiveInt,
     check_installed,
+    check_model_weights,
     check_paths,
     group,
     validate,
@@ -225,29 +226,28 @@ def _ray(cfg: DictConfig, stage: str, todo: list[Question], judge: Judge, token_
         yield [TrajectoryGroup.model_validate(g) for g in result]
 
 
-def check_sampling_settings(cfg: DictConfig) -> None:
-    """What a sampling run reads, present and of its kind (the model's weights those its config
-    needs), and what its engine, tools and Ray settings ask of this machine, before any output is
-    written (the ranges were checked at load: etagent/settings.py)."""
-    validate(SamplingConfig, OmegaConf.to_container(cfg, resolve=True))
+def plan_sampling(cfg: DictConfig, schema: type = SamplingConfig) -> tuple[list[Question], str]:
+    """Everything a sampling run can refuse, before it claims its output folder, the cheap first
+    (a refused setting or question answers in about a second): the settings and what the run
+    reads, present and of its kind; every question read (first ``limit``); then what the engine,
+    the tools and Ray ask of this machine, and the model's weights against its config. Returns
+    the questions and how they were read (etagent.question_formats' Mapping, for the manifest).
+    ``schema``: the stage's, where it adds settings to these (direct rollout's ``model``, which
+    the engine's follows: a refusal names the key the user set)."""
+    values = OmegaConf.to_container(cfg, resolve=True)
+    validate(SamplingConfig, values)
+    check_paths(schema, values)
+    rows, mapping = read_question_rows(cfg.questions, build(QuestionFormat, cfg.question_format), cfg.partial_input_ok)
     check_engine_settings(cfg.engine)
     if cfg.ray.workers > 0:
         check_installed("ray.workers", "ray", f"ray.workers={cfg.ray.workers}")
     check_tools(cfg.tools)
-    check_paths(SamplingConfig, OmegaConf.to_container(cfg, resolve=True))
-
-
-def plan_sampling(cfg: DictConfig) -> tuple[list[Question], str]:
-    """Everything a sampling run can refuse, before it claims its output folder: its settings
-    (:func:`check_sampling_settings`) and every question read (first ``limit``); returns them, and
-    how they were read (etagent.question_formats' Mapping, for the manifest)."""
-    check_sampling_settings(cfg)
-    rows, mapping = read_question_rows(cfg.questions, build(QuestionFormat, cfg.question_format), cfg.partial_input_ok)
+    check_model_weights(schema, values)
     questions = [row.question for row in rows]
     return (questions[: cfg.limit] if cfg.limit is not None else questions), mapping.describe()
 
 
-def run_sampling(cfg: DictConfig, stage: str, judge: Judge, token_arrays: bool = True) -> dict:
+def run_sampling(cfg: DictConfig, stage: str, judge: Judge, token_arrays: bool = True, schema: type = SamplingConfig) -> dict:
     """Sample every question of cfg.questions (``cfg`` holds :class:`SamplingConfig`'s keys, and
     the manifest records all of it) not yet in the output for ``stage`` (the name in
     each trajectory's provenance and the manifest), judging each rollout with ``judge``; return
@@ -256,7 +256,7 @@ def run_sampling(cfg: DictConfig, stage: str, judge: Judge, token_arrays: bool =
     more than that share of the trajectories: :func:`degraded_reasons`). ``token_arrays=False``
     leaves the per-token fields out."""
     started = time.time()
-    questions, read_as = plan_sampling(cfg)
+    questions, read_as = plan_sampling(cfg, schema)
     config = OmegaConf.to_container(cfg, resolve=True)
     with claim_output(cfg.out_dir, stage=stage, schema=SamplingConfig, config=config) as out:
         metrics = _sample(cfg, stage, out, questions, judge, token_arrays, started)

@@ -17,8 +17,9 @@ and types at load. From the metadata come:
   load (``etagent.config.load_config``). Numbers are finite everywhere (NaN passes every ``<``
   and ``>``) unless a field says :data:`NON_FINITE_OK`.
 - :func:`input_paths` and :func:`check_paths`: the files, folders and models a run reads, each
-  checked for its kind before any work (a model's weights against its config:
-  :func:`model_weights_problem`), and the output folder kept apart from all of them.
+  checked for its kind before any work, and the output folder kept apart from all of them;
+  :func:`check_model_weights`: a model's weights against its config (it imports torch: a plan
+  runs it last).
 - :func:`free_keys`: the settings a resumed run may change (``FREE``: where and how fast work
   runs, never what it computes); every other setting must equal the manifest's
   (``etagent.rundir``).
@@ -594,9 +595,8 @@ def _overlap(a: Path, b: Path) -> str | None:
 
 def check_paths(schema: type, values: dict) -> list[tuple[str, str, str]]:
     """Before any work: every input of the kind its declaration says, and the outputs apart from
-    the inputs (:func:`check_apart`); then each model folder's weights against its config
-    (:func:`model_weights_problem`: it imports torch and transformers, so it comes after every
-    check that does not). Returns the inputs (key, path, kind)."""
+    the inputs (:func:`check_apart`). Reads files' headers only: a refusal here answers in about a
+    second. Returns the inputs (key, path, kind)."""
     inputs = input_paths(schema, values)
     for key, value, kind in inputs:
         problem = _path_problem(Path(value), kind)
@@ -607,11 +607,17 @@ def check_paths(schema: type, values: dict) -> list[tuple[str, str, str]]:
         if problem:
             raise SettingError(key, f"{value!r} {problem}")
     check_apart(schema, values)
-    for key, value, kind in inputs:
+    return inputs
+
+
+def check_model_weights(schema: type, values: dict) -> None:
+    """Each model folder's weights against its config (:func:`model_weights_problem`). It imports
+    torch and transformers (seconds), so a stage's plan runs it after every check that does not,
+    its data read included."""
+    for key, value, kind in input_paths(schema, values):
         problem = model_weights_problem(value) if kind == "model" and Path(value).is_dir() else None
         if problem:
             raise SettingError(key, f"{value!r} {problem}")
-    return inputs
 
 
 def check_apart(schema: type, values: dict) -> None:

@@ -47,7 +47,7 @@ from etagent.records import JsonlAppender, TrajectoryGroup, iter_jsonl, read_jso
 from etagent.rundir import claim_output
 from etagent.sampling import SamplingConfig, degraded_reasons, describe_context_overflow, describe_engine_failures, run_sampling
 from etagent.scoring import rule_judgement, sample_metrics
-from etagent.settings import check_installed, check_paths
+from etagent.settings import check_installed, check_model_weights, check_paths
 from etagent.tools.executor import check_tools, describe_failures
 
 log = logging.getLogger("evaluation")
@@ -139,11 +139,8 @@ def behaviour_table(results: dict[str, dict]) -> list[str]:
 
 def check_settings(cfg: DictConfig) -> dict:
     """What the evaluation reads, present and of its kind, before any output is written (ranges
-    were checked at load; the rollouts' engine, agent and tools are checked with them, by
-    etagent.sampling). Returns the config as run: ``files`` holds the file of each dataset
+    were checked at load). Returns the config as run: ``files`` holds the file of each dataset
     evaluated, and only those, so the manifest records the questions each result came from."""
-    from etagent.llm import check_engine_settings
-
     if not cfg.datasets:
         raise SettingError("datasets", "is empty: name at least one benchmark")
     if len(set(cfg.datasets)) < len(cfg.datasets):
@@ -168,6 +165,17 @@ def check_settings(cfg: DictConfig) -> dict:
             raise SettingError(
                 f"kinds.{name}", f"{name} is a known benchmark, scored as {BENCHMARKS[name].kind}; kinds is for datasets of your own"
             )
+    config = OmegaConf.to_container(cfg, resolve=True)
+    config["files"] = {name: str(benchmark_path(cfg, name)) for name in cfg.datasets}
+    check_paths(EvaluationConfig, config)
+    return config
+
+
+def check_machine(cfg: DictConfig, config: dict) -> None:
+    """What the engines, Ray and each dataset's tools ask of this machine, and the models' weights
+    against their configs (seconds: after the settings and the questions)."""
+    from etagent.llm import check_engine_settings
+
     if cfg.judge.enabled:
         check_engine_settings(cfg.judge.engine, "judge.engine")
     check_engine_settings(cfg.engine)
@@ -180,18 +188,18 @@ def check_settings(cfg: DictConfig) -> dict:
     ]
     for backend in sorted({t.search.backend for t in tools}):
         check_tools(next(t for t in tools if t.search.backend == backend))
-    config = OmegaConf.to_container(cfg, resolve=True)
-    config["files"] = {name: str(benchmark_path(cfg, name)) for name in cfg.datasets}
-    check_paths(EvaluationConfig, config)
-    return config
+    check_model_weights(EvaluationConfig, config)
 
 
 def plan(cfg: DictConfig) -> tuple[dict, dict[str, tuple[list, str]]]:
-    """Everything the evaluation can refuse, before it claims its output folder: the settings
-    (:func:`check_settings`) and every dataset's questions read. Returns the config as run and
-    the questions of each dataset, with how its file was read."""
+    """Everything the evaluation can refuse, before it claims its output folder, the cheap first:
+    the settings (:func:`check_settings`), every dataset's questions read, then what the run asks
+    of this machine (:func:`check_machine`). Returns the config as run and the questions of each
+    dataset, with how its file was read."""
     config = check_settings(cfg)
-    return config, {name: dataset_questions(cfg, name) for name in cfg.datasets}
+    questions = {name: dataset_questions(cfg, name) for name in cfg.datasets}
+    check_machine(cfg, config)
+    return config, questions
 
 
 def benchmark_path(cfg: DictConfig, name: str) -> Path:

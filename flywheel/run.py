@@ -53,7 +53,7 @@ from etagent.question_formats import QuestionFormat, read_question_rows
 from etagent.records import JsonlAppender, Question, TrajectoryGroup, read_jsonl, write_manifest
 from etagent.rundir import claim_output
 from etagent.sampling import context_overflow, degraded_reasons, describe_context_overflow, describe_engine_failures, engine_failures
-from etagent.settings import check_paths
+from etagent.settings import check_model_weights, check_paths
 from etagent.tools import ToolOutput
 from etagent.tools.executor import build_executor, check_tools, describe_failures, failure_counts
 
@@ -121,8 +121,7 @@ async def evolve_all(settings: FlywheelSettings, flywheel: Flywheel, todo: list[
 
 
 def check_settings(cfg: DictConfig) -> None:
-    """How the roles go together, what the engines and tools ask of this machine, and the models
-    and questions present and of their kind (each model's weights those its config needs), before
+    """How the roles go together, and the models and questions present and of their kind, before
     any model loads (ranges were checked at load: flywheel/config.py)."""
     if cfg.editor.enabled and not cfg.editor.engine.model:
         raise SettingError("editor.engine.model", "editor.enabled=true needs it (a model folder, hub id or .gguf file)")
@@ -130,19 +129,22 @@ def check_settings(cfg: DictConfig) -> None:
         raise SettingError(
             "editor.enabled", "judge.llm and summariser.enabled use the editor's model: set editor.enabled=true and editor.engine.model"
         )
-    check_engine_settings(cfg.engine)
-    if cfg.editor.enabled:
-        check_engine_settings(cfg.editor.engine, "editor.engine")
-    check_tools(cfg.tools)
     check_paths(FlywheelConfig, OmegaConf.to_container(cfg, resolve=True))
 
 
 def plan(cfg: DictConfig) -> tuple[list[Question], str]:
-    """Everything the flywheel can refuse, before it claims its output folder: the settings
-    (:func:`check_settings`) and every question read (first ``limit``); returns them, and how they
-    were read (etagent.question_formats' Mapping, for the manifest)."""
+    """Everything the flywheel can refuse, before it claims its output folder, the cheap first:
+    the settings (:func:`check_settings`) and every question read (first ``limit``); then what the
+    engines and the tools ask of this machine and the models' weights against their configs.
+    Returns the questions and how they were read (etagent.question_formats' Mapping, for the
+    manifest)."""
     check_settings(cfg)
     rows, mapping = read_question_rows(cfg.questions, build(QuestionFormat, cfg.question_format), cfg.partial_input_ok)
+    check_engine_settings(cfg.engine)
+    if cfg.editor.enabled:
+        check_engine_settings(cfg.editor.engine, "editor.engine")
+    check_tools(cfg.tools)
+    check_model_weights(FlywheelConfig, OmegaConf.to_container(cfg, resolve=True))
     questions = [row.question for row in rows][: cfg.limit]
     return questions, mapping.describe()
 

@@ -69,6 +69,7 @@ What it does not do: choose a stage's data (pareto/) or chain the stages
 
 from __future__ import annotations
 
+import dataclasses
 import logging
 import os
 
@@ -77,16 +78,15 @@ from omegaconf import DictConfig, OmegaConf
 from etagent.errors import SettingError, exit_on_user_error
 from etagent.rl.config import RLConfig
 from etagent.rundir import claim_output
-from etagent.settings import check_device, check_installed, check_paths
+from etagent.settings import check_device, check_installed, check_model_weights, check_paths
 
 log = logging.getLogger("rl")
 
 
 def check_settings(cfg: DictConfig) -> None:
     """What the declarations (rl/config.py, checked at load) cannot say alone, how settings go
-    together; then the model and data present and of their kind, the model's weights those its
-    config needs (etagent.settings.check_paths). (RL trains ``model``; the engine group's
-    ``model`` is not read.)"""
+    together; then the model and data present and of their kind (etagent.settings.check_paths:
+    files and headers only). (RL trains ``model``; the engine group's ``model`` is not read.)"""
     if cfg.rollout.kind == "tree" and cfg.rollout.initial_rollouts > cfg.rollout.n:
         raise SettingError(
             "rollout.initial_rollouts",
@@ -143,11 +143,26 @@ def check_settings(cfg: DictConfig) -> None:
     check_paths(RLConfig, OmegaConf.to_container(cfg, resolve=True))
 
 
+def check_rows(cfg: DictConfig) -> None:
+    """Every row of the training and validation data readable as a prompt, without loading a
+    tokenizer or torch: a malformed row is refused in about a second."""
+    from etagent.config import build
+    from etagent.question_formats import QuestionFormat
+    from etagent.rl.rollout import read_prompts
+
+    question_format = build(QuestionFormat, cfg.data.question_format)
+    read_prompts(cfg.data.train, question_format=question_format, rerender_prompts=cfg.data.rerender_prompts)
+    if cfg.data.validation:
+        own_split = dataclasses.replace(question_format, split=cfg.data.validation_split)
+        read_prompts(
+            cfg.data.validation, question_format=own_split, rerender_prompts=cfg.data.rerender_prompts, split_key="data.validation_split"
+        )
+
+
 def check_data(cfg: DictConfig) -> None:
-    """Every row of the training and validation data readable as a prompt, each prompt within
-    ``data.max_prompt_tokens`` under the model's tokenizer, and at least a step's prompts
-    (``data.prompts_per_step``), before the output folder is claimed. The trainer's setup reads
-    them again (rl/trainer.py's read_data)."""
+    """Each prompt within ``data.max_prompt_tokens`` under the model's tokenizer, and at least a
+    step's prompts (``data.prompts_per_step``), before the output folder is claimed. The trainer's
+    setup reads them again (rl/trainer.py's read_data)."""
     from transformers import AutoTokenizer
 
     from etagent.rl.trainer import read_data
@@ -180,16 +195,19 @@ def check_machine(cfg: DictConfig) -> None:
         check_installed("wandb.enabled", "wandb", "wandb.enabled=true")
     batch_plan(cfg.data.prompts_per_step, cfg.rollout.n, cfg.train.mini_batch_prompts, int(os.environ.get("WORLD_SIZE", "1")))
     check_tools(cfg.tools)
+    check_model_weights(RLConfig, OmegaConf.to_container(cfg, resolve=True))
     if cfg.lora.enabled:
         build(RLLoraSettings, cfg.lora).check_targets(cfg.model)
 
 
 def plan(cfg: DictConfig) -> None:
     """Everything RL can refuse, before the output folder is claimed (the module docstring says
-    in which order): the settings, the model's files, the engine, the machine, the data."""
+    in which order), the cheap first: the settings, the inputs present and the data's rows; then
+    the engine, the machine and the model's weights, the data under the tokenizer."""
     check_settings(cfg)
+    check_rows(cfg)
     # rl/engine.py and the trainer import torch, transformers and the engines: only once the
-    # settings passed, so that those refusals answer in about a second
+    # settings and the rows passed, so that those refusals answer in about a second
     from etagent.rl.engine import check_engine_settings
 
     check_engine_settings(cfg)

@@ -41,7 +41,7 @@ from etagent.errors import SettingError, TrainingDiverged, UserError, exit_on_us
 from etagent.progress import Progress
 from etagent.records import write_manifest
 from etagent.rundir import claim_output, completed, restore_manifest
-from etagent.settings import check_installed, check_paths
+from etagent.settings import check_installed, check_model_weights, check_paths
 from etagent.sft.config import SFTConfig, SFTTrainSettings
 from etagent.sft.data import IGNORE, build_dataset, load_examples
 
@@ -221,8 +221,7 @@ def load_model(name: str, dtype: str, attn_implementation: str | None, lora: Lor
 
 def check_settings(cfg: DictConfig) -> None:
     """What the declarations (sft/config.py, checked at load) cannot say alone, and the model and
-    the data present and of their kind (the model's weights those its config needs:
-    etagent.settings.check_paths)."""
+    the data present and of their kind (etagent.settings.check_paths: files and headers only)."""
     # transformers reads max_steps -1 as "train for train.epochs"
     if cfg.train.max_steps == 0:
         raise SettingError("train.max_steps", "must be at least 1, or -1 to train for train.epochs; got 0")
@@ -252,12 +251,14 @@ class SFTPlan:
 
 
 def plan(cfg: DictConfig) -> SFTPlan:
-    """Everything SFT can refuse, before the output folder is claimed: the settings and the
-    model's files (:func:`check_settings`), the optional packages the settings ask for, LoRA's
-    target modules in the model, every example read and tokenized (none left is refused), and the
+    """Everything SFT can refuse, before the output folder is claimed, the cheap first: the
+    settings and the inputs present (:func:`check_settings`), every example read; then the
+    optional packages the settings ask for, the model's weights against its config, LoRA's target
+    modules in the model, every example tokenized (none left is refused), and the
     Trainer's arguments built (with a ZeRO-3 config they register DeepSpeed with transformers, so
     that from_pretrained builds the model partitioned across the ranks)."""
     check_settings(cfg)
+    examples = load_examples(cfg.data.path, cfg.data.format)  # a malformed row is refused in about a second
     if cfg.attn_implementation == "flash_attention_2":
         check_installed(
             "attn_implementation",
@@ -269,9 +270,9 @@ def plan(cfg: DictConfig) -> SFTPlan:
         check_installed("train.deepspeed", "deepspeed", "DeepSpeed (train.deepspeed)")
     if cfg.wandb.enabled:
         check_installed("wandb.enabled", "wandb", "wandb.enabled=true")
+    check_model_weights(SFTConfig, OmegaConf.to_container(cfg, resolve=True))
     if cfg.lora.enabled:
         build(LoraSettings, cfg.lora).check_targets(cfg.model)
-    examples = load_examples(cfg.data.path, cfg.data.format)
     from transformers import AutoTokenizer
 
     tokenizer = AutoTokenizer.from_pretrained(cfg.model)
