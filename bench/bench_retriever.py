@@ -38,6 +38,26 @@ import httpx
 ROOT = Path(__file__).resolve().parents[1]
 
 
+def server_module(tree: Path) -> str:
+    """How the checkout ``tree`` names its server module, made importable from ``tree`` alone.
+
+    This venv's editable install maps ``etagent.<stage>`` to this checkout's folders (pyproject's
+    package-dir) with an import hook that Python consults after PYTHONPATH: from another checkout,
+    ``etagent`` would come from that tree and ``etagent.retriever`` from this one, so an old
+    commit's server ran today's code. A checkout with that mapping gets links ``etagent/<stage>``
+    -> ``../<stage>``, which PYTHONPATH finds first; one from before it (stages as top-level
+    packages) is run as ``retriever.server``."""
+    pyproject = (tree / "pyproject.toml").read_text()
+    if "package-dir" not in pyproject:
+        return "retriever.server"
+    for line in pyproject.split("[tool.setuptools.package-dir]", 1)[1].split("\n\n", 1)[0].splitlines():
+        name, _, folder = (part.strip().strip('"') for part in line.partition("="))
+        link = tree / Path(*name.split("."))
+        if name.startswith("etagent.") and folder and not link.exists():
+            link.symlink_to(Path("..") / folder)
+    return "etagent.retriever.server"
+
+
 def start(command: list[str], url: str, tree: Path = ROOT) -> subprocess.Popen:
     """A server from the checkout ``tree`` (its modules and its configs), once it answers /health."""
     env = dict(os.environ, PYTHONPATH=str(tree))
@@ -176,7 +196,7 @@ def main() -> None:
     for commit in args.at:  # our server as it was: its own checkout, its own configs
         tree = work / f"at-{commit}"
         subprocess.run(["git", "worktree", "add", "--detach", str(tree), commit], check=True, cwd=ROOT, capture_output=True)
-        servers[f"etagent at {commit}"] = (ours, tree)
+        servers[f"etagent at {commit}"] = ([ours[0], "-m", server_module(tree), *ours[3:]], tree)
     servers |= {
         "etagent (micro-batched)": ([*ours, *args.overrides], ROOT),
         "one request per encode": (

@@ -27,7 +27,7 @@ from etagent.rl.algorithm import (
     policy_loss,
     truncated_importance_weights,
 )
-from etagent.rl.batch import Batch, BatchPlan, micro_batches, token_logprobs
+from etagent.rl.batch import Batch, BatchPlan, ForwardPass, forward_passes, token_logprobs
 from etagent.rl.distributed import max_all, sum_all
 from etagent.rl.policy import Policy
 
@@ -50,14 +50,15 @@ def non_finite(values: dict[str, torch.Tensor], mask: torch.Tensor) -> list[str]
     return found
 
 
-def response_logprobs(policy: Policy, batch: Batch, budget: int) -> torch.Tensor:
-    """Every response token's log-probability under ``policy``, micro-batch by micro-batch (the
-    caller gathers the policy: ranks may run different numbers of micro-batches)."""
+def response_logprobs(policy: Policy, batch: Batch, budget: int, share_prefixes: bool) -> torch.Tensor:
+    """Every response token's log-probability under ``policy``, pass by pass (rl/batch.py's
+    forward_passes; the caller gathers the policy: ranks may run different numbers of passes)."""
     logprobs = torch.zeros_like(batch.rollout_logprobs)
-    for part in micro_batches(batch.tokens(), budget, policy.packs_sequences):
-        micro = batch.micro(part, policy.packs_sequences)
+    rows = list(range(batch.input_ids.shape[0]))
+    for step in forward_passes(batch, rows, budget, policy.packs_sequences, share_prefixes):
+        micro = batch.forward(step, policy.packs_sequences, policy.eager)
         lp, _ = token_logprobs(policy, micro)
-        logprobs[part, : micro.response_width] = lp.float()
+        logprobs[step.rows, : micro.response_width] = lp.float()
     return logprobs
 
 
@@ -94,7 +95,21 @@ def update(
     size = plan.mini_batch_sequences_per_rank
     minis = [list(range(k * size, (k + 1) * size)) for k in range(plan.optimizer_steps)]
     assert minis[-1][-1] == batch.input_ids.shape[0] - 1, "a rank's rollouts are not the plan's"
-    sums = dict.fromkeys(("loss", "clipped_tokens", "dual_clipped_tokens", "entropy", "kl", "policy_tokens", "grad_norm", "mismatch"), 0.0)
+    sums = dict.fromkeys(
+        (
+            "loss",
+            "clipped_tokens",
+            "dual_clipped_tokens",
+            "entropy",
+            "kl",
+            "policy_tokens",
+            "grad_norm",
+            "mismatch",
+            "computed_tokens",
+            "path_tokens",
+        ),
+        0.0,
+    )
     weights = None if tis_cap is None else truncated_importance_weights(old, batch.rollout_logprobs, tis_cap)
     row_tokens = batch.tokens()
     for number, mini in enumerate(minis):
@@ -102,15 +117,17 @@ def update(
         largest_gap = 0.0  # the largest |log-prob - old log-prob| at a policy token
         trained_tokens = sum_all([float(batch.loss_mask[mini].sum())], device)[0]
         tokens = max(trained_tokens, 1.0)  # the loss's divisor: a mini-batch of none (all masked) has a loss of 0
-        packed = policy.packs_sequences
-        parts = [[mini[i] for i in part] for part in micro_batches([row_tokens[i] for i in mini], cfg.train.micro_batch_tokens, packed)]
+        parts = forward_passes(batch, mini, cfg.train.micro_batch_tokens, policy.packs_sequences, cfg.train.share_prefixes)
         n_parts = int(max_all([len(parts)], device)[0])
         standardisation = None
         if cfg.algorithm.entropy_aware_advantage:  # AEPO: z over the optimizer step's tokens, every rank's
-            standardisation = mini_batch_entropy(policy, batch, parts, n_parts, packed, device)
+            standardisation = mini_batch_entropy(policy, batch, parts, n_parts, device)
         for k in range(n_parts):
-            rows, weight = (parts[k], 1.0) if k < len(parts) else (parts[0], 0.0)
-            micro = batch.micro(rows, packed)
+            step, weight = (parts[k], 1.0) if k < len(parts) else (parts[0], 0.0)
+            rows = step.rows
+            micro = batch.forward(step, policy.packs_sequences, policy.eager)
+            sums["computed_tokens"] += weight * micro.tokens()
+            sums["path_tokens"] += weight * sum(row_tokens[i] for i in rows)
             logprobs, entropy = token_logprobs(policy, micro, with_entropy=True)
             if rollout_mismatch and number == 0:
                 gap = (logprobs.detach().float() - batch.rollout_logprobs[rows, : micro.response_width]).abs()
@@ -150,8 +167,18 @@ def update(
         sums["policy_tokens"] += trained_tokens
         sums["grad_norm"] += float(grad_norm) / len(minis)
     first_tokens = float(batch.loss_mask[minis[0]].sum())
-    loss_sum, clipped, dual, entropy, kl, mismatch, first_tokens = sum_all(
-        [sums["loss"], sums["clipped_tokens"], sums["dual_clipped_tokens"], sums["entropy"], sums["kl"], sums["mismatch"], first_tokens],
+    loss_sum, clipped, dual, entropy, kl, mismatch, first_tokens, computed, path_tokens = sum_all(
+        [
+            sums["loss"],
+            sums["clipped_tokens"],
+            sums["dual_clipped_tokens"],
+            sums["entropy"],
+            sums["kl"],
+            sums["mismatch"],
+            first_tokens,
+            sums["computed_tokens"],
+            sums["path_tokens"],
+        ],
         device,
     )
     extra = {"actor/kl": kl / max(sums["policy_tokens"], 1.0)} if ref is not None else {}
@@ -168,11 +195,15 @@ def update(
         "actor/grad_norm": sums["grad_norm"],
         "actor/optimizer_steps": len(minis),
         "actor/policy_tokens": sums["policy_tokens"],
+        # positions the update's forward passes computed (padding included), against the paths'
+        # own tokens: below 1 where prefix trees shared their prompts and branches
+        "actor/computed_tokens": computed,
+        "actor/computed_over_path_tokens": computed / max(path_tokens, 1.0),
     }
 
 
 @torch.no_grad()
-def mini_batch_entropy(policy: Policy, batch: Batch, parts: list[list[int]], n_parts: int, packed: bool, device) -> tuple[float, float]:
+def mini_batch_entropy(policy: Policy, batch: Batch, parts: list[ForwardPass], n_parts: int, device) -> tuple[float, float]:
     """The mean and std of the token entropies over a mini-batch's policy tokens on every rank,
     under the current weights, for AEPO's entropy-aware advantage: one forward pass without
     gradients over the mini-batch's micro-batches before its update (the statistic needs every
@@ -181,8 +212,7 @@ def mini_batch_entropy(policy: Policy, batch: Batch, parts: list[list[int]], n_p
     ``train.micro_batch_tokens`` and the number of ranks."""
     moments = torch.zeros(3, dtype=torch.float64)
     for k in range(n_parts):
-        rows = parts[k] if k < len(parts) else parts[0]
-        micro = batch.micro(rows, packed)
+        micro = batch.forward(parts[k] if k < len(parts) else parts[0], policy.packs_sequences, policy.eager)
         _, entropy = token_logprobs(policy, micro, with_entropy=True)
         if k < len(parts):
             moments += entropy_moments(entropy, micro.loss_mask).cpu()

@@ -114,6 +114,7 @@ class RLTrainSettings:
     attn_implementation: Annotated[str, OneOf("sdpa", "eager", "flash_attention_2")] = MISSING
     mini_batch_prompts: PositiveInt = MISSING
     micro_batch_tokens: Annotated[PositiveInt, FREE] = MISSING
+    share_prefixes: Annotated[bool, FREE] = MISSING
     logprob_chunk_tokens: Annotated[PositiveInt, FREE] = MISSING
     weight_bucket_mb: Annotated[PositiveInt, FREE] = MISSING
     max_steps: Annotated[PositiveInt | None, FREE] = MISSING

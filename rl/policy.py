@@ -62,6 +62,11 @@ class Policy(nn.Module):
         self.temperature = temperature
 
     @property
+    def eager(self) -> bool:
+        """Whether attention is transformers' eager one, which takes an additive mask."""
+        return self.lm.config._attn_implementation == "eager"
+
+    @property
     def packs_sequences(self) -> bool:
         """Whether a forward pass takes sequences packed into one row, without padding, at no
         extra cost: flash-attention reads the restarting position ids as separate sequences;
@@ -76,19 +81,24 @@ class Policy(nn.Module):
         position_ids: torch.Tensor,
         scored: torch.Tensor,
         with_entropy: bool = False,
+        targets: torch.Tensor | None = None,
     ) -> tuple[torch.Tensor, torch.Tensor | None]:
         """Log-probabilities, under the sampling temperature, of the tokens that follow the
         positions ``scored`` names (flat indices into the (B x L) positions, any shape), in
         ``scored``'s shape, and the entropy of each one's distribution when asked (no gradient).
         ``attention_mask`` None with position ids that restart at 0: sequences packed in a row
-        (rl/batch.py). Entries that score padding hold junk: mask them."""
+        (rl/batch.py); a 4D boolean mask: the tokens of a prefix tree, each attending to its
+        ancestors, where a position is followed by a different token in each branch, so
+        ``targets`` (``scored``'s shape) says which. Entries that score padding hold junk: mask them."""
         hidden = self.lm.get_decoder()(
             input_ids=input_ids, attention_mask=attention_mask, position_ids=position_ids, use_cache=False
         ).last_hidden_state
         flat = scored.reshape(-1)
         responses = hidden.reshape(-1, hidden.shape[-1])[flat][None]
-        # clamped: a junk entry may point at the very last position, which predicts nothing
-        targets = input_ids.reshape(-1)[(flat + 1).clamp(max=input_ids.numel() - 1)][None]
+        if targets is not None:
+            targets = targets.reshape(-1)[None]
+        else:  # clamped: a junk entry may point at the very last position, which predicts nothing
+            targets = input_ids.reshape(-1)[(flat + 1).clamp(max=input_ids.numel() - 1)][None]
         weight = self.lm.get_output_embeddings().weight
         logprobs, entropy = response_logprobs(responses, weight, targets, self.chunk_tokens, with_entropy, self.temperature)
         return logprobs.reshape(scored.shape), (None if entropy is None else entropy.reshape(scored.shape))

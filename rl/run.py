@@ -87,6 +87,12 @@ def check_settings(cfg: DictConfig) -> None:
     """What the declarations (rl/config.py, checked at load) cannot say alone, how settings go
     together; then the model and data present and of their kind (etagent.settings.check_paths:
     files and headers only). (RL trains ``model``; the engine group's ``model`` is not read.)"""
+    if cfg.train.share_prefixes and cfg.train.attn_implementation == "flash_attention_2":
+        raise SettingError(
+            "train.share_prefixes",
+            "is true, and flash_attention_2's packed sequences cannot express a prefix tree (each token attending to its "
+            "ancestors): set train.share_prefixes=false, or train.attn_implementation=sdpa",
+        )
     if cfg.rollout.kind == "tree" and cfg.rollout.initial_rollouts > cfg.rollout.n:
         raise SettingError(
             "rollout.initial_rollouts",

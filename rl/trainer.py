@@ -43,6 +43,7 @@ from etagent.rl.paper_reward import validation_score
 from etagent.rl.policy import Policy, Reference, gathered, load_policy
 from etagent.rl.reward import efficiency_reward, kind_of, raw_correctness, sigma_factor
 from etagent.rl.rollout import PartialRollout, Prompt, make_rollout, read_prompt_set, rollout_metrics, segment_entropy
+from etagent.threads import FreeCoreThreads
 from etagent.timing import phase
 from etagent.tools.executor import degraded, describe_failures, failure_counts, merge_failure_counts
 
@@ -244,11 +245,11 @@ def train_step(trainer: Trainer, step: int, loop: AgentLoop, greedy: AgentLoop, 
         old = batch.rollout_logprobs
     else:
         with phase("old_logprobs", metrics), gathered(trainer.policy), torch.no_grad():
-            old = response_logprobs(trainer.policy, batch, cfg.train.micro_batch_tokens)
+            old = response_logprobs(trainer.policy, batch, cfg.train.micro_batch_tokens, cfg.train.share_prefixes)
     ref = None
     if trainer.reference is not None:
         with phase("ref_logprobs", metrics), trainer.reference.reading() as reference:
-            ref = response_logprobs(reference, batch, cfg.train.micro_batch_tokens)
+            ref = response_logprobs(reference, batch, cfg.train.micro_batch_tokens, cfg.train.share_prefixes)
     # rollouts from vLLM, or partial ones: corrected by truncated importance sampling against the
     # trainer's old log-probabilities
     tis_cap = cfg.algorithm.tis_cap if trainer.engine.applies_tis(stale_tis) else None
@@ -593,7 +594,11 @@ def run_steps(cfg: DictConfig) -> list[dict]:
                 rollout.restore(loop, trainer.in_flight)
         # a line per step in a log (a step is long); rank 0 alone updates it
         progress = Progress("rl", trainer.total, "step", initial=trainer.start, every_s=0)
+        # on the CPU, torch's threads follow the cores other processes leave free (etagent/threads.py)
+        free_cores = FreeCoreThreads() if trainer.device.type == "cpu" else None
         for step in range(trainer.start + 1, trainer.total + 1):
+            if free_cores is not None:
+                free_cores.adjust()
             metrics = train_step(trainer, step, loop, greedy, rollout)
             if trainer.rank == 0:
                 with open(metrics_path, "a") as f:

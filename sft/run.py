@@ -143,6 +143,22 @@ def step_progress(bar: bool):
     return StepProgress()
 
 
+def free_core_threads():
+    """A Trainer callback that sets torch's threads, before each step, to the cores other
+    processes leave free (etagent/threads.py)."""
+    from transformers import TrainerCallback
+
+    from etagent.threads import FreeCoreThreads
+
+    threads = FreeCoreThreads()
+
+    class FreeCores(TrainerCallback):
+        def on_step_begin(self, args, state, control, **kwargs):
+            threads.adjust()
+
+    return FreeCores()
+
+
 def finite_weights_check(out: Path):
     """A Trainer callback that counts the weights that are not finite, or far past their range at
     the start, after every optimizer step
@@ -318,8 +334,11 @@ def train(cfg: DictConfig, out: Path, planned: SFTPlan) -> dict:
     from transformers.trainer_callback import PrinterCallback
 
     out.mkdir(parents=True, exist_ok=True)
+    callbacks = [step_progress(cfg.train.progress_bar), finite_weights_check(out)]
     if cfg.threads:
         torch.set_num_threads(cfg.threads)
+    elif not torch.cuda.is_available():  # on the CPU: the cores other processes leave free (etagent/threads.py)
+        callbacks.append(free_core_threads())
     tokenizer, dataset, data_report, args, config = planned.tokenizer, planned.dataset, planned.data_report, planned.args, planned.config
     log.info("data: %s", data_report)
     model = load_model(cfg.model, cfg.model_dtype, cfg.attn_implementation, build(LoraSettings, cfg.lora))
@@ -333,8 +352,7 @@ def train(cfg: DictConfig, out: Path, planned: SFTPlan) -> dict:
         train_dataset=dataset,
         data_collator=Collator(tokenizer.pad_token_id, cfg.train.packing),
         processing_class=tokenizer,
-        callbacks=[step_progress(cfg.train.progress_bar), finite_weights_check(out)]
-        + ([tensorboard_callback(out / "tensorboard", last)] if logs_here else []),
+        callbacks=callbacks + ([tensorboard_callback(out / "tensorboard", last)] if logs_here else []),
     )
     trainer.remove_callback(PrinterCallback)  # its dict per logging step: StepProgress's lines say it
     if last:

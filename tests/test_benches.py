@@ -75,6 +75,7 @@ def tiny_arguments(toy: Path, model: Path, work: Path) -> dict[str, list[str]]:
         ],
         "bench_rollout.py": [*policy, "--questions", "2", "--n", "1", "--batch-questions", "2", "--slow-s", "0.05"],
         "bench_tree_rollout.py": [*policy, "--prompts", "2", "--repeats", "1"],
+        "bench_tree_update.py": [*policy, "--steps", "2", "--threads", "1", "data.prompts_per_step=2", "train.mini_batch_prompts=2"],
         "bench_vllm_logprobs.py": [
             "--batch",
             "2",

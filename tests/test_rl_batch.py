@@ -353,7 +353,7 @@ def test_an_update_whose_gradient_is_not_finite_stops_before_its_optimizer_step(
         old[1, 2] = float("nan")
         cfg = OmegaConf.create(
             {
-                "train": {"micro_batch_tokens": 64},
+                "train": {"micro_batch_tokens": 64, "share_prefixes": False},
                 "algorithm": {
                     "clip_low": 0.2,
                     "clip_high": 0.28,
@@ -440,12 +440,12 @@ def test_trajectories_the_engine_failed_on_are_counted_masked_and_stop_the_step_
             dist.destroy_process_group()
 
 
-def update_settings(micro_batch_tokens: int, entropy_aware: bool):
+def update_settings(micro_batch_tokens: int, entropy_aware: bool, share_prefixes: bool = False):
     from omegaconf import OmegaConf
 
     return OmegaConf.create(
         {
-            "train": {"micro_batch_tokens": micro_batch_tokens},
+            "train": {"micro_batch_tokens": micro_batch_tokens, "share_prefixes": share_prefixes},
             "algorithm": {
                 "clip_low": 0.2,
                 "clip_high": 0.28,
@@ -551,6 +551,109 @@ def test_the_base_models_dropout_is_off_while_training_and_kept_in_the_export(to
         assert torch.equal(runs[0], runs[1]) and torch.equal(runs[0], runs[2])
         export_model(tmp_path / "export", policy.lm, AutoTokenizer.from_pretrained(model), torch.float32, 1 << 20, dropout=policy.dropout)
         assert json.loads((tmp_path / "export" / "config.json").read_text())["attention_dropout"] == 0.5
+    finally:
+        if created:
+            dist.destroy_process_group()
+
+
+def random_tree_group(rng, vocab: int, prompt: list[int]) -> list[TrajectoryState]:
+    """One prompt's rollouts as an ARPO tree would leave them: a tree of depth 1 to 4 whose nodes
+    branch 1 to 4 ways, each node a sampled segment, most of them followed by a tool result
+    (inserted tokens, out of the loss); a path from the root to a leaf is one trajectory, its
+    shared prefix copied, as the rollout copies it."""
+    paths: list[list[tuple[list[int], TokenOrigin]]] = []
+
+    def grow(pieces, depth):
+        segment = [rng.randrange(3, vocab) for _ in range(rng.randint(1, 6))]
+        here = pieces + [(segment, TokenOrigin.SAMPLED)]
+        if depth > 1 and rng.random() < 0.8:
+            here = here + [([rng.randrange(3, vocab) for _ in range(rng.randint(1, 5))], TokenOrigin.TOOL)]
+        if depth == 1:
+            paths.append(here)
+            return
+        for _ in range(rng.randint(1, 4)):
+            grow(here, depth - 1)
+
+    grow([], rng.randint(1, 4))
+    return [trajectory(prompt, path) for path in paths]
+
+
+def random_tree_batch(seed: int, vocab: int = 50, prompt_tokens: int = 8):
+    """Two to three prompts' groups (prompts of 3 to ``prompt_tokens`` + 2 tokens, sharing their
+    first 2: a system turn), shuffled together as a mini-batch holds them, with random advantages."""
+    import random
+
+    rng = random.Random(seed)
+    system = [rng.randrange(3, vocab) for _ in range(2)]
+    trajectories = []
+    for _ in range(rng.randint(2, 3)):
+        prompt = system + [rng.randrange(3, vocab) for _ in range(rng.randint(1, prompt_tokens))]
+        trajectories += random_tree_group(rng, vocab, prompt)
+    rng.shuffle(trajectories)
+    return pack(trajectories, pad_id=0), torch.tensor([rng.uniform(-1, 1) for _ in trajectories])
+
+
+@pytest.mark.parametrize("seed", range(12))
+def test_a_prefix_tree_pass_gives_each_paths_log_probs_and_gradients(model, seed):
+    """Random ARPO-shaped trees (depths 1-4, branching 1-4, tool-result spans, prompts sharing a
+    system turn): the rows computed as one prefix tree (each shared token once) give every
+    response token's log-probability and entropy of the rows' own padded passes to 1e-5 in
+    float32, and the gradient of a masked token-mean loss to 1e-5 (a shared token's gradient is
+    the sum over the paths that hold it). The tree computes fewer positions than the paths hold."""
+    batch, advantages = random_tree_batch(seed)
+    rows = list(range(batch.input_ids.shape[0]))
+    tree = batch.micro_tree(rows)
+    flat = batch.micro(rows, packed=False)
+    assert tree.tokens() < sum(batch.tokens())
+    results = []
+    for micro in (tree, flat):
+        model.zero_grad()
+        logprobs, entropy = token_logprobs(model, micro, with_entropy=True)
+        loss = (logprobs * advantages[:, None] * micro.loss_mask).sum() / micro.loss_mask.sum()
+        loss.backward()
+        results.append((logprobs.detach(), entropy, {n: p.grad.clone() for n, p in model.named_parameters()}))
+    (tree_lp, tree_entropy, tree_grads), (flat_lp, flat_entropy, flat_grads) = results
+    width = tree.response_width
+    mask = batch.loss_mask[:, :width].bool() | (batch.attention_mask[:, batch.prompt_width :][:, :width].bool())
+    torch.testing.assert_close(tree_lp[mask], flat_lp[:, :width][mask], atol=1e-5, rtol=0)
+    torch.testing.assert_close(tree_entropy[mask], flat_entropy[:, :width][mask], atol=1e-5, rtol=0)
+    for name, grad in flat_grads.items():
+        torch.testing.assert_close(tree_grads[name], grad, atol=1e-5, rtol=0)
+
+
+def test_the_update_on_prefix_trees_is_the_flat_update(toy):
+    """One RL update (rl/actor.py) of the toy policy on random trees, with train.share_prefixes on
+    and off, AEPO's clipping and entropy-aware advantage on, TIS weights on: the same loss,
+    gradient norm, clip fraction and weights after an SGD step, to 1e-5; with sharing on, the
+    update computes fewer positions (actor/computed_over_path_tokens below 1)."""
+    import torch.distributed as dist
+
+    from etagent.rl.actor import update
+    from etagent.rl.distributed import init_distributed
+    from etagent.rl.policy import load_policy
+
+    created = not dist.is_initialized()
+    init_distributed(torch.device("cpu"))
+    try:
+        batch, advantages = random_tree_batch(3, vocab=900, prompt_tokens=40)
+        rows = batch.input_ids.shape[0]
+        plan = BatchPlan(prompts_per_rank=1, sequences_per_rank=rows, mini_batch_sequences_per_rank=rows, optimizer_steps=1)
+        old = batch.rollout_logprobs - 0.05
+
+        def step(share: bool):
+            policy, _ = load_policy(toy / "model", torch.device("cpu"), compute_dtype=torch.float32, chunk_tokens=64)
+            optimizer = torch.optim.SGD(policy.parameters(), lr=1.0)
+            cfg = update_settings(512, entropy_aware=True, share_prefixes=share)
+            cfg.algorithm.tis_cap = 2.0
+            metrics = update(policy, optimizer, plan, batch, advantages, old, None, cfg, torch.device("cpu"), tis_cap=2.0)
+            return metrics, {k: v.full_tensor() for k, v in policy.state_dict().items()}
+
+        (shared, shared_weights), (flat, flat_weights) = step(True), step(False)
+        for key in ("actor/loss", "actor/grad_norm", "actor/clip_fraction", "actor/entropy", "rollout_correction/ratio_mean"):
+            assert shared[key] == pytest.approx(flat[key], rel=1e-5, abs=1e-6), key
+        assert shared["actor/computed_over_path_tokens"] < 0.9 <= flat["actor/computed_over_path_tokens"]
+        for name, value in flat_weights.items():
+            torch.testing.assert_close(shared_weights[name], value, atol=1e-5, rtol=0)
     finally:
         if created:
             dist.destroy_process_group()

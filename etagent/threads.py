@@ -1,0 +1,61 @@
+"""Torch threads that follow the cores other processes leave free, for the CPU trainers.
+
+A torch operation split over two threads waits at its end for both; when another process holds
+one of the two cores, every operation waits for the thread that core's scheduler deschedules,
+and the step slows far more than by the core taken: the toy's SFT ran at 4.97 steps/s beside one
+busy process with two threads against 10.89 with one (17.42 and 11.15 alone; docs/engines.md,
+"Threads on a busy machine"). :class:`FreeCoreThreads` looks every ``interval_s`` at how much of
+the machine's CPU time the other processes used since its last look (Linux's /proc/stat, less
+this process's own) and sets torch's threads to the cores left: all of them on a quiet machine
+(or the ``OMP_NUM_THREADS`` the environment sets), fewer beside a busy neighbour, at least one.
+
+What it does not do: anything off Linux (no /proc/stat: the threads stay as they are), or on a
+GPU (the trainers call it only when training on the CPU).
+"""
+
+from __future__ import annotations
+
+import os
+import time
+from pathlib import Path
+
+import torch
+
+STAT = Path("/proc/stat")
+
+
+def machine_busy_s() -> float | None:
+    """Seconds of CPU time every process of the machine has used since boot (all cores), or None
+    where /proc/stat is not there."""
+    try:
+        fields = STAT.read_text().split("\n", 1)[0].split()
+    except OSError:
+        return None
+    ticks = [int(x) for x in fields[1:]]
+    idle = ticks[3] + (ticks[4] if len(ticks) > 4 else 0)  # idle and iowait
+    return (sum(ticks[:8]) - idle) / os.sysconf("SC_CLK_TCK")
+
+
+class FreeCoreThreads:
+    """Call :meth:`adjust` often (every training step): at most every ``interval_s`` it sets
+    torch's threads to the cores the other processes left free over the last interval."""
+
+    def __init__(self, interval_s: float = 5.0):
+        self.interval_s = interval_s
+        # at most the threads the environment allows (OMP_NUM_THREADS: the tests' 1), else every core
+        self.cores = int(os.environ.get("OMP_NUM_THREADS") or 0) or os.cpu_count() or 1
+        self.last = (time.monotonic(), machine_busy_s(), time.process_time())
+        torch.set_num_threads(self.cores)
+
+    def adjust(self) -> int:
+        """The threads torch uses now (changed where the free cores changed)."""
+        now, busy, own = time.monotonic(), machine_busy_s(), time.process_time()
+        then, busy_then, own_then = self.last
+        if busy is None or busy_then is None or now - then < self.interval_s:
+            return torch.get_num_threads()
+        self.last = (now, busy, own)
+        others = max(0.0, (busy - busy_then) - (own - own_then)) / (now - then)  # cores the others kept busy
+        threads = max(1, min(self.cores, round(self.cores - others)))
+        if threads != torch.get_num_threads():
+            torch.set_num_threads(threads)
+        return threads
