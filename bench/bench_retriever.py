@@ -46,10 +46,10 @@ def server_module(tree: Path) -> str:
     ``etagent`` would come from that tree and ``etagent.retriever`` from this one, so an old
     commit's server ran today's code. A checkout with that mapping gets links ``etagent/<stage>``
     -> ``../<stage>``, which PYTHONPATH finds first; one from before it (stages as top-level
-    packages) is run as ``retriever.server``."""
+    packages) is run by its top-level name, the server file's path in that tree."""
     pyproject = (tree / "pyproject.toml").read_text()
     if "package-dir" not in pyproject:
-        return "retriever.server"
+        return ".".join((tree / "retriever" / "server.py").relative_to(tree).with_suffix("").parts)
     for line in pyproject.split("[tool.setuptools.package-dir]", 1)[1].split("\n\n", 1)[0].splitlines():
         name, _, folder = (part.strip().strip('"') for part in line.partition("="))
         link = tree / Path(*name.split("."))

@@ -76,11 +76,12 @@ def test_direct_rollout_resumes_without_duplicates(sft_model, toy, server, tmp_p
     assert set(manifest["metrics"]["per_kind"]) == {g.kind for g in groups}
 
 
-def test_direct_rollout_on_a_local_ray_cluster_with_two_cpus(sft_model, toy, server, tmp_path, monkeypatch):
+@pytest.mark.slow
+def test_direct_rollout_on_a_local_ray_cluster_with_two_cpus(sft_model_full, toy, server, tmp_path, monkeypatch):
     ray = pytest.importorskip("ray")
     monkeypatch.setenv("RETRIEVER_TOKEN", TOKEN)
     out = tmp_path / "ray"
-    overrides = rollout_overrides(sft_model, toy, server, out, "limit=8", "n=2", "ray.workers=2", "ray.num_cpus_per_worker=1")
+    overrides = rollout_overrides(sft_model_full, toy, server, out, "limit=8", "n=2", "ray.workers=2", "ray.num_cpus_per_worker=1")
     try:
         metrics = run_direct_rollout(load_config("direct_rollout", "tiny", overrides))
     finally:

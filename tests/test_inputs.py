@@ -267,24 +267,25 @@ def test_sft_data_whose_every_segment_is_masked_is_refused(toy, tmp_path):
     assert "'dropped_all_masked': 1" in result.stderr
 
 
-def test_a_resume_whose_inputs_changed_is_refused_unless_restarted(sft_model, toy, server, tmp_path):
+@pytest.mark.slow
+def test_a_resume_whose_inputs_changed_is_refused_unless_restarted(sft_model_full, toy, server, tmp_path):
     """Evaluation resumes into the same out_dir; if its questions file has changed since (the gold
     answers edited), the rerun is refused naming the file, and --restart starts over with the
     earlier outputs moved aside (nothing deleted)."""
     questions = tmp_path / "questions.jsonl"
     shutil.copy(toy / "questions" / "test.jsonl", questions)
     out = tmp_path / "eval"
-    first = etagent(*evaluate_args(sft_model / "model", questions, out, server, "limit=2"))
+    first = etagent(*evaluate_args(sft_model_full / "model", questions, out, server, "limit=2"))
     assert first.returncode == 0, first.stderr[-3000:]
     lines = questions.read_text().splitlines()
     edited = [json.loads(line) for line in lines]
     edited[0]["answer"] = ["a different answer"]
     questions.write_text("".join(json.dumps(q) + "\n" for q in edited))
-    result = etagent(*evaluate_args(sft_model / "model", questions, out, server, "limit=2"))
+    result = etagent(*evaluate_args(sft_model_full / "model", questions, out, server, "limit=2"))
     refused(result, f"was made from another files.toy: {questions} has changed since")
     assert len(result.stderr.strip().splitlines()) == 1
     summary = json.loads((out / "summary.json").read_text())
-    restarted = etagent(*evaluate_args(sft_model / "model", questions, out, server, "limit=2"), "--restart")
+    restarted = etagent(*evaluate_args(sft_model_full / "model", questions, out, server, "limit=2"), "--restart")
     assert restarted.returncode == 0, restarted.stderr[-3000:]
     [aside] = [p for p in out.parent.iterdir() if p.name.startswith("eval.previous-")]
     assert json.loads((aside / "summary.json").read_text()) == summary  # the earlier run, kept whole
@@ -293,6 +294,7 @@ def test_a_resume_whose_inputs_changed_is_refused_unless_restarted(sft_model, to
     assert recorded["sha256"] == hashlib.sha256(questions.read_bytes()).hexdigest()
 
 
+@pytest.mark.slow
 def test_a_kill_during_an_sft_save_is_resumed_from_the_last_whole_checkpoint(toy, tmp_path):
     """What kill -9 leaves in the middle of a save (a checkpoint folder without its
     trainer_state.json, written last) no longer stops every rerun: the rerun resumes from the

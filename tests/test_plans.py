@@ -236,7 +236,8 @@ def test_rl_refuses_before_it_claims(toy, inputs, tmp_path, monkeypatch, capsys)
         Probe("engine.kind", "engine.kind=openai"),
         Probe("engine.kind", "engine.kind=vllm", missing=("vllm",)),
         *cuda_probes("train.device"),
-        Probe("train.attn_implementation", "train.attn_implementation=flash_attention_2", missing=("flash_attn",)),
+        Probe("train.attn_implementation", "train.share_prefixes=false", "train.attn_implementation=flash_attention_2", missing=("flash_attn",)),
+        Probe("train.share_prefixes", "train.share_prefixes=true", "train.attn_implementation=flash_attention_2"),
         Probe("wandb.enabled", "wandb.enabled=true", missing=("wandb",)),
         Probe("data.prompts_per_step", "data.prompts_per_step=3"),  # not a multiple of the mini-batch
         Probe("data.prompts_per_step", env={"WORLD_SIZE": "3"}),  # not a multiple of the processes

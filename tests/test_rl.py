@@ -284,7 +284,8 @@ def test_grpo_raises_the_raw_reward(sft_model_full, toy, rl_server, tmp_path, mo
     assert last - first >= MIN_RISE, (first, last)
 
 
-def test_bf16_compute_and_gradient_checkpointing(sft_model, parquet, server, tmp_path, monkeypatch):
+@pytest.mark.slow
+def test_bf16_compute_and_gradient_checkpointing(sft_model_full, parquet, server, tmp_path, monkeypatch):
     """The GPU settings on CPU: FSDP2 computes in bfloat16 (parameters, optimizer and checkpoints
     stay float32) with gradient checkpointing, and the engine samples with the same bf16 module."""
     from transformers import AutoModelForCausalLM
@@ -292,7 +293,7 @@ def test_bf16_compute_and_gradient_checkpointing(sft_model, parquet, server, tmp
     monkeypatch.setenv("RETRIEVER_TOKEN", TOKEN)
     out = tmp_path / "bf16"
     extra = ("train.compute_dtype=bfloat16", "train.gradient_checkpointing=true", "train.max_steps=2", "train.save_every=100")
-    run_in_subprocess(rl_overrides(sft_model, parquet, server, out, *extra))
+    run_in_subprocess(rl_overrides(sft_model_full, parquet, server, out, *extra))
     for m in metrics_of(out):
         assert m["actor/grad_norm"] > 0 and abs(m["actor/loss"]) < 10
         # the first mini-batch is on-policy: bf16 decoding against a bf16 full forward differ by

@@ -328,6 +328,7 @@ def test_llamafactory_exports_round_trip_with_tool_results_masked(tmp_path, toke
     assert len(json.loads(path.read_text())) == 1
 
 
+@pytest.mark.slow
 def test_a_step_that_leaves_the_weights_non_finite_keeps_the_last_good_checkpoint(toy, tmp_path):
     """A learning rate of 1e37 (the largest declared) with a linear warm-up over two steps: step
     1 runs at 0 (a good checkpoint is saved), then the weights grow past what float32 holds and

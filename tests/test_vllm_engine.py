@@ -82,6 +82,7 @@ def test_seeded_sampling_and_stops(engine):
     assert stopped.token_ids == free.token_ids[: first + 1]
 
 
+@pytest.mark.slow
 def test_weight_update_in_process(engine, toy):
     assert_weight_update(check_weight_update(engine, toy / "model"))
 

@@ -103,6 +103,7 @@ def test_waking_only_the_weights_leaves_vllm_sleeping_and_its_cache_unusable(toy
     assert not llm.llm_engine.is_sleeping()
 
 
+@pytest.mark.slow
 def test_sync_on_two_ranks_gives_each_engine_the_whole_model(toy, tmp_path):
     """Each rank streams the same names in the same order (every gather is a collective) into its
     own engine, and each engine ends with the full weights, one bucket at a time."""
