@@ -582,6 +582,18 @@ def check_installed(key: str, module: str, why: str, install: str | None = None)
     raise SettingError(key, f"{why} needs the {module} package, which is not installed here ({how})")
 
 
+def check_attention(key: str, implementation: str) -> None:
+    """``flash_attention_2`` needs the flash-attn package, which builds on a GPU machine only;
+    sdpa and eager need nothing."""
+    if implementation == "flash_attention_2":
+        check_installed(
+            key,
+            "flash_attn",
+            "flash_attention_2",
+            install=f"pip install flash-attn --no-build-isolation on a GPU machine, or set {key}=sdpa",
+        )
+
+
 def _overlap(a: Path, b: Path) -> str | None:
     """How two paths overlap, or None."""
     if a == b:

@@ -78,7 +78,7 @@ from omegaconf import DictConfig, OmegaConf
 from etagent.errors import SettingError, exit_on_user_error
 from etagent.rl.config import RLConfig
 from etagent.rundir import claim_output
-from etagent.settings import check_device, check_installed, check_model_weights, check_paths
+from etagent.settings import check_attention, check_device, check_installed, check_model_weights, check_paths
 
 log = logging.getLogger("rl")
 
@@ -190,13 +190,7 @@ def check_machine(cfg: DictConfig) -> None:
     from etagent.tools.executor import check_tools
 
     check_device("train.device", cfg.train.device)
-    if cfg.train.attn_implementation == "flash_attention_2":
-        check_installed(
-            "train.attn_implementation",
-            "flash_attn",
-            "flash_attention_2",
-            install="pip install flash-attn --no-build-isolation on a GPU machine, or set train.attn_implementation=sdpa",
-        )
+    check_attention("train.attn_implementation", cfg.train.attn_implementation)
     if cfg.wandb.enabled:
         check_installed("wandb.enabled", "wandb", "wandb.enabled=true")
     batch_plan(cfg.data.prompts_per_step, cfg.rollout.n, cfg.train.mini_batch_prompts, int(os.environ.get("WORLD_SIZE", "1")))

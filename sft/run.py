@@ -41,7 +41,7 @@ from etagent.errors import SettingError, TrainingDiverged, UserError, exit_on_us
 from etagent.progress import Progress
 from etagent.records import write_manifest
 from etagent.rundir import claim_output, completed, restore_manifest
-from etagent.settings import check_installed, check_model_weights, check_paths
+from etagent.settings import check_attention, check_installed, check_model_weights, check_paths
 from etagent.sft.config import SFTConfig, SFTTrainSettings
 from etagent.sft.data import IGNORE, build_dataset, load_examples
 
@@ -275,13 +275,7 @@ def plan(cfg: DictConfig) -> SFTPlan:
     that from_pretrained builds the model partitioned across the ranks)."""
     check_settings(cfg)
     examples = load_examples(cfg.data.path, cfg.data.format)  # a malformed row is refused in about a second
-    if cfg.attn_implementation == "flash_attention_2":
-        check_installed(
-            "attn_implementation",
-            "flash_attn",
-            "flash_attention_2",
-            install="pip install flash-attn --no-build-isolation on a GPU machine, or set attn_implementation=sdpa",
-        )
+    check_attention("attn_implementation", cfg.attn_implementation)
     if cfg.train.deepspeed:
         check_installed("train.deepspeed", "deepspeed", "DeepSpeed (train.deepspeed)")
     if cfg.wandb.enabled:

@@ -132,6 +132,7 @@ def test_top_logprobs_only_in_the_window(engine):
     assert everywhere.token_ids[:5] == s.token_ids[:5]  # the window is drawn as one request draws it
 
 
+@pytest.mark.slow
 def test_a_windowed_request_generates_what_one_request_does(engine, reference):
     """Top-k over a window is a first vLLM request for the window and continuations without it;
     greedy, that gives the tokens, finish, stop string, log-probabilities and window's top-k of
