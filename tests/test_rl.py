@@ -457,6 +457,35 @@ def test_truncated_rollouts_are_counted_and_treated_as_set(sft_model, parquet, s
         assert all(r["raw"] == 0.0 and r["reward"] == r["f_format"] for r in cut)
 
 
+@pytest.mark.slow
+def test_the_update_on_the_policys_own_trees_is_the_flat_update(sft_model_full, parquet, server, tmp_path, monkeypatch):
+    """ARPO's tree rollout of the SFT'd toy policy (real trees: segments and tool results before
+    each fork, branches that share them), one step with train.share_prefixes on and one with it
+    off: both sample the same trees (the same weights and seeds), and the update's loss, gradient
+    norm and clip fraction over its two mini-batches agree to 1e-5, the tree computing fewer
+    positions. (tests/test_rl_batch.py checks the same on random trees, token by token.)"""
+    monkeypatch.setenv("RETRIEVER_TOKEN", TOKEN)
+    steps = {}
+    for share in (True, False):
+        out = tmp_path / f"share-{share}"
+        settings = (
+            "rollout.kind=tree",
+            "rollout.n=8",
+            "rollout.initial_rollouts=4",
+            "train.max_steps=1",
+            f"train.share_prefixes={str(share).lower()}",
+        )
+        run_in_subprocess(rl_overrides(sft_model_full, parquet, server, out, *settings))
+        [steps[share]] = metrics_of(out)
+        ids = [json.loads(line)["id"] for line in (out / "rollouts" / "step_1.jsonl").read_text().splitlines()]
+        assert any("." in i.rsplit("/", 1)[1] for i in ids), "no branch in the trees"
+    shared, flat = steps[True], steps[False]
+    assert shared["reward/mean"] == flat["reward/mean"]
+    for key in ("actor/loss", "actor/grad_norm", "actor/clip_fraction"):
+        assert shared[key] == pytest.approx(flat[key], rel=1e-5, abs=1e-6), key
+    assert shared["actor/computed_tokens"] < flat["actor/computed_tokens"]
+
+
 # Run in the test's subprocess: the real RL stage, with the hf engine's prefill failing on every
 # prompt longer than 800 tokens (the model failing on an input), so those rows come back from the
 # engine's own error path (each row of a failed batch again alone) as finish reason "error".
