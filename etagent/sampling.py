@@ -23,6 +23,7 @@ from __future__ import annotations
 import asyncio
 import logging
 import time
+import zlib
 from collections import Counter
 from collections.abc import Callable, Iterable, Iterator, Sequence
 from dataclasses import field
@@ -33,6 +34,8 @@ from omegaconf import MISSING, DictConfig, OmegaConf
 
 from etagent.agent import AgentConfig, AgentLoop
 from etagent.config import build
+from etagent.errors import SettingError
+from etagent.gateway.harness import GatewaySettings, check_gateway
 from etagent.llm import EngineConfig, check_engine_settings
 from etagent.progress import Progress
 from etagent.question_formats import QuestionFormat, read_question_rows
@@ -96,6 +99,7 @@ class SamplingConfig:
     agent: AgentConfig = MISSING
     tools: ToolsConfig = MISSING
     ray: RayConfig = field(default_factory=RayConfig)
+    gateway: GatewaySettings = field(default_factory=GatewaySettings)
 
 
 class Sampler:
@@ -173,6 +177,38 @@ class Sampler:
         return TrajectoryGroup.for_question(q, records)
 
 
+class HarnessSampler(Sampler):
+    """The same groups, judged and written alike, from rollouts an outside harness drives through
+    the gateway (``gateway.harness``; etagent/gateway/harness.py): ``window`` questions' n
+    sessions per run of the harness. The gateway samples with ``agent.sampling``, whatever the
+    harness asks, so that both paths draw from one distribution."""
+
+    def __init__(self, engine, settings: GatewaySettings, config: AgentConfig, n: int, stage: str, judge: Judge, token_arrays: bool = True):
+        from etagent.gateway.harness import HarnessRunner
+
+        super().__init__(engine, None, config, n, stage, judge, token_arrays)
+        self.runner = HarnessRunner(engine, settings, config.max_segment_tokens, config.sampling)
+
+    def stream(self, questions: Sequence[Question], window: int) -> Iterator[TrajectoryGroup]:
+        from etagent.gateway.harness import session_trajectory
+
+        base = self.loop.config.seed
+        for start in range(0, len(questions), window):
+            batch = questions[start : start + window]
+            tasks = [
+                (q.question, q.id, {"id": q.id}, None if base is None else zlib.crc32(f"{base}/{q.id}/{k}".encode()))
+                for q in batch
+                for k in range(self.n)
+            ]
+            sessions, failure = self.runner.run(tasks, self.loop.config.max_response_tokens)
+            for i, q in enumerate(batch):
+                states = [
+                    session_trajectory(self.loop, sessions[i * self.n + k], q, f"{q.id}/{k}", failure, stage=self.stage)
+                    for k in range(self.n)
+                ]
+                yield self._group(q, states)
+
+
 def _batches(items: Sequence, size: int) -> Iterator[list]:
     for start in range(0, len(items), size):
         yield list(items[start : start + size])
@@ -183,6 +219,13 @@ def _local(cfg: DictConfig, stage: str, todo: list[Question], judge: Judge, toke
     from etagent.tools.executor import build_executor
 
     engine = make_engine(cfg.engine)
+    if cfg.gateway.harness:  # the harness runs its own tools
+        sampler = HarnessSampler(
+            engine, build(GatewaySettings, cfg.gateway), build(AgentConfig, cfg.agent), cfg.n, stage, judge, token_arrays
+        )
+        for group in sampler.stream(todo, window=cfg.batch_questions):
+            yield [group]
+        return
     with build_executor(cfg.tools) as executor:
         sampler = Sampler(engine, executor, build(AgentConfig, cfg.agent), cfg.n, stage, judge, token_arrays)
         for group in sampler.stream(todo, window=cfg.batch_questions):
@@ -226,6 +269,14 @@ def _ray(cfg: DictConfig, stage: str, todo: list[Question], judge: Judge, token_
         yield [TrajectoryGroup.model_validate(g) for g in result]
 
 
+def check_harness(cfg: DictConfig) -> None:
+    """``gateway.harness``: a command that can start and the gateway's packages; one engine, here
+    (the harness is pointed at this process's gateway, not at Ray's actors)."""
+    check_gateway("gateway", cfg.gateway)
+    if cfg.gateway.harness and cfg.ray.workers > 0:
+        raise SettingError("ray.workers", f"is {cfg.ray.workers}, and gateway.harness drives the engine of this process: set ray.workers=0")
+
+
 def plan_sampling(cfg: DictConfig, schema: type = SamplingConfig) -> tuple[list[Question], str]:
     """Everything a sampling run can refuse, before it claims its output folder, the cheap first
     (a refused setting or question answers in about a second): the settings and what the run
@@ -242,6 +293,7 @@ def plan_sampling(cfg: DictConfig, schema: type = SamplingConfig) -> tuple[list[
     if cfg.ray.workers > 0:
         check_installed("ray.workers", "ray", f"ray.workers={cfg.ray.workers}")
     check_tools(cfg.tools)
+    check_harness(cfg)
     check_model_weights(schema, values)
     questions = [row.question for row in rows]
     return (questions[: cfg.limit] if cfg.limit is not None else questions), mapping.describe()

@@ -13,6 +13,7 @@ from typing import Annotated
 from omegaconf import MISSING
 
 from etagent.agent import AgentConfig
+from etagent.gateway.harness import GatewaySettings
 from etagent.llm import EngineConfig, Sampling
 from etagent.question_formats import QuestionFormat
 from etagent.sampling import RayConfig
@@ -45,6 +46,7 @@ class EvaluationConfig:
     agent: AgentConfig = field(default_factory=AgentConfig)
     tools: ToolsConfig = field(default_factory=ToolsConfig)
     ray: RayConfig = field(default_factory=RayConfig)
+    gateway: GatewaySettings = field(default_factory=GatewaySettings)
     judge: EvaluationJudge = field(default_factory=EvaluationJudge)
     datasets: Annotated[list[str], FREE] = MISSING
     data_dir: Annotated[str, FREE] = MISSING

@@ -45,7 +45,14 @@ from etagent.progress import Progress
 from etagent.question_formats import QuestionFormat, read_question_rows
 from etagent.records import JsonlAppender, TrajectoryGroup, iter_jsonl, read_jsonl, write_jsonl, write_manifest
 from etagent.rundir import claim_output
-from etagent.sampling import SamplingConfig, degraded_reasons, describe_context_overflow, describe_engine_failures, run_sampling
+from etagent.sampling import (
+    SamplingConfig,
+    check_harness,
+    degraded_reasons,
+    describe_context_overflow,
+    describe_engine_failures,
+    run_sampling,
+)
 from etagent.scoring import rule_judgement, sample_metrics
 from etagent.settings import check_installed, check_model_weights, check_paths
 from etagent.tools.executor import check_tools, describe_failures
@@ -69,7 +76,7 @@ def dataset_sampling(cfg: DictConfig, name: str, questions_path: Path, out: Path
             "n": cfg.n,
             "batch_questions": cfg.batch_questions,
             "partial_input_ok": cfg.partial_input_ok,
-            **{group: OmegaConf.to_container(cfg[group], resolve=True) for group in ("engine", "agent", "tools", "ray")},
+            **{group: OmegaConf.to_container(cfg[group], resolve=True) for group in ("engine", "agent", "tools", "ray", "gateway")},
         }
     )
     if name in BENCHMARKS and BENCHMARKS[name].search == "web" and cfg.web_search.backend:
@@ -181,6 +188,7 @@ def check_machine(cfg: DictConfig, config: dict) -> None:
     check_engine_settings(cfg.engine)
     if cfg.ray.workers > 0:
         check_installed("ray.workers", "ray", f"ray.workers={cfg.ray.workers}")
+    check_harness(cfg)
     # each dataset's tools as its rollouts will build them (a web dataset may search the web)
     tools = [
         dataset_sampling(cfg, name, Path(cfg.out_dir) / "questions" / f"{name}.jsonl", Path(cfg.out_dir) / name).tools

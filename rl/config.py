@@ -13,6 +13,7 @@ from omegaconf import MISSING
 
 from etagent.agent import AgentConfig
 from etagent.config import LoraSettings, TensorBoardConfig, WandbConfig
+from etagent.gateway.harness import GatewaySettings
 from etagent.llm import EngineConfig
 from etagent.question_formats import QuestionFormat
 from etagent.settings import (
@@ -51,10 +52,11 @@ class RLData:
 
 @group
 class RolloutSettings:
-    """Plain GRPO (``kind: group``) or ARPO's tree (``kind: tree``) and its numbers."""
+    """Plain GRPO (``kind: group``), ARPO's tree (``kind: tree``) and its numbers, or an outside
+    harness through the gateway (``kind: gateway``)."""
 
     n: PositiveInt = MISSING
-    kind: Annotated[str, OneOf("group", "tree")] = MISSING
+    kind: Annotated[str, OneOf("group", "tree", "gateway")] = MISSING
     initial_rollouts: PositiveInt = MISSING
     beam_size: PositiveInt = MISSING
     branch_probability: Fraction = MISSING
@@ -70,6 +72,7 @@ class RolloutSettings:
     max_staleness: PositiveInt = MISSING
     on_stale: Annotated[str, OneOf("drop", "wait")] = MISSING
     stale_tokens: Annotated[str, OneOf("tis", "mask")] = MISSING
+    gateway: GatewaySettings = field(default_factory=GatewaySettings)
 
 
 @group

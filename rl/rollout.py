@@ -567,6 +567,14 @@ def rollout_metrics(parts: list[dict[str, float]]) -> dict[str, float]:
             "partial/staleness_max": total["staleness_max"],
             "partial/dropped_share": total["partial_dropped"] / total["partial_groups_before"] if total["partial_groups_before"] else 0.0,
         }
+    if "gateway_turns" in total:
+        later = total["gateway_later_turns"]
+        metrics |= {
+            "gateway/fork_rate": total["gateway_forks"] / later if later else 0.0,
+            "gateway/realign_rate": total["gateway_realigns"] / later if later else 0.0,
+            "gateway/turns_per_session": total["gateway_turns"] / max(total["gateway_sessions"], 1.0),
+            "gateway/not_ended_share": total["gateway_not_ended"] / max(total["gateway_sessions"], 1.0),
+        }
     if "roots" not in total:
         return metrics
     decisions = sum(v for k, v in total.items() if k.startswith("decisions_result"))
@@ -587,10 +595,14 @@ def segment_entropy(settings: RolloutSettings) -> SegmentEntropy | None:
     return SegmentEntropy(settings.top_logprobs, settings.entropy_window) if settings.kind == "tree" else None
 
 
-def make_rollout(settings: RolloutSettings) -> GroupRollout | TreeRollout:
-    """The rollout of RL's ``rollout`` group: kind ``group`` or ``tree``."""
+def make_rollout(settings: RolloutSettings):
+    """The rollout of RL's ``rollout`` group: kind ``group``, ``tree`` or ``gateway``."""
     if settings.kind == "group":
         return GroupRollout(settings.n)
     if settings.kind == "tree":
         return TreeRollout(settings)
-    raise ValueError(f"rollout.kind must be group or tree, got {settings.kind!r}")
+    if settings.kind == "gateway":
+        from etagent.rl.harness import GatewayRollout  # it builds on this module's types
+
+        return GatewayRollout(settings.n, settings.gateway)
+    raise ValueError(f"rollout.kind must be group, tree or gateway, got {settings.kind!r}")

@@ -76,11 +76,25 @@ import os
 from omegaconf import DictConfig, OmegaConf
 
 from etagent.errors import SettingError, exit_on_user_error
+from etagent.gateway.harness import check_gateway
 from etagent.rl.config import RLConfig
 from etagent.rundir import claim_output
 from etagent.settings import check_attention, check_device, check_installed, check_model_weights, check_paths
 
 log = logging.getLogger("rl")
+
+
+def check_gateway_rollout(cfg: DictConfig) -> None:
+    """``rollout.kind=gateway``: a harness command that can start, the gateway's packages, and no
+    partial rollouts (a session is driven by the harness to its end: nothing can stop it at a
+    step's boundary and carry it over)."""
+    if not cfg.rollout.gateway.harness:
+        raise SettingError(
+            "rollout.gateway.harness", "is null, and rollout.kind=gateway runs it: give the harness command (examples/openai_harness.py)"
+        )
+    check_gateway("rollout.gateway", cfg.rollout.gateway)
+    if cfg.rollout.partial:
+        raise SettingError("rollout.partial", "is true, and a gateway session runs to its end in the harness: set rollout.partial=false")
 
 
 def check_settings(cfg: DictConfig) -> None:
@@ -122,6 +136,8 @@ def check_settings(cfg: DictConfig) -> None:
             f"is {cfg.lora.dropout}: RL's ratio compares the trainer's log-probabilities with the sampler's, "
             "which dropout would make differ; set lora.dropout=0",
         )
+    if cfg.rollout.kind == "gateway":
+        check_gateway_rollout(cfg)
     if cfg.rollout.kind == "tree" and cfg.rollout.top_logprobs == 0:  # the engines measure entropy only where asked for them
         raise SettingError("rollout.top_logprobs", "is 0, and the tree branches on entropies measured with them: set it >= 1 (ARPO: 10)")
     # the policy gradient is of the distribution the rollouts were drawn from: softmax(logits / T).

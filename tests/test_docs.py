@@ -231,11 +231,13 @@ RUN_BY = {
     "etagent.report.run": "demo",
     "scripts/flywheel_effect.sh": "tests/test_flywheel_run.py::test_the_toy_flywheel_end_to_end_and_its_data_feeds_sft",
     "scripts/partial_effect.sh": "tests/test_curriculum.py::test_curriculum_chains_stages_and_resumes",
+    "examples/openai_harness.py": "tests/test_gateway.py::test_the_example_harness_drives_the_trained_toy_policy_through_the_gateway",
 }
 # Documented programs nothing here runs, and why.
 NOT_RUN_HERE = {
     "scripts/check_gpu_install.sh": "resolves the GPU install against PyPI (downloads GBs of CUDA wheels' metadata)",
     "bench/gpu_acceptance.sh": "needs a CUDA GPU (its CPU-runnable items run in tests/test_benches.py)",
+    "scripts/gateway_effect.sh": "runs 12 RL runs of 20 steps, half of them through the harness (about 50 minutes on 2 cores); run by hand for docs/gateway.md",
     "scripts/ablations.sh": "needs a finished demo and runs 18 curricula and 9 reference evaluations (1.5 to 2.5 hours); run by hand for docs/reproducibility.md",
 }
 

@@ -159,6 +159,13 @@ def cuda_probes(*keys: str) -> list[Probe]:
     return [] if torch.cuda.is_available() else [Probe(key, f"{key}=cuda") for key in keys]
 
 
+# an outside harness instead of the agent loop (the stages that sample: etagent.sampling.check_harness)
+HARNESS_PROBES = [
+    Probe("gateway.harness", "gateway.harness='no-such-harness --tasks'"),
+    Probe("gateway.harness", "gateway.harness=sh", missing=("uvicorn",)),
+    Probe("ray.workers", "gateway.harness=sh", "ray.workers=2"),
+]
+
 TOOL_PROBES = [
     Probe("tools.search.web.api_key_env", "tools.search.backend=serper", "tools.search.web.api_key_env=ETAGENT_TEST_UNSET_KEY"),
     Probe("tools.python.sandbox_fusion_url", "tools.python.backend=sandbox_fusion", "tools.python.sandbox_fusion_url=null"),
@@ -231,12 +238,21 @@ def test_rl_refuses_before_it_claims(toy, inputs, tmp_path, monkeypatch, capsys)
         ),
         Probe("lora.dropout", "lora.enabled=true", "lora.dropout=0.1"),
         Probe("rollout.top_logprobs", "rollout.kind=tree", "rollout.top_logprobs=0"),
+        Probe("rollout.gateway.harness", "rollout.kind=gateway"),  # no harness
+        Probe("rollout.gateway.harness", "rollout.kind=gateway", "rollout.gateway.harness='no-such-harness --x'"),
+        Probe("rollout.partial", "rollout.kind=gateway", "rollout.gateway.harness=sh", "rollout.partial=true"),
+        Probe("rollout.gateway.harness", "rollout.kind=gateway", "rollout.gateway.harness=sh", missing=("uvicorn",)),
         *[Probe(f"agent.sampling.{key}", f"agent.sampling.{key}={value}") for key, value in TRUNCATING_SAMPLING],
         Probe("agent.sampling.temperature", "agent.sampling.temperature=0"),
         Probe("engine.kind", "engine.kind=openai"),
         Probe("engine.kind", "engine.kind=vllm", missing=("vllm",)),
         *cuda_probes("train.device"),
-        Probe("train.attn_implementation", "train.share_prefixes=false", "train.attn_implementation=flash_attention_2", missing=("flash_attn",)),
+        Probe(
+            "train.attn_implementation",
+            "train.share_prefixes=false",
+            "train.attn_implementation=flash_attention_2",
+            missing=("flash_attn",),
+        ),
         Probe("train.share_prefixes", "train.share_prefixes=true", "train.attn_implementation=flash_attention_2"),
         Probe("wandb.enabled", "wandb.enabled=true", missing=("wandb",)),
         Probe("data.prompts_per_step", "data.prompts_per_step=3"),  # not a multiple of the mini-batch
@@ -327,6 +343,7 @@ def test_direct_rollout_refuses_before_it_claims(toy, inputs, tmp_path, monkeypa
         *engine_probes(),
         Probe("ray.workers", "ray.workers=2", missing=("ray",)),
         *TOOL_PROBES,
+        *HARNESS_PROBES,
         Probe("model", f"model={inputs['missing weight']}"),
         Probe("out_dir", "out_dir=''"),
     ]
@@ -347,6 +364,7 @@ def test_evaluation_refuses_before_it_claims(toy, inputs, tmp_path, monkeypatch,
         *engine_probes("judge.engine", "judge.enabled=true"),
         Probe("ray.workers", "ray.workers=2", missing=("ray",)),
         *TOOL_PROBES,
+        *HARNESS_PROBES,
         Probe("model", f"model={inputs['missing weight']}"),
         Probe("model", f"model={inputs['wrong shape']}"),
         Probe("out_dir", "out_dir=''"),
