@@ -140,7 +140,7 @@ def test_the_openai_client_drives_the_toy_model_and_every_turn_holds_the_engines
 
 
 @pytest.mark.slow  # loads SmolLM2 from its GGUF (about 16 s)
-def test_smollm2_with_its_own_chat_template_keeps_the_newline_after_the_end_of_turn(smollm2_engine):
+def test_smollm2_with_its_own_chat_template_keeps_the_newline_after_the_end_of_turn(smollm2_engine, server):
     """SmolLM2-135M-Instruct in the hermes format: the second turn's prompt is the first turn's
     ids plus what the template puts after an assistant turn (the newline after ``<|im_end|>``
     that verl once dropped) and the new user turn."""
@@ -151,6 +151,12 @@ def test_smollm2_with_its_own_chat_template_keeps_the_newline_after_the_end_of_t
         first = [{"role": "system", "content": "You are brief."}, {"role": "user", "content": "Name a colour."}]
         session_id = drive(url, first, 2, lambda message: [{"role": "user", "content": "Another one?"}])
         trace = check_recorded(url, session_id, engine, tokenizer)
+        # the example harness, in its own process, on the same gateway (hermes: the tools in the
+        # system turn of SmolLM2's template)
+        harness = Path(__file__).resolve().parents[1] / "examples" / "openai_harness.py"
+        command = [sys.executable, str(harness), "--gateway", url, "--retriever", server, "--question", "Where is Arden?", "--seed", "0"]
+        done = subprocess.run(command, capture_output=True, text=True, env=dict(os.environ, RETRIEVER_TOKEN=TOKEN), timeout=300, check=True)
+        check_recorded(url, json.loads(done.stdout.splitlines()[-1])["session_id"], engine, tokenizer)
     one, two = trace["turns_detail"]
     bridge = two["prompt_ids"][len(one["prompt_ids"]) + len(one["output_ids"]) :]
     end = tokenizer.convert_tokens_to_ids("<|im_end|>")
@@ -464,3 +470,29 @@ def test_a_session_becomes_the_trajectory_the_trainer_and_the_evaluation_read(to
     forked = scripted_session(tokenizer, replies, ["x"])
     forked.segments.append(forked.segments[0])
     assert session_trajectory(loop, forked, question, "q/3", None).finish_reason == "error"
+
+
+@pytest.mark.slow  # two evaluations of the fully trained toy policy
+def test_an_evaluation_through_the_gateway_scores_as_our_own_loop(sft_model_full, toy, server, tmp_path):
+    """The same 40 held-out questions evaluated by our agent loop and by the example harness
+    through the gateway (``gateway.harness``): the same report, and correctness within 15 points
+    (40 questions, one sample each: a binomial spread of about 6 points per run)."""
+    from tests.support.commands import eval_command
+
+    harness = f"{sys.executable} {Path(__file__).resolve().parents[1] / 'examples' / 'openai_harness.py'} --retriever {server}"
+    env = dict(os.environ, RETRIEVER_TOKEN=TOKEN)
+    summaries = {}
+    for name, extra in (("loop", []), ("gateway", [f"gateway.harness='{harness}'"])):
+        out = tmp_path / name
+        done = subprocess.run(
+            eval_command(sft_model_full, toy, server, out, "n=1", "limit=40", "agent.seed=0", *extra),
+            capture_output=True,
+            text=True,
+            env=env,
+            timeout=900,
+        )
+        assert done.returncode == 0, done.stderr[-3000:]
+        summaries[name] = json.loads((out / "toy" / "metrics.json").read_text())
+    assert summaries["loop"].keys() == summaries["gateway"].keys()
+    loop, gateway = (summaries[k]["correctness"] for k in ("loop", "gateway"))
+    assert abs(loop - gateway) <= 15, (loop, gateway)

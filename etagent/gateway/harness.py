@@ -99,7 +99,7 @@ class HarnessRunner:
         lines = [{"base_url": f"{self.url}/s/{s.id}/v1", "question": text, "seed": seed} for s, (text, _, _, seed) in zip(sessions, tasks)]
         failure = self._harness(lines)
         for s in sessions:
-            del self.gateway.sessions[s.id]
+            self.gateway.forget(s.id)
         return sessions, failure
 
     def _harness(self, lines: list[dict]) -> str | None:

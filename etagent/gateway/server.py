@@ -27,6 +27,7 @@ import contextlib
 import json
 import time
 import uuid
+import zlib
 from typing import Annotated, Any, Literal
 
 from fastapi import FastAPI, HTTPException, Request
@@ -148,11 +149,17 @@ class Gateway:
         self._running = 0
         self._idle = asyncio.Event()
         self._idle.set()
+        self._turns: dict[str, asyncio.Lock] = {}
 
     def open(self, group: str | None = None, question: dict | None = None, max_tokens: int | None = None) -> Session:
         session = Session(uuid.uuid4().hex[:16], group, question, max_tokens)
         self.sessions[session.id] = session
         return session
+
+    def forget(self, session_id: str) -> None:
+        """Let go of a session whose turns the caller has taken (RL, evaluation)."""
+        self.sessions.pop(session_id, None)
+        self._turns.pop(session_id, None)
 
     def session(self, session_id: str) -> Session:
         if session_id not in self.sessions:
@@ -177,15 +184,18 @@ class Gateway:
         messages = to_messages(request)
         schemas = [t.function.model_dump(exclude_none=True) for t in request.tools or []]
         self.format.check_tools([s["name"] for s in schemas])
-        await _unless_gone(self._serving.wait(), http, session)
-        self._running += 1
-        self._idle.clear()
-        try:
-            return await self._generate(session, request, messages, schemas, http)
-        finally:
-            self._running -= 1
-            if not self._running:
-                self._idle.set()
+        # one turn of a session at a time: each turn continues the ids the previous one left
+        async with self._turns.setdefault(session.id, asyncio.Lock()):
+            while not self._serving.is_set():  # checked again on waking: a sync may have begun since
+                await _unless_gone(self._serving.wait(), http, session)
+            self._running += 1
+            self._idle.clear()
+            try:
+                return await self._generate(session, request, messages, schemas, http)
+            finally:
+                self._running -= 1
+                if not self._running:
+                    self._idle.set()
 
     async def _generate(self, session: Session, request: ChatRequest, messages: list[Message], schemas: list[dict], http) -> dict:
         kind, prompt, drift = session.next_prompt(messages, self.format, schemas)
@@ -196,7 +206,7 @@ class Gateway:
         if min(room) <= 0:  # past the session's budget or the model's context: nothing generated
             return self._completion(session, "", [], "length", len(prompt), 0)
         version = self.policy_version
-        seed = request.seed if request.seed is not None else (None if self.seed is None else self.seed + len(self.sessions))
+        seed = self._seed(session, request)
         generation = GenerationRequest(
             prompt_ids=tuple(prompt),
             max_new_tokens=min(room),
@@ -215,6 +225,14 @@ class Gateway:
         session.record(kind, prompt, sample, version, drift, reply_message(content, calls), messages)
         finish = "tool_calls" if calls else ("length" if sample.finish_reason == "length" else "stop")
         return self._completion(session, content, calls, finish, len(prompt), len(sample.token_ids))
+
+    def _seed(self, session: Session, request: ChatRequest) -> int | None:
+        """The turn's seed: from the request's (a harness that seeds each session), else from the
+        gateway's and the session; either way the turn's number too, so that no two turns draw
+        alike. None: unseeded."""
+        if request.seed is not None:
+            return zlib.crc32(f"{request.seed}/{len(session.turns)}".encode())
+        return None if self.seed is None else zlib.crc32(f"{self.seed}/{session.id}/{len(session.turns)}".encode())
 
     def _completion(self, session: Session, content: str, calls: list[Call], finish: str, prompt_tokens: int, tokens: int) -> dict:
         turn = len(session.turns)
