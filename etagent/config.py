@@ -325,7 +325,8 @@ def _keys_outside_schema(cfg: DictConfig, path: str = "") -> list[str]:
 def build(schema: type[T], cfg) -> T:
     """The dataclass ``schema`` made from a config group, nested dataclasses included: the one way
     a config becomes an object. Keys and types are the schema's (OmegaConf refuses an unknown key
-    or a value of the wrong type); ranges are each stage's ``check_settings``."""
+    or a value of the wrong type); ranges and choices are not checked here but where the config
+    was loaded (:func:`load_config` validates every declaration: etagent/settings.py)."""
     from omegaconf import OmegaConf
 
     if isinstance(cfg, DictConfig):

@@ -94,10 +94,11 @@ def drive(url: str, first: list[dict], turns: int, then) -> str:
     return session["session_id"]
 
 
-def check_recorded(url: str, session_id: str, engine: Recorded, tokenizer) -> dict:
+def check_recorded(url: str, session_id: str, engine: Recorded, tokenizer, fmt) -> dict:
     """Every turn's prompt and output ids are those the engine was given and returned, token for
     token; each segment is the last turn's prompt plus its output, and its trained (mask 1)
-    tokens are exactly the generated ones; the output decodes back to the reply's text."""
+    tokens are exactly the generated ones; each output decodes back to the text the reply was
+    read from (its content first, then the calls recorded)."""
     trace = httpx.get(f"{url}/s/{session_id}").json()
     turns = trace["turns_detail"]
     assert [(tuple(t["prompt_ids"]), t["output_ids"]) for t in turns] == engine.calls[-len(turns) :]
@@ -108,10 +109,9 @@ def check_recorded(url: str, session_id: str, engine: Recorded, tokenizer) -> di
         assert trained == [i for t in mine for i in t["output_ids"]]
         assert [lp for lp, m in zip(segment["logprobs"], segment["mask"]) if m] == [lp for t in mine for lp in t["logprobs"]]
     for turn in turns:
-        assert (
-            tokenizer(tokenizer.decode(turn["output_ids"], skip_special_tokens=False), add_special_tokens=False)["input_ids"]
-            or not turn["output_ids"]
-        )
+        text = tokenizer.decode(turn["output_ids"], skip_special_tokens=False)
+        content, calls = fmt.parse(text)
+        assert text.startswith(content) and [c.__dict__ for c in calls] == turn["calls"]
     return trace
 
 
@@ -128,7 +128,7 @@ def test_the_openai_client_drives_the_toy_model_and_every_turn_holds_the_engines
     with serve(create_app(gateway)) as url:
         first = [{"role": "system", "content": protocol.SYSTEM_PROMPT}, {"role": "user", "content": "What is 2 + 2?"}]
         session_id = drive(url, first, 3, results)
-        trace = check_recorded(url, session_id, engine, toy_engine.tokenizer)
+        trace = check_recorded(url, session_id, engine, toy_engine.tokenizer, gateway.format)
         metrics = httpx.get(f"{url}/metrics").json()
     assert [t["kind"] for t in trace["turns_detail"]][0] == "start"
     assert all(t["kind"] in ("clean", "realign") for t in trace["turns_detail"][1:])  # the history was sent back as given
@@ -150,13 +150,13 @@ def test_smollm2_with_its_own_chat_template_keeps_the_newline_after_the_end_of_t
     with serve(create_app(gateway)) as url:
         first = [{"role": "system", "content": "You are brief."}, {"role": "user", "content": "Name a colour."}]
         session_id = drive(url, first, 2, lambda message: [{"role": "user", "content": "Another one?"}])
-        trace = check_recorded(url, session_id, engine, tokenizer)
+        trace = check_recorded(url, session_id, engine, tokenizer, gateway.format)
         # the example harness, in its own process, on the same gateway (hermes: the tools in the
         # system turn of SmolLM2's template)
         harness = Path(__file__).resolve().parents[1] / "examples" / "openai_harness.py"
         command = [sys.executable, str(harness), "--gateway", url, "--retriever", server, "--question", "Where is Arden?", "--seed", "0"]
         done = subprocess.run(command, capture_output=True, text=True, env=dict(os.environ, RETRIEVER_TOKEN=TOKEN), timeout=300, check=True)
-        check_recorded(url, json.loads(done.stdout.splitlines()[-1])["session_id"], engine, tokenizer)
+        check_recorded(url, json.loads(done.stdout.splitlines()[-1])["session_id"], engine, tokenizer, gateway.format)
     one, two = trace["turns_detail"]
     bridge = two["prompt_ids"][len(one["prompt_ids"]) + len(one["output_ids"]) :]
     end = tokenizer.convert_tokens_to_ids("<|im_end|>")
@@ -363,7 +363,7 @@ def test_the_example_harness_drives_the_trained_toy_policy_through_the_gateway(s
                 command, capture_output=True, text=True, env=dict(os.environ, RETRIEVER_TOKEN=TOKEN), timeout=300, check=True
             )
             answer = json.loads(done.stdout.splitlines()[-1])
-            trace = check_recorded(url, answer["session_id"], engine, engine.tokenizer)
+            trace = check_recorded(url, answer["session_id"], engine, engine.tokenizer, gateway.format)
             assert trace["tool_calls"] == answer["tool_calls"] and trace["state"] == "ended"
             assert all(t["kind"] in ("clean", "realign") for t in trace["turns_detail"][1:])
             right += max(em(protocol.extract_answer(answer["answer"] or ""), gold) for gold in q["answer"])
