@@ -292,6 +292,9 @@ def test_bad_requests_are_refused_as_an_openai_server_refuses_them(toy_engine):
             answer = httpx.post(chat, json=body)
             assert answer.status_code == 400, body
             assert answer.json()["error"]["param"] == field and field in answer.json()["error"]["message"]
+        for body in (b"{not json", b"[1, 2]"):  # not JSON, not an object
+            answer = httpx.post(chat, content=body, headers={"Content-Type": "application/json"})
+            assert answer.status_code == 400 and answer.json()["error"]["param"] == "body", answer.text
         assert httpx.post(f"{url}/s/nosuch/v1/chat/completions", json={"messages": question}).status_code == 404
         assert httpx.post(f"{url}/s/nosuch/end").status_code == 404
 

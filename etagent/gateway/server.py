@@ -287,7 +287,9 @@ def create_app(gateway: Gateway) -> FastAPI:
     @app.exception_handler(RequestValidationError)
     async def invalid(http: Request, exc: RequestValidationError):
         first = exc.errors()[0]
-        field = ".".join(str(p) for p in first["loc"] if p != "body")
+        # a body that is not JSON, or not an object, is located by a character offset or not at all
+        where = [str(p) for p in first["loc"][1:]] if first["type"] != "json_invalid" else []
+        field = ".".join(where) or "body"
         return _error(400, f"{field}: {first['msg']}", field)
 
     @app.exception_handler(ChatError)
