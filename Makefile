@@ -2,7 +2,7 @@
 #   make demo    set up .venv and run the pipeline on the toy world (CPU)
 #   make test    set up .venv and run the tests (CPU)
 
-.PHONY: demo test test-all setup
+.PHONY: demo test test-all setup imports
 
 setup:
 	bash scripts/setup.sh
@@ -18,3 +18,8 @@ test: setup
 # Also the tests marked slow.
 test-all: setup
 	bash scripts/test.sh -m ""
+
+# Every import of the code, tests, scripts and benches resolves under pyright on this install
+# (pyproject's [tool.basedpyright]); CI runs it after the tests.
+imports: setup
+	.venv/bin/basedpyright --pythonpath .venv/bin/python

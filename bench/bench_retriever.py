@@ -41,12 +41,13 @@ ROOT = Path(__file__).resolve().parents[1]
 def server_module(tree: Path) -> str:
     """How the checkout ``tree`` names its server module, made importable from ``tree`` alone.
 
-    This venv's editable install maps ``etagent.<stage>`` to this checkout's folders (pyproject's
-    package-dir) with an import hook that Python consults after PYTHONPATH: from another checkout,
-    ``etagent`` would come from that tree and ``etagent.retriever`` from this one, so an old
-    commit's server ran today's code. A checkout with that mapping gets links ``etagent/<stage>``
-    -> ``../<stage>``, which PYTHONPATH finds first; one from before it (stages as top-level
-    packages) is run by its top-level name, the server file's path in that tree."""
+    Today each stage folder is a module of etagent through a link (etagent/retriever ->
+    ../retriever). Commits of 2026-11 mapped them with pyproject's package-dir instead, which this
+    venv's editable install serves with an import hook that Python consults after PYTHONPATH: an
+    old commit's server would run today's code, so such a checkout gets the links. One from before
+    that (stages as top-level packages) is run by its top-level name, the server file's path."""
+    if (tree / "etagent" / "retriever").exists():
+        return "etagent.retriever.server"
     pyproject = (tree / "pyproject.toml").read_text()
     if "package-dir" not in pyproject:
         return ".".join((tree / "retriever" / "server.py").relative_to(tree).with_suffix("").parts)

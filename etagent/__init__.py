@@ -14,3 +14,12 @@ reaches them is ``launcher/``.
 """
 
 __version__ = "0.1.0"
+
+
+def one_name(module: str) -> None:
+    """Refuse a stage's package imported by its folder's name. Each stage folder (``rl/``) is the
+    module ``etagent.rl`` through the link ``etagent/rl``; from the repository's root Python could
+    also import the folder as ``rl``, a second copy of every module whose classes are not the
+    first's. Each stage's ``__init__`` calls this, so that mistake fails at once, naming the fix."""
+    if not module.startswith("etagent."):
+        raise ImportError(f"the stage package {module!r} is etagent.{module}: import it, or run it with python -m, under that name")

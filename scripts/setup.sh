@@ -21,10 +21,7 @@ PYTHON=${PYTHON:-python3}
 constraints=(-c constraints/cpu.txt)
 if [ -z "${ETAGENT_UNLOCKED:-}" ]; then constraints+=(-c constraints/cpu-lock.txt); fi
 
-# The editable install maps each top-level package when it is made: a new stage package needs a
-# reinstall, so the package list is part of what the stamp records.
-packages=$(ls -d */__init__.py 2>/dev/null | tr '\n' ' ')
-want="$(cat pyproject.toml constraints/cpu.txt constraints/cpu-lock.txt | sha256sum | cut -d' ' -f1) extras=$EXTRAS unlocked=${ETAGENT_UNLOCKED:-} packages=$packages"
+want="$(cat pyproject.toml constraints/cpu.txt constraints/cpu-lock.txt | sha256sum | cut -d' ' -f1) extras=$EXTRAS unlocked=${ETAGENT_UNLOCKED:-}"
 stamp="$VENV/.etagent-installed"
 if [ -f "$stamp" ] && [ "$(cat "$stamp")" = "$want" ] && [ -x "$VENV/bin/etagent" ]; then
   exit 0

@@ -7,11 +7,13 @@ counts too."""
 from __future__ import annotations
 
 import ast
+import os
 import re
+import subprocess
+import sys
 from pathlib import Path
 
 import pytest
-import tomllib
 
 ROOT = Path(__file__).resolve().parents[1]
 STAGES = ("flywheel", "direct_rollout", "pareto", "sft", "rl", "retriever", "evaluation", "radar", "report")
@@ -96,56 +98,55 @@ def test_the_rule_sees_imports_inside_functions(tmp_path):
 FOLDERS = STAGES + ("launcher",)
 
 
-def test_every_stage_installs_under_the_etagent_package():
-    """pyproject.toml maps each stage's folder to ``etagent.<folder>`` and lists every package the
-    wheel holds, so no generic top-level name (``rl``, ``report``) is installed beside another
-    project's, and no folder with code is left out of the wheel."""
-    setuptools = tomllib.loads((ROOT / "pyproject.toml").read_text())["tool"]["setuptools"]
-    folders_with_code = {
-        str(init.parent.relative_to(ROOT))
-        for init in ROOT.glob("*/**/__init__.py")
-        if init.parts[len(ROOT.parts)] in FOLDERS + ("etagent",)
-    }
-    mapped = {name: folder for name, folder in setuptools["package-dir"].items()}
-    installed_folders = {
-        str(Path(mapped[name.rsplit(".", 1)[0]]) / name.rsplit(".", 1)[1]) if name not in mapped else mapped[name]
-        for name in setuptools["packages"]
-    }
-    assert all(name == "etagent" or name.startswith("etagent.") for name in setuptools["packages"])
-    assert {f"etagent.{folder}": folder for folder in FOLDERS}.items() <= mapped.items()
-    assert installed_folders == folders_with_code
+def test_every_stage_folder_is_a_module_of_etagent_by_one_link():
+    """Each top-level folder with code is ``etagent.<folder>`` through the link etagent/<folder> ->
+    ../<folder> (pyproject packages etagent and what lies under it), and its ``__init__`` refuses
+    the folder's own name, so no module has two."""
+    folders_with_code = {init.parent.name for init in ROOT.glob("*/__init__.py")} - {"etagent", "tests"}
+    assert folders_with_code == set(FOLDERS)
+    for folder in FOLDERS:
+        link = ROOT / "etagent" / folder
+        assert link.is_symlink() and os.readlink(link) == f"../{folder}", f"etagent/{folder} must link to ../{folder}"
+        assert "one_name(__name__)" in (ROOT / folder / "__init__.py").read_text(), f"{folder}/__init__.py must call one_name"
 
 
-_FOLDER = "|".join(FOLDERS)
-# a module named by its folder alone: run (-m rl.run), imported (from rl.reward import, import rl),
-# or written as a string ("rl.run"; a file like "rl.parquet" is told apart by the folder's files)
-OLD_NAMES = [
-    re.compile(rf"(?<![\w.])-m ((?:{_FOLDER})(?:\.\w+)*)"),
-    re.compile(rf"[\"']-m[\"'],\s*[\"']((?:{_FOLDER})(?:\.\w+)*)[\"']"),
-    re.compile(rf"(?:^|[;\"'])\s*from ((?:{_FOLDER})(?:\.\w+)*) import "),
-    re.compile(rf"(?:^|[;\"'])\s*import ((?:{_FOLDER})(?:\.\w+)*)\b"),
-    re.compile(rf"[\"'`]((?:{_FOLDER})(?:\.\w+)+)[\"'`]"),
-]
+@pytest.mark.parametrize("where", ["root", "elsewhere"])
+def test_python_dash_m_runs_a_stage_by_its_one_name_from_the_root_and_from_elsewhere(where, tmp_path):
+    cwd = ROOT if where == "root" else tmp_path
+    done = subprocess.run([sys.executable, "-m", "etagent.pareto.run", "--help"], cwd=cwd, capture_output=True, text=True, timeout=120)
+    assert done.returncode == 0 and "usage: python -m etagent.pareto.run" in done.stdout, done.stderr[-2000:]
 
 
-def is_module(name: str) -> bool:
-    path = ROOT.joinpath(*name.split("."))
-    return path.with_suffix(".py").is_file() or (path / "__init__.py").is_file()
+def test_a_stage_imported_by_its_folders_name_is_refused_in_one_line():
+    """From the repository's root ``rl`` is importable as a folder: importing it must fail at once,
+    not load a second copy of every module (``rl.config.RLConfig is not etagent.rl.config.RLConfig``)."""
+    done = subprocess.run([sys.executable, "-m", "pareto.run", "--help"], cwd=ROOT, capture_output=True, text=True, timeout=120)
+    assert done.returncode != 0
+    assert "ImportError: the stage package 'pareto' is etagent.pareto: import it, or run it with python -m, under that name" in done.stderr
 
 
-def test_no_file_names_a_stage_module_by_its_folder_alone():
-    """Installed, ``rl.run`` does not exist: code, scripts and docs name ``etagent.rl.run``
-    (``python -m etagent.rl.run``, ``from etagent.rl.reward import ...``)."""
-    offences = []
-    for path in sorted(ROOT.glob("**/*")):
-        if path.suffix not in {".py", ".sh", ".md", ".yaml", ".toml"} or path.is_symlink() or not path.is_file() or path == Path(__file__):
-            continue
-        if {".venv", "runs", ".git", "resolved"} & set(path.relative_to(ROOT).parts) or path.name.endswith(".egg-info"):
-            continue
-        for number, line in enumerate(path.read_text().splitlines(), 1):
-            if any(is_module(match.group(1)) for pattern in OLD_NAMES for match in pattern.finditer(line)):
-                offences.append(f"{path.relative_to(ROOT)}:{number}: {line.strip()}")
-    assert not offences, "name stage modules as etagent.<stage>.<module>:\n" + "\n".join(offences)
+def test_every_module_is_loaded_once_under_one_name():
+    """Every module of the project imported in one process (stages through their links): no file is
+    behind two module names."""
+    script = (
+        "import importlib, pkgutil, sys, os, etagent\n"
+        "skip = ('etagent.configs', '__main__')\n"
+        "for info in pkgutil.walk_packages(etagent.__path__, 'etagent.'):\n"
+        "    if not info.name.startswith(skip) and not info.name.endswith('__main__'):\n"
+        "        try: importlib.import_module(info.name)\n"
+        "        except ImportError as e:\n"
+        "            if 'etagent' in (e.name or ''): raise\n"
+        "files = {}\n"
+        "for name, module in list(sys.modules.items()):\n"
+        "    path = getattr(module, '__file__', None)\n"
+        "    if path and os.path.realpath(path).startswith(sys.argv[1]) and '.venv' not in path:\n"
+        "        files.setdefault(os.path.realpath(path), []).append(name)\n"
+        "twice = {path: names for path, names in files.items() if len(names) > 1}\n"
+        "print(len(files)); assert not twice, twice\n"
+    )
+    done = subprocess.run([sys.executable, "-c", script, str(ROOT) + os.sep], cwd=ROOT, capture_output=True, text=True, timeout=300)
+    assert done.returncode == 0, done.stderr[-3000:]
+    assert int(done.stdout.split()[-1]) > 100  # the stages' modules were reached through the links
 
 
 def imported_modules(path: Path) -> set[str]:

