@@ -50,9 +50,22 @@ class CountingEngine:
 
 def run_loop(engine, executor, questions, n, seed):
     from etagent.agent import AgentConfig, AgentLoop
+    from etagent.config import base_group
 
     counting = CountingEngine(engine)
-    loop = AgentLoop(counting, executor, AgentConfig(max_response_tokens=1024, max_segment_tokens=512, seed=seed))
+    loop = AgentLoop(
+        counting,
+        executor,
+        base_group(
+            AgentConfig,
+            "agent",
+            max_response_tokens=1024,
+            max_segment_tokens=512,
+            timeout_s=1200.0,
+            seed=seed,
+            sampling={"top_p": 1.0, "repetition_penalty": 1.0},
+        ),
+    )
     states = [loop.new(q, f"{q.id}/{k}") for q in questions for k in range(n)]
     start = time.perf_counter()
     asyncio.run(loop.run(states))
@@ -82,6 +95,7 @@ def main() -> None:
     work = Path(tempfile.mkdtemp(prefix="etagent-bench-agent-"))
     toy, model = toy_policy(work, args.toy, args.model)
     with toy_tools(work, toy) as tools:
+        from etagent.config import base_group
         from etagent.llm import VLLMConfig
         from etagent.llm.hf import HFEngine
         from etagent.llm.vllm_engine import AsyncVLLMEngine, VLLMEngine
@@ -95,12 +109,26 @@ def main() -> None:
                 "hf": lambda: HFEngine(model),
                 "vllm offline": lambda: VLLMEngine.load(
                     model,
-                    VLLMConfig(max_model_len=2048, gpu_memory_utilization=0.5, cpu_kv_cache_gb=1.0, enforce_eager=True),
+                    base_group(
+                        VLLMConfig,
+                        "engine",
+                        "vllm",
+                        max_model_len=2048,
+                        gpu_memory_utilization=0.5,
+                        enforce_eager=True,
+                    ),
                     dtype="float32",
                 ),
                 "vllm async": lambda: AsyncVLLMEngine.load(
                     model,
-                    VLLMConfig(max_model_len=2048, gpu_memory_utilization=0.5, cpu_kv_cache_gb=1.0, enforce_eager=True),
+                    base_group(
+                        VLLMConfig,
+                        "engine",
+                        "vllm",
+                        max_model_len=2048,
+                        gpu_memory_utilization=0.5,
+                        enforce_eager=True,
+                    ),
                     dtype="float32",
                 ),
             }

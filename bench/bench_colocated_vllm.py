@@ -91,7 +91,7 @@ def main() -> None:
     work = Path(tempfile.mkdtemp(prefix="etagent-bench-colocated-"))
     toy, model = toy_policy(work, args.toy, args.model)
     import etagent.rl  # noqa: F401 (registers configs/rl's schema, which load_config needs)
-    from etagent.config import load_config
+    from etagent.config import base_group, load_config
     from etagent.llm import VLLMConfig
     from etagent.llm.vllm_engine import VLLMEngine
     from etagent.tools.executor import build_executor
@@ -99,7 +99,9 @@ def main() -> None:
     cfg = load_config("rl", "tiny", [f"model={model}", f"rollout.kind={args.rollout}"])
     prompts = rl_prompts(toy, args.prompts)
     engine = VLLMEngine.load(
-        model, VLLMConfig(max_model_len=2048, gpu_memory_utilization=0.5, cpu_kv_cache_gb=1.0, enforce_eager=True), dtype="float32"
+        model,
+        base_group(VLLMConfig, "engine", "vllm", max_model_len=2048, gpu_memory_utilization=0.5, enforce_eager=True),
+        dtype="float32",
     )
     ways = {"waves": Waves(engine), "continuous, top-k everywhere": TopkEverywhere(engine), "continuous": engine}
     rows = []

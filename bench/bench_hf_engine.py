@@ -129,7 +129,7 @@ def main() -> None:
 
     def engine_run(engine, **extra):
         requests = [
-            GenerationRequest(tuple(p), sampling=Sampling(**sampling), max_new_tokens=args.new_tokens, seed=i, **extra)
+            GenerationRequest(tuple(p), sampling=Sampling.at(**sampling), max_new_tokens=args.new_tokens, seed=i, **extra)
             for i, p in enumerate(prompts.tolist())
         ]
 

@@ -17,6 +17,7 @@ import statistics
 import sys
 import time
 
+from etagent.config import base_group
 from etagent.tools.sandbox import DEFAULT_PRELOAD, PythonSandbox, SandboxLimits
 from etagent.tools.zygote import print_last_expression
 
@@ -65,7 +66,9 @@ def main() -> None:
         peer = asyncio.run(measure(peer_call, snippets, calls, args.concurrency))
         rows.append((label, "python -c per call (paper)", "none", *peer))
         for preload_label, preload in (("stdlib preload", DEFAULT_PRELOAD), ("+numpy,sympy preload", DEFAULT_PRELOAD + ("numpy", "sympy"))):
-            with PythonSandbox(limits=SandboxLimits(timeout_s=30), preload=preload, max_concurrency=args.concurrency) as sandbox:
+            with PythonSandbox(
+                limits=base_group(SandboxLimits, "tools", "python.limits", timeout_s=30), preload=preload, max_concurrency=args.concurrency
+            ) as sandbox:
 
                 async def ours(code, sandbox=sandbox):
                     start = time.perf_counter()

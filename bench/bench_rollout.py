@@ -69,10 +69,19 @@ def run_once(engine, executor, questions, n: int, batch_questions: int, way: str
     """Seconds to the scored groups of every question, as a sampling stage makes them, and every
     trajectory's token ids in question order."""
     from etagent.agent import AgentConfig
+    from etagent.config import base_group
     from etagent.sampling import Sampler
     from etagent.scoring import rule_judgement
 
-    config = AgentConfig(max_response_tokens=1024, max_segment_tokens=512, timeout_s=None, seed=0)
+    config = base_group(
+        AgentConfig,
+        "agent",
+        max_response_tokens=1024,
+        max_segment_tokens=512,
+        timeout_s=None,
+        seed=0,
+        sampling={"top_p": 1.0, "repetition_penalty": 1.0},
+    )
     # the rule judge the sampling stages use by default (evaluation's qa_pass_mark)
     sampler = Sampler(engine, executor, config, n, stage="bench", judge=partial(rule_judgement, qa_pass_mark=0.8))
     start = time.perf_counter()
@@ -118,10 +127,11 @@ def main() -> None:
         }
         ways = [("lockstep, static batches", "old"), ("lockstep, continuous", "new"), ("streamed, per trajectory", "new")]
     else:
+        from etagent.config import base_group
         from etagent.llm import VLLMConfig
         from etagent.llm.vllm_engine import AsyncVLLMEngine, VLLMEngine
 
-        settings = VLLMConfig(max_model_len=2048, gpu_memory_utilization=0.5, cpu_kv_cache_gb=1.0, enforce_eager=True)
+        settings = base_group(VLLMConfig, "engine", "vllm", max_model_len=2048, gpu_memory_utilization=0.5, enforce_eager=True)
         engines = {"old": VLLMEngine.load(model, settings, dtype="float32"), "new": AsyncVLLMEngine.load(model, settings, dtype="float32")}
         ways = [("lockstep, offline engine", "old"), ("lockstep, continuous", "new"), ("streamed, per trajectory", "new")]
     rows = []

@@ -48,6 +48,7 @@ def main() -> None:
     parser.add_argument("--repeats", type=int, default=3)
     args = parser.parse_args()
     os.environ["VLLM_ENABLE_V1_MULTIPROCESSING"] = "0"  # the engine core in this process, as colocated
+    from etagent.config import base_group
     from etagent.llm import GenerationRequest, Sampling, VLLMConfig
     from etagent.llm.vllm_engine import VLLMEngine
     from etagent.protocol import STOP_STRINGS
@@ -58,7 +59,9 @@ def main() -> None:
     tokenizer.save_pretrained(folder)
     del model
     engine = VLLMEngine.load(
-        str(folder), VLLMConfig(max_model_len=2048, gpu_memory_utilization=0.5, cpu_kv_cache_gb=1.0, enforce_eager=True), dtype="float32"
+        str(folder),
+        base_group(VLLMConfig, "engine", "vllm", max_model_len=2048, gpu_memory_utilization=0.5, enforce_eager=True),
+        dtype="float32",
     )
     prompts = [
         tuple(torch.randint(0, args.tokenizer_tokens - 1, (16,), generator=torch.Generator().manual_seed(i)).tolist())
@@ -70,7 +73,7 @@ def main() -> None:
         requests = [
             GenerationRequest(
                 p,
-                sampling=Sampling(temperature=1.0),
+                sampling=Sampling.at(temperature=1.0),
                 max_new_tokens=args.new_tokens,
                 stop=STOP_STRINGS,
                 logprobs=top,

@@ -57,6 +57,7 @@ import hashlib
 import time
 from dataclasses import asdict, dataclass, field
 
+from omegaconf import MISSING
 from tokenizers.decoders import DecodeStream
 
 from etagent import protocol
@@ -90,23 +91,23 @@ class AgentConfig:
     frozen)."""
 
     # Executed calls allowed per trajectory, per tool; and in total (None: no total limit).
-    max_python_calls: NonNegativeInt = 6
-    max_search_calls: NonNegativeInt = 6
-    max_tool_calls: NonNegativeInt | None = None
+    max_python_calls: NonNegativeInt = MISSING
+    max_search_calls: NonNegativeInt = MISSING
+    max_tool_calls: NonNegativeInt | None = MISSING
     # Over-budget calls answered with the budget message before the trajectory is ended.
-    max_budget_messages: NonNegativeInt = 2
+    max_budget_messages: NonNegativeInt = MISSING
     # Tokens of response (generated plus inserted), and tokens per generation call.
-    max_response_tokens: PositiveInt = 4096
-    max_segment_tokens: PositiveInt = 4096
+    max_response_tokens: PositiveInt = MISSING
+    max_segment_tokens: PositiveInt = MISSING
     # Wall-clock seconds per trajectory; None: no limit (reproducible runs, RL).
-    timeout_s: PositiveFloat | None = 1200.0
+    timeout_s: PositiveFloat | None = MISSING
     sampling: Sampling = field(default_factory=Sampling)
     # Base seed of every segment's sampling (None: unseeded).
-    seed: Seed | None = None
+    seed: Seed | None = MISSING
     # Rounds (one engine call for a segment of every unfinished trajectory, then their tool calls)
     # instead of every trajectory on its own: reproducible with an engine that decodes each call
     # by itself (the hf engine's continuous_batching off).
-    lockstep: bool = False
+    lockstep: bool = MISSING
 
     def budgets(self) -> Budgets:
         return Budgets(self.max_python_calls, self.max_search_calls, self.max_tool_calls, self.max_response_tokens)
@@ -262,8 +263,8 @@ class SegmentEntropy:
 
 
 class AgentLoop:
-    def __init__(self, engine, executor, config: AgentConfig | None = None, entropy: SegmentEntropy | None = None):
-        self.engine, self.executor, self.config = engine, executor, config or AgentConfig()
+    def __init__(self, engine, executor, config: AgentConfig, entropy: SegmentEntropy | None = None):
+        self.engine, self.executor, self.config = engine, executor, config
         self.entropy = entropy
         self.tokenizer = engine.tokenizer
         # ARPO normalises entropy by ln |V| with |V| the tokenizer's vocabulary

@@ -80,7 +80,7 @@ def score_main(argv: list[str]) -> int:
             raise SettingError(f"--judge-{error.key}", error.reason) from None
         if args.judge_max_new_tokens < 1:
             raise SettingError("--judge-max-new-tokens", f"must be an integer >= 1, got {args.judge_max_new_tokens}")
-        sampling = Sampling(temperature=args.judge_temperature)
+        sampling = Sampling.at(temperature=args.judge_temperature)
         judge = scoring.LLMJudge(TextModel(served, sampling, args.judge_max_new_tokens, "judge"))
     if args.file:
         if not os.path.isfile(args.file):

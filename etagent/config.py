@@ -335,6 +335,20 @@ def build(schema: type[T], cfg) -> T:
     return OmegaConf.to_object(OmegaConf.merge(OmegaConf.structured(schema), cfg))
 
 
+def base_group(schema: type[T], group: str, key: str = "", **changes) -> T:
+    """A shared group's object from its ``configs/<group>/_base.yaml`` (``key`` selects a part:
+    ``base_group(SandboxLimits, "tools", "python.limits")``) with ``changes`` over it: how code
+    that runs without a stage's config (benches, tests) gets the documented values instead of
+    restating them. A value the file leaves at ``???`` must be among ``changes``."""
+    from omegaconf import OmegaConf
+
+    values = OmegaConf.load(config_dir() / group / "_base.yaml")
+    values.pop("defaults", None)
+    if key:
+        values = OmegaConf.select(values, key)
+    return build(schema, OmegaConf.merge(values, changes))
+
+
 def resolved_yaml(stage: str, preset: str) -> str:
     """What ``--preset PRESET`` runs with no overrides, every interpolation resolved."""
     from omegaconf import OmegaConf

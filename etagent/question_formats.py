@@ -51,6 +51,7 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Annotated, Any
 
+from omegaconf import MISSING
 from pydantic import ValidationError
 
 from etagent import protocol
@@ -72,17 +73,23 @@ SEARCH_R1_QUESTION = re.compile(r"Question:\s*(.*?)\s*$", re.S)
 class QuestionFormat:
     """How rows in another project's format become questions (see the module docstring)."""
 
-    # defaults here, as they are in every stage's _base.yaml: evaluation hands the questions it
-    # read to etagent.sampling in our own schema, with this group as it is by default
-    kind: Annotated[str, OneOf("auto", "math", "qa")] = "auto"
-    source: str | None = None
-    split: str | None = None
-    fields: dict[str, str] = field(default_factory=dict)
+    kind: Annotated[str, OneOf("auto", "math", "qa")] = MISSING
+    source: str | None = MISSING
+    split: str | None = MISSING
+    fields: dict[str, str] = MISSING
+
+    @classmethod
+    def given(cls, **hints) -> QuestionFormat:
+        """The ``hints`` given (``split="test"``) and no other: the kind read from each row, no
+        source name, no split chosen, no field renamed. How code without a config reads questions
+        (``etagent score``, evaluation's benchmarks, tests); a config's group sets all four."""
+        return cls(**{"kind": "auto", "source": None, "split": None, "fields": {}, **hints})
 
 
 register_schema("question_format", QuestionFormat)
 
-DEFAULT_FORMAT = QuestionFormat()
+# evaluation hands the questions it read to etagent.sampling in our own schema, read with no hints
+DEFAULT_FORMAT = QuestionFormat.given()
 
 
 @dataclass

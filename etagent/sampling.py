@@ -73,10 +73,10 @@ class RayConfig:
     stages that sample document each field). Where the work runs, not what it computes: a
     resumed run may change all of it."""
 
-    workers: Annotated[NonNegativeInt, FREE] = 0
-    address: Annotated[str | None, FREE] = None
-    num_cpus_per_worker: Annotated[PositiveInt, FREE] = 1
-    num_gpus_per_worker: Annotated[NonNegativeFloat, FREE] = 0.0
+    workers: Annotated[NonNegativeInt, FREE] = MISSING
+    address: Annotated[str | None, FREE] = MISSING
+    num_cpus_per_worker: Annotated[PositiveInt, FREE] = MISSING
+    num_gpus_per_worker: Annotated[NonNegativeFloat, FREE] = MISSING
 
 
 @group
@@ -93,8 +93,8 @@ class SamplingConfig:
     out_dir: OutputFolder = MISSING
     n: PositiveInt = MISSING
     batch_questions: Annotated[PositiveInt, FREE] = MISSING
-    limit: Annotated[PositiveInt | None, FREE] = None
-    partial_input_ok: Annotated[bool, FREE] = False
+    limit: Annotated[PositiveInt | None, FREE] = MISSING
+    partial_input_ok: Annotated[bool, FREE] = MISSING
     engine: EngineConfig = MISSING
     agent: AgentConfig = MISSING
     tools: ToolsConfig = MISSING

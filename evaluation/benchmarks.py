@@ -68,7 +68,7 @@ def _record(name: str, number: int, row: dict, path: Path) -> Question:
         # the benchmark as another project's preprocessing left it (verl's GSM8K parquet,
         # Search-R1's, FlashRAG's): read as etagent.question_formats reads that format
         question = to_question_row(
-            row, number, str(path), detect_format(row), QuestionFormat(kind=spec.kind, source=name), Mapping("")
+            row, number, str(path), detect_format(row), QuestionFormat.given(kind=spec.kind, source=name), Mapping("")
         ).question
         return question.model_copy(update={"id": f"{name}-{question.id}"})
     if name == "gsm8k":

@@ -42,7 +42,7 @@ from etagent.evaluation.config import EvaluationConfig, EvaluationJudge
 from etagent.evaluation.metrics import aggregate, behaviour
 from etagent.evaluation.table import summary_rows, write_table
 from etagent.progress import Progress
-from etagent.question_formats import QuestionFormat, read_question_rows
+from etagent.question_formats import DEFAULT_FORMAT, QuestionFormat, read_question_rows
 from etagent.records import JsonlAppender, TrajectoryGroup, iter_jsonl, read_jsonl, write_jsonl, write_manifest
 from etagent.rundir import claim_output
 from etagent.sampling import (
@@ -75,6 +75,9 @@ def dataset_sampling(cfg: DictConfig, name: str, questions_path: Path, out: Path
             "out_dir": str(out),
             "n": cfg.n,
             "batch_questions": cfg.batch_questions,
+            # the questions were read, cut to the limit and written in our own schema already
+            "question_format": dataclasses.asdict(DEFAULT_FORMAT),
+            "limit": None,
             "partial_input_ok": cfg.partial_input_ok,
             **{group: OmegaConf.to_container(cfg[group], resolve=True) for group in ("engine", "agent", "tools", "ray", "gateway")},
         }

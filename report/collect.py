@@ -455,11 +455,11 @@ def rl_questions(run: Run, folder: Path) -> dict[int, dict]:
     if not inside(run.root, Path(data)):
         run.problems.append(f"{folder}: its RL data {data} lies outside the run folder; rollouts are shown without their questions")
         return {}
-    from etagent.config import build
     from etagent.question_formats import QuestionFormat, read_question_rows
 
-    # read as RL read it: any questions format, with the run's own question_format
-    settings = build(QuestionFormat, (manifest["config"]["data"].get("question_format") or {}))
+    # read as RL read it: any questions format, with the run's own question_format (none in a
+    # manifest from before it existed)
+    settings = QuestionFormat.given(**(manifest["config"]["data"].get("question_format") or {}))
     try:
         rows, _ = read_question_rows(data, settings)
     except Exception as exc:  # a report shows what it can: the data's own error names the row

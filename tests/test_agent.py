@@ -15,11 +15,12 @@ import pytest
 from transformers import AutoTokenizer
 
 from etagent import protocol
-from etagent.agent import AgentConfig, AgentLoop, Budgets, SegmentEntropy
+from etagent.agent import AgentLoop, Budgets, SegmentEntropy
 from etagent.records import TokenOrigin
 from etagent.scoring import rule_judgement
 from etagent.tools import ToolOutput
 from etagent.tools.executor import ToolExecutor
+from tests.support.groups import agent_config
 from tests.support.scripted import ANSWER, SCRIPTS, FakePython, FakeSearch, ScriptedEngine, question
 from tests.support.trajectories import mask_runs
 
@@ -33,7 +34,7 @@ def tokenizer(request, toy):
     return AutoTokenizer.from_pretrained(toy / "model")
 
 
-SCRIPT_CONFIG = AgentConfig(max_search_calls=2, max_budget_messages=1, max_response_tokens=300)
+SCRIPT_CONFIG = agent_config(max_search_calls=2, max_budget_messages=1, max_response_tokens=300)
 # as RL measures entropies (top 2 log-probabilities over each segment's first 20 tokens)
 SCRIPT_ENTROPY = SegmentEntropy(top_logprobs=2, window=20)
 
@@ -124,7 +125,7 @@ def test_over_budget_calls_get_the_budget_message(tokenizer):
 
 
 def test_total_budget(tokenizer):
-    config = AgentConfig(max_python_calls=6, max_search_calls=6, max_tool_calls=1, max_budget_messages=5)
+    config = agent_config(max_python_calls=6, max_search_calls=6, max_tool_calls=1, max_budget_messages=5)
     loop, _, [s] = run_loop(tokenizer, ["q-python"], 1, 0, config)
     assert [c.budget_exhausted for c in s.tool_calls] == [False, True]
     assert s.tool_calls[1].output.startswith("Tool budget exhausted: 1 tool calls made, the limit is 1.")
@@ -171,7 +172,7 @@ def test_tool_results_are_cut_to_the_response_budget(tokenizer):
         async def __call__(self, query):
             return ToolOutput("lorem ipsum dolor " * 200, ok=True)
 
-    config = AgentConfig(max_response_tokens=120)
+    config = agent_config(max_response_tokens=120)
     loop = AgentLoop(ScriptedEngine(tokenizer, SCRIPTS), ToolExecutor([Verbose(rng)]), config)
     [s] = asyncio.run(loop.run([loop.new(question("q-search"), "v/0")]))
     text = loop.text(s)
@@ -183,7 +184,7 @@ def test_the_engines_context_length_bounds_the_response(tokenizer):
     """Cut by the engine's context, the trajectory says so (finish reason context); cut by its own
     response budget (above), it says length."""
     engine = ScriptedEngine(tokenizer, SCRIPTS)
-    loop = AgentLoop(engine, ToolExecutor([]), AgentConfig(max_response_tokens=4096))
+    loop = AgentLoop(engine, ToolExecutor([]), agent_config(max_response_tokens=4096))
     state = loop.new(question("q-long"), "c/0")
     engine.max_model_len = len(state.prompt_ids) + 50
     asyncio.run(loop.run([state]))
@@ -202,7 +203,7 @@ def test_an_engine_error_ends_only_its_trajectory(tokenizer):
 
 def test_seeds_differ_per_step_and_timeouts_can_be_off(tokenizer):
     engine = ScriptedEngine(tokenizer, SCRIPTS)
-    loop = AgentLoop(engine, ToolExecutor([]), AgentConfig(seed=5, timeout_s=None))
+    loop = AgentLoop(engine, ToolExecutor([]), agent_config(seed=5, timeout_s=None))
     epochs = [loop.new(question("q-none"), "q-none/0", seed=step) for step in (0, 1, 0)]
     for state in epochs:
         asyncio.run(loop.run([state]))
@@ -235,7 +236,7 @@ def test_fork_at_a_segment(tokenizer):
 def test_from_prefix_runs_a_trailing_call_and_keeps_the_sources_ids(tokenizer):
     rng = random.Random(0)
     engine = ScriptedEngine(tokenizer, SCRIPTS)
-    loop = AgentLoop(engine, ToolExecutor([FakeSearch(rng), FakePython(rng)]), AgentConfig(max_python_calls=2, max_budget_messages=0))
+    loop = AgentLoop(engine, ToolExecutor([FakeSearch(rng), FakePython(rng)]), agent_config(max_python_calls=2, max_budget_messages=0))
     _, _, [source_state] = run_loop(tokenizer, ["q-python"], 1, 0)
     source = loop.to_record(source_state)
     # the flywheel's cut: keep the first call and its result, then an edited step ending in a call
@@ -267,7 +268,7 @@ def first_ids(source, chars, tokenizer):
 def test_from_text_only_and_over_budget_trailing_call(tokenizer):
     rng = random.Random(0)
     loop = AgentLoop(
-        ScriptedEngine(tokenizer, SCRIPTS), ToolExecutor([FakeSearch(rng), FakePython(rng)]), AgentConfig(max_budget_messages=0)
+        ScriptedEngine(tokenizer, SCRIPTS), ToolExecutor([FakeSearch(rng), FakePython(rng)]), agent_config(max_budget_messages=0)
     )
     prefix = (
         "<think>compute</think><python>print(12 * 7)</python>"
@@ -316,7 +317,7 @@ def test_from_prefix_matches_records_by_call_and_counts_budget_messages(tokenize
     """An edit that drops the source's first call: the kept call keeps its own record (not the
     dropped one's), and budget messages already in the prefix count against max_budget_messages."""
     rng = random.Random(0)
-    loop = AgentLoop(ScriptedEngine(tokenizer, SCRIPTS), ToolExecutor([FakeSearch(rng), FakePython(rng)]), AgentConfig())
+    loop = AgentLoop(ScriptedEngine(tokenizer, SCRIPTS), ToolExecutor([FakeSearch(rng), FakePython(rng)]), agent_config())
     _, _, [source_state] = run_loop(tokenizer, ["q-python"], 1, 0)
     source = loop.to_record(source_state)
     second = source.text.index("<think>check again")
@@ -353,7 +354,7 @@ def test_a_tool_that_hangs_past_its_timeout_ends_only_its_own_trajectory(tokeniz
     }
     engine = ScriptedEngine(tokenizer, scripts)
     executor = ToolExecutor([HangingSearch()], timeout_s={"search": 0.5})
-    loop = AgentLoop(engine, executor, AgentConfig(max_response_tokens=300, timeout_s=0.3))
+    loop = AgentLoop(engine, executor, agent_config(max_response_tokens=300, timeout_s=0.3))
     finished: dict[str, float] = {}
 
     async def run_and_time(state):

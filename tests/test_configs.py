@@ -346,3 +346,103 @@ def test_an_interpolation_that_does_not_resolve_is_refused_naming_the_setting(st
         )
         assert result.returncode == 2 and result.stderr.strip().count("\n") == 0, result.stderr
         assert result.stderr.startswith("error: setting out_dir: its interpolation does not resolve: Environment variable"), result.stderr
+
+
+def _schemas_with_nested_groups() -> list[type]:
+    """Every registered schema (each stage's and each shared group's) and every group nested in
+    one, each once."""
+    import dataclasses
+    import importlib
+    import typing
+
+    import etagent.toy.config  # noqa: F401  (registers the toy world's schema)
+    from etagent.config import SCHEMAS
+    from etagent.settings import _unwrap
+
+    for stage in stages():
+        if stage not in SCHEMAS:
+            importlib.import_module(f"etagent.{stage}")
+    found: list[type] = []
+
+    def walk(schema: type) -> None:
+        if schema in found:
+            return
+        found.append(schema)
+        hints = typing.get_type_hints(schema, include_extras=True)
+        for f in dataclasses.fields(schema):
+            plain = _unwrap(hints[f.name])[0]
+            if dataclasses.is_dataclass(plain):
+                walk(plain)
+
+    for schema, _ in SCHEMAS.values():
+        walk(schema)
+    return found
+
+
+def test_no_setting_has_a_default_in_python_yaml_holds_every_value():
+    """One source per default: configs/<stage or group>/_base.yaml holds every value and its doc;
+    a schema (the dataclass) holds the type and the range only. A nested group's field may make
+    its group (``field(default_factory=Group)``), whose own fields are checked in turn."""
+    import dataclasses
+
+    offences = []
+    schemas = _schemas_with_nested_groups()
+    assert len(schemas) > 30
+    for schema in schemas:
+        for f in dataclasses.fields(schema):
+            if f.default is not dataclasses.MISSING and f.default is not MISSING:
+                offences.append(f"{schema.__module__}.{schema.__qualname__}.{f.name} = {f.default!r}")
+            elif f.default_factory is not dataclasses.MISSING and not dataclasses.is_dataclass(f.default_factory):
+                offences.append(f"{schema.__module__}.{schema.__qualname__}.{f.name} = {f.default_factory()!r} (a factory)")
+    assert not offences, "a default in Python as well as in YAML; keep it in _base.yaml only:\n" + "\n".join(offences)
+
+
+def _leaves(values, path=""):
+    if isinstance(values, dict):
+        for key, value in values.items():
+            yield from _leaves(value, f"{path}.{key}" if path else str(key))
+    else:
+        yield path, values
+
+
+def test_no_preset_restates_what_it_builds_on(tmp_path):
+    """A preset holds only what differs from what it builds on (its _base.yaml and the shared
+    groups' presets it names, or the preset it varies): each of its values is compared with the
+    config composed from its defaults list alone."""
+    from hydra import compose, initialize_config_dir
+    from hydra.core.global_hydra import GlobalHydra
+    from omegaconf import OmegaConf
+
+    from etagent.config import SCHEMAS, _store_schemas
+
+    _schemas_with_nested_groups()
+    configs = tmp_path / "configs"
+    shutil.copytree(config_dir(), configs)
+    offences = []
+    checked = 0
+    for stage in stages():
+        for preset in presets(stage):
+            text = (config_dir() / stage / f"{preset}.yaml").read_text()
+            own = yaml.safe_load(text) or {}
+            defaults = own.pop("defaults", [])
+            header = "# @package _global_\n" if text.startswith("# @package _global_") else ""
+            (configs / stage / f"{preset}.yaml").write_text(header + yaml.safe_dump({"defaults": defaults}))
+            GlobalHydra.instance().clear()
+            _store_schemas()
+            with initialize_config_dir(config_dir=str(configs), version_base=None):
+                base = compose(config_name=f"{stage}/{preset}")
+            (configs / stage / f"{preset}.yaml").write_text(text)
+            if SCHEMAS[stage][1] is None:  # a shared group composes under its own name
+                base = base[stage]
+            for key, value in _leaves(own):
+                checked += 1
+                try:
+                    before = OmegaConf.select(base, key, default="<absent>", throw_on_missing=False, throw_on_resolution_failure=False)
+                except Exception as exc:  # a key below a null group or a scalar: not restated
+                    before = f"<{type(exc).__name__}>"
+                if isinstance(before, (DictConfig, ListConfig)):
+                    before = OmegaConf.to_container(before, resolve=False)
+                if before == value and type(before) is type(value):
+                    offences.append(f"configs/{stage}/{preset}.yaml: {key}: {value!r}")
+    assert checked > 300
+    assert not offences, "a preset restates what it builds on; drop these keys:\n" + "\n".join(offences)

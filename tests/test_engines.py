@@ -41,7 +41,7 @@ def test_logprobs_and_entropy_match_a_forward_pass_in_a_left_padded_batch(hf):
     ps = prompts(hf)
     assert len({len(p) for p in ps}) == 3  # different lengths: the batch is left-padded
     requests = [
-        GenerationRequest(tuple(p), sampling=Sampling(temperature=1.0), n=2, max_new_tokens=12, logprobs=3, seed=i)
+        GenerationRequest(tuple(p), sampling=Sampling.at(temperature=1.0), n=2, max_new_tokens=12, logprobs=3, seed=i)
         for i, p in enumerate(ps)
     ]
     results = hf.generate(requests)
@@ -73,9 +73,9 @@ def test_seeded_samples_do_not_depend_on_the_batch(hf):
 
 def test_greedy_and_filters(hf):
     p = prompts(hf)[1]
-    greedy = hf.generate([GenerationRequest(tuple(p), sampling=Sampling(temperature=0), max_new_tokens=8)])[0][0]
-    top1 = hf.generate([GenerationRequest(tuple(p), sampling=Sampling(temperature=1.0, top_k=1), max_new_tokens=8, seed=3)])[0][0]
-    tiny_p = hf.generate([GenerationRequest(tuple(p), sampling=Sampling(temperature=1.0, top_p=1e-9), max_new_tokens=8, seed=4)])[0][0]
+    greedy = hf.generate([GenerationRequest(tuple(p), sampling=Sampling.at(temperature=0), max_new_tokens=8)])[0][0]
+    top1 = hf.generate([GenerationRequest(tuple(p), sampling=Sampling.at(temperature=1.0, top_k=1), max_new_tokens=8, seed=3)])[0][0]
+    tiny_p = hf.generate([GenerationRequest(tuple(p), sampling=Sampling.at(temperature=1.0, top_p=1e-9), max_new_tokens=8, seed=4)])[0][0]
     assert greedy.token_ids == top1.token_ids == tiny_p.token_ids
     raw, _ = forward_logprobs(hf, p, greedy.token_ids)
     assert greedy.token_ids == raw.argmax(-1).tolist()
@@ -83,12 +83,12 @@ def test_greedy_and_filters(hf):
 
 def test_stop_strings_are_enforced_while_generating(hf):
     p = prompts(hf)[0]
-    free = hf.generate([GenerationRequest(tuple(p), sampling=Sampling(temperature=0), max_new_tokens=20)])[0][0]
+    free = hf.generate([GenerationRequest(tuple(p), sampling=Sampling.at(temperature=0), max_new_tokens=20)])[0][0]
     # stop on the text of the 5th greedy token: generation must end exactly there, keeping it
     stop_text = hf.tokenizer.decode(free.token_ids[4:5])
     first = next(i for i in range(20) if stop_text in hf.tokenizer.decode(free.token_ids[: i + 1]))
     stopped = hf.generate(
-        [GenerationRequest(tuple(p), sampling=Sampling(temperature=0), max_new_tokens=20, stop=("never-there", stop_text))]
+        [GenerationRequest(tuple(p), sampling=Sampling.at(temperature=0), max_new_tokens=20, stop=("never-there", stop_text))]
     )[0][0]
     assert stopped.finish_reason == "stop" and stopped.stop == stop_text
     assert stopped.token_ids == free.token_ids[: first + 1]
@@ -96,10 +96,10 @@ def test_stop_strings_are_enforced_while_generating(hf):
 
 def test_repetition_penalty_changes_greedy_choices(hf):
     p = prompts(hf)[2]
-    plain = hf.generate([GenerationRequest(tuple(p), sampling=Sampling(temperature=0), max_new_tokens=30)])[0][0]
-    penalised = hf.generate([GenerationRequest(tuple(p), sampling=Sampling(temperature=0, repetition_penalty=5.0), max_new_tokens=30)])[0][
+    plain = hf.generate([GenerationRequest(tuple(p), sampling=Sampling.at(temperature=0), max_new_tokens=30)])[0][0]
+    penalised = hf.generate([GenerationRequest(tuple(p), sampling=Sampling.at(temperature=0, repetition_penalty=5.0), max_new_tokens=30)])[
         0
-    ]
+    ][0]
     assert plain.token_ids != penalised.token_ids
     assert len(set(penalised.token_ids)) >= len(set(plain.token_ids))
 
@@ -156,7 +156,7 @@ def test_openai_engine_sends_every_setting_and_parses_token_ids():
         engine = OpenAIEngine([url + "/v1"], "policy")
         request = GenerationRequest(
             (1, 2, 3),
-            sampling=Sampling(temperature=0.7, top_p=0.9, top_k=20, min_p=0.05, repetition_penalty=1.1),
+            sampling=Sampling.at(temperature=0.7, top_p=0.9, top_k=20, min_p=0.05, repetition_penalty=1.1),
             n=3,
             max_new_tokens=64,
             stop=("</search>",),
@@ -198,7 +198,9 @@ def test_openai_engine_chat_sends_the_sampling_it_is_given():
     with serve(fake_vllm_server("a", log)) as url:
         engine = OpenAIEngine([url + "/v1"], "judge")
         greedy = asyncio.run(engine.chat([{"role": "user", "content": "hello"}], max_new_tokens=8))
-        sampled = asyncio.run(engine.chat([{"role": "user", "content": "hi"}], Sampling(top_k=5), max_new_tokens=9, stop=["</a>"], seed=3))
+        sampled = asyncio.run(
+            engine.chat([{"role": "user", "content": "hi"}], Sampling.at(1.0, top_k=5), max_new_tokens=9, stop=["</a>"], seed=3)
+        )
     assert greedy == "a: hello" and sampled == "a: hi"
     first, second = log[0][1], log[1][1]
     assert first["temperature"] == 0.0 and first["max_tokens"] == 8 and first["messages"] == [{"role": "user", "content": "hello"}]
@@ -228,7 +230,7 @@ def test_hf_weight_update(toy):
 def test_hf_engine_shares_the_trainers_model(hf):
     shared = HFEngine.from_model(hf.model, hf.tokenizer)
     p = prompts(hf)[0]
-    greedy = GenerationRequest(tuple(p), sampling=Sampling(temperature=0), max_new_tokens=6)
+    greedy = GenerationRequest(tuple(p), sampling=Sampling.at(temperature=0), max_new_tokens=6)
     assert shared.generate([greedy])[0][0].token_ids == hf.generate([greedy])[0][0].token_ids
     norm = shared.model.model.norm.weight
     with torch.no_grad():
@@ -246,7 +248,7 @@ def test_hf_requests_beyond_the_context_fail_alone(hf):
     p = prompts(hf)[0]
     too_long = GenerationRequest(tuple(p) * 200, max_new_tokens=4)
     near_end = tuple(p) * (hf.max_model_len // len(p) + 1)  # longer than the context, then cut to 3 short of it
-    capped = GenerationRequest(near_end[: hf.max_model_len - 3], sampling=Sampling(temperature=0), max_new_tokens=50)
+    capped = GenerationRequest(near_end[: hf.max_model_len - 3], sampling=Sampling.at(temperature=0), max_new_tokens=50)
     [failed], [ok], [fine] = hf.generate([too_long, capped, GenerationRequest(tuple(p), max_new_tokens=3, seed=1)])
     assert failed.finish_reason == "error" and f"max_model_len {hf.max_model_len}" in failed.error and not failed.token_ids
     assert ok.finish_reason in ("length", "eos") and len(ok.token_ids) <= 3
@@ -256,10 +258,10 @@ def test_hf_requests_beyond_the_context_fail_alone(hf):
 def test_hf_top_logprobs_and_entropy_only_in_the_window(hf):
     p = prompts(hf)[0]
     [s] = hf.generate(
-        [GenerationRequest(tuple(p), sampling=Sampling(temperature=1.0), max_new_tokens=12, logprobs=3, logprobs_window=5, seed=2)]
+        [GenerationRequest(tuple(p), sampling=Sampling.at(temperature=1.0), max_new_tokens=12, logprobs=3, logprobs_window=5, seed=2)]
     )[0]
     assert len(s.token_ids) == len(s.logprobs) == 12 and len(s.top_logprobs) == len(s.entropy) == 5
-    [plain] = hf.generate([GenerationRequest(tuple(p), sampling=Sampling(temperature=1.0), max_new_tokens=12, seed=2)])[0]
+    [plain] = hf.generate([GenerationRequest(tuple(p), sampling=Sampling.at(temperature=1.0), max_new_tokens=12, seed=2)])[0]
     assert plain.top_logprobs == [] and plain.entropy is None and plain.token_ids == s.token_ids
 
 
@@ -276,8 +278,8 @@ def test_hf_never_samples_ids_the_tokenizer_lacks(toy):
     engine.model.lm_head = bigger
     p = prompts(engine)[0]
     for request in (
-        GenerationRequest(tuple(p), sampling=Sampling(temperature=0), max_new_tokens=8),
-        GenerationRequest(tuple(p), sampling=Sampling(temperature=1.0), max_new_tokens=8, seed=3),
+        GenerationRequest(tuple(p), sampling=Sampling.at(temperature=0), max_new_tokens=8),
+        GenerationRequest(tuple(p), sampling=Sampling.at(temperature=1.0), max_new_tokens=8, seed=3),
     ):
         [s] = engine.generate([request])[0]
         assert all(t < n for t in s.token_ids)
@@ -297,15 +299,15 @@ def test_a_seeded_row_draws_the_same_whatever_filters_its_batch_needs(hf):
     """Rows with top-k, with top-p, or with neither make the batch take different candidate paths
     (top-k, full sort, unsorted); a row's draw must not follow them."""
     p, q = prompts(hf)[0], prompts(hf)[1]
-    plain = GenerationRequest(tuple(p), sampling=Sampling(temperature=1.0), max_new_tokens=12, seed=7)
+    plain = GenerationRequest(tuple(p), sampling=Sampling.at(temperature=1.0), max_new_tokens=12, seed=7)
     alone = hf.generate([plain])[0][0].token_ids
     with_top_p = hf.generate(
-        [GenerationRequest(tuple(q), sampling=Sampling(temperature=1.0, top_p=0.9), max_new_tokens=12, seed=1), plain]
+        [GenerationRequest(tuple(q), sampling=Sampling.at(temperature=1.0, top_p=0.9), max_new_tokens=12, seed=1), plain]
     )[1][0].token_ids
-    filtered = GenerationRequest(tuple(p), sampling=Sampling(temperature=1.0, top_k=50), max_new_tokens=12, seed=7)
+    filtered = GenerationRequest(tuple(p), sampling=Sampling.at(temperature=1.0, top_k=50), max_new_tokens=12, seed=7)
     filtered_alone = hf.generate([filtered])[0][0].token_ids
     with_top_k = hf.generate(
-        [GenerationRequest(tuple(q), sampling=Sampling(temperature=1.0, top_k=5), max_new_tokens=12, seed=1), filtered]
+        [GenerationRequest(tuple(q), sampling=Sampling.at(temperature=1.0, top_k=5), max_new_tokens=12, seed=1), filtered]
     )[1][0].token_ids
     assert alone == with_top_p and filtered_alone == with_top_k
 
@@ -319,7 +321,7 @@ def test_a_shared_model_in_training_mode_decodes_in_eval_and_stays_in_training(h
     model.gradient_checkpointing_enable()
     model.train()
     shared = HFEngine.from_model(model, hf.tokenizer)
-    greedy = GenerationRequest(tuple(prompts(hf)[0]), sampling=Sampling(temperature=0), max_new_tokens=10)
+    greedy = GenerationRequest(tuple(prompts(hf)[0]), sampling=Sampling.at(temperature=0), max_new_tokens=10)
     assert shared.generate([greedy])[0][0].token_ids == hf.generate([greedy])[0][0].token_ids
     shared.sleep()  # the decoding thread has ended: the module is the trainer's again
     assert model.training
@@ -409,11 +411,11 @@ def test_a_request_that_continues_a_stopped_one_prefills_only_what_is_new(hf):
     result) starts from them, and samples what it samples with everything recomputed."""
     p = list(prompts(hf)[1])
     hf.sleep()
-    greedy = hf.generate([GenerationRequest(tuple(p), sampling=Sampling(temperature=0), max_new_tokens=12)])[0][0]
+    greedy = hf.generate([GenerationRequest(tuple(p), sampling=Sampling.at(temperature=0), max_new_tokens=12)])[0][0]
     stop = hf.tokenizer.decode(greedy.token_ids[:6])[-2:]
-    stopped = hf.generate([GenerationRequest(tuple(p), sampling=Sampling(temperature=0), max_new_tokens=12, stop=(stop,), session="q")])[0][
+    stopped = hf.generate([GenerationRequest(tuple(p), sampling=Sampling.at(temperature=0), max_new_tokens=12, stop=(stop,), session="q")])[
         0
-    ]
+    ][0]
     assert stopped.finish_reason == "stop"
     result = hf.tokenizer.encode("<result>\n42\n</result>", add_special_tokens=False)
     follow = GenerationRequest(tuple(p + stopped.token_ids + result), max_new_tokens=10, seed=5, logprobs=3, session="q")
@@ -466,7 +468,7 @@ def test_a_program_that_exits_while_the_engine_decodes_exits_cleanly(toy):
         "from etagent.llm.hf import HFEngine\n"
         f"path = {str(toy / 'model')!r}\n"
         "engine = HFEngine.from_model(AutoModelForCausalLM.from_pretrained(path).eval(), AutoTokenizer.from_pretrained(path))\n"
-        "requests = [GenerationRequest(prompt_ids=(5, 6, 7), sampling=Sampling(temperature=1.0), max_new_tokens=1000, seed=i) for i in range(32)]\n"
+        "requests = [GenerationRequest(prompt_ids=(5, 6, 7), sampling=Sampling.at(temperature=1.0), max_new_tokens=1000, seed=i) for i in range(32)]\n"
         "threading.Thread(target=engine.generate, args=(requests,), daemon=True).start()\n"
         "time.sleep(1.0)\n"
         "print('leaving while decoding', engine.counts['decode_steps'] > 0)\n"

@@ -15,7 +15,7 @@ import pytest
 from transformers import AutoTokenizer
 
 from etagent import protocol
-from etagent.agent import AgentConfig, AgentLoop
+from etagent.agent import AgentLoop
 from etagent.config import load_config
 from etagent.flywheel import prompts
 from etagent.flywheel.evolve import Flywheel, FlywheelSettings, QuestionRun, select_parent
@@ -35,6 +35,7 @@ from etagent.llm import GREEDY, Sample, Sampling, SharedBatches
 from etagent.llm.text import TextModel
 from etagent.records import Question, TokenOrigin
 from etagent.tools.executor import build_executor
+from tests.support.groups import agent_config
 from tests.support.trajectories import mask_runs
 
 ANSWER = "<answer>The final answer is \\[ \\boxed{{{}}} \\]</answer>"
@@ -119,9 +120,9 @@ def executor():
 
 def make_flywheel(tokenizer, executor, redundancy="Step: no", rewrite="Short reasoning.</think>", rounds=1, editor=True):
     engine = SharedBatches(ScriptedModel(tokenizer, policy))
-    loop = AgentLoop(engine, executor, AgentConfig(timeout_s=None, max_response_tokens=600, seed=0))
+    loop = AgentLoop(engine, executor, agent_config(timeout_s=None, max_response_tokens=600, seed=0))
     edit = (
-        TextModel(SharedBatches(ScriptedModel(tokenizer, editor_replies(redundancy, rewrite))), Sampling(), 200, "editor")
+        TextModel(SharedBatches(ScriptedModel(tokenizer, editor_replies(redundancy, rewrite))), Sampling.at(1.0), 200, "editor")
         if editor
         else None
     )
@@ -135,7 +136,7 @@ def make_flywheel(tokenizer, executor, redundancy="Step: no", rewrite="Short rea
         seed=0,
         reply_chars=2000,
     )
-    return Flywheel(loop, TextModel(engine, Sampling(), 200, "reflector"), edit, settings)
+    return Flywheel(loop, TextModel(engine, Sampling.at(1.0), 200, "reflector"), edit, settings)
 
 
 def evolve(flywheel, question) -> QuestionRun:

@@ -23,6 +23,7 @@ from etagent.gateway.server import ChatRequest, Gateway, create_app
 from etagent.gateway.sessions import Session
 from etagent.llm import Sample
 from tests.support.commands import TOKEN
+from tests.support.groups import agent_config
 from tests.support.servers import serve
 
 openai = pytest.importorskip("openai")
@@ -447,7 +448,7 @@ def test_a_session_becomes_the_trajectory_the_trainer_and_the_evaluation_read(to
     from etagent.records import Question, TokenOrigin
 
     tokenizer = AutoTokenizer.from_pretrained(toy / "model")
-    loop = AgentLoop(SimpleNamespace(tokenizer=tokenizer), None)  # no generation here: only its tokenizer is read
+    loop = AgentLoop(SimpleNamespace(tokenizer=tokenizer), None, agent_config())  # no generation here: only its tokenizer is read
     question = Question(id="q", question="In which year was Arden founded?", answer=["323"], source="toy_search", kind="qa")
     replies = [
         "<think>Look it up.</think><search>Arden</search>",

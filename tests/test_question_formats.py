@@ -96,7 +96,7 @@ def write_formats(questions: list[Question], out: Path) -> dict[str, Path]:
 
 # where a format keeps only the first gold answer, or no kind
 FIRST_ANSWER_ONLY = {"verl", "trl", "datasets_dict"}
-SETTINGS = {"datasets_dict": QuestionFormat(split="test")}
+SETTINGS = {"datasets_dict": QuestionFormat.given(split="test")}
 
 
 @pytest.fixture(scope="module")
@@ -113,7 +113,7 @@ def formats(toy_questions, tmp_path_factory) -> dict[str, Path]:
 
 def test_every_format_reads_as_the_questions_it_was_made_from(formats, toy_questions):
     for name, path in formats.items():
-        rows, mapping = read_question_rows(path, SETTINGS.get(name, QuestionFormat()))
+        rows, mapping = read_question_rows(path, SETTINGS.get(name, QuestionFormat.given()))
         assert [r.question.question for r in rows] == [q.question for q in toy_questions], name
         expected = [q.answer[:1] if name in FIRST_ANSWER_ONLY else q.answer for q in toy_questions]
         assert [r.question.answer for r in rows] == expected, name
@@ -129,10 +129,10 @@ def test_every_format_reads_as_the_questions_it_was_made_from(formats, toy_quest
         else:  # no kind in the row: inferred from the gold answer (a number is math: a year too), and said
             assert kinds == [inferred_kind(q.answer) for q in toy_questions] and "kind <- inferred from the answer" in mapping.describe()
     # a column of the user's own: the fields mapping reads it, dotted for a nested one
-    rows, mapping = read_question_rows(formats["flashrag"], QuestionFormat(fields={"kind": "metadata.kind"}))
+    rows, mapping = read_question_rows(formats["flashrag"], QuestionFormat.given(fields={"kind": "metadata.kind"}))
     assert [r.question.kind for r in rows] == [q.kind for q in toy_questions]
     assert "kind <- metadata.kind" in mapping.describe()
-    rows, _ = read_question_rows(formats["flashrag"], QuestionFormat(kind="math", source="mine"))
+    rows, _ = read_question_rows(formats["flashrag"], QuestionFormat.given(kind="math", source="mine"))
     assert {(r.question.kind, r.question.source) for r in rows} == {("math", "mine")}
 
 
@@ -174,7 +174,7 @@ def test_missing_fields_name_the_file_the_row_and_the_field(tmp_path):
             assert error.value.path == str(path) and error.value.line == bad_at + 1, (name, column, str(error.value))
             assert error.value.field in ("question", "answer"), str(error.value)
     with pytest.raises(Exception, match="not a question field"):
-        read_question_rows(tmp_path / "flashrag-question.jsonl", QuestionFormat(fields={"golden": "x"}))
+        read_question_rows(tmp_path / "flashrag-question.jsonl", QuestionFormat.given(fields={"golden": "x"}))
 
 
 def test_rl_reads_every_format_and_refuses_a_foreign_prompt_unless_rerendered(formats, toy_questions, tmp_path):
@@ -182,7 +182,7 @@ def test_rl_reads_every_format_and_refuses_a_foreign_prompt_unless_rerendered(fo
     write_rl_parquet([RLRow.for_question(q, i, "train") for i, q in enumerate(toy_questions)], ours)
     assert [p.question.question for p in read_prompts(ours)] == [q.question for q in toy_questions]
     for name, path in formats.items():
-        settings = SETTINGS.get(name, QuestionFormat())
+        settings = SETTINGS.get(name, QuestionFormat.given())
         has_prompt = name not in ("flashrag", "ours")
         if has_prompt:
             with pytest.raises(RecordError, match="data.rerender_prompts=true"):
@@ -322,7 +322,7 @@ def test_each_producers_own_file_reads_with_the_right_question_gold_and_kind(pro
     from tests.support.producers import SPLITS
 
     path, expected = producer_files[producer]
-    settings = QuestionFormat(split=SPLITS.get(producer))
+    settings = QuestionFormat.given(split=SPLITS.get(producer))
     rows, mapping = read_question_rows(path, settings)
     assert [(r.question.question, r.question.answer, r.question.kind) for r in rows] == expected, mapping.describe()
     assert len({r.question.id for r in rows}) == len(rows) == mapping.rows
@@ -373,10 +373,10 @@ def test_a_source_of_several_splits_is_read_only_where_a_split_is_named(producer
         path, expected = producer_files[producer]
         with pytest.raises(SettingError, match=r"question_format.split: .* holds several splits: (train, test|test, train); name the one"):
             read_question_rows(path)
-        assert len(read_question_rows(path, QuestionFormat(split="test"))[0]) == len(expected)
-        assert len(read_question_rows(path, QuestionFormat(split="train"))[0]) < len(expected)
+        assert len(read_question_rows(path, QuestionFormat.given(split="test"))[0]) == len(expected)
+        assert len(read_question_rows(path, QuestionFormat.given(split="train"))[0]) < len(expected)
         with pytest.raises(SettingError, match=r"has no split 'dev'"):
-            read_question_rows(path, QuestionFormat(split="dev"))
+            read_question_rows(path, QuestionFormat.given(split="dev"))
 
 
 def test_rl_trains_on_the_question_alone_from_a_merged_search_r1_file_and_verls_math(producer_files):

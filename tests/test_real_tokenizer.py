@@ -17,10 +17,11 @@ import pytest
 import torch
 
 from etagent import protocol
-from etagent.agent import AgentConfig, AgentLoop
+from etagent.agent import AgentLoop
 from etagent.llm import GenerationRequest, Sampling
 from etagent.records import TokenOrigin, origin_segments
 from etagent.tools.executor import ToolExecutor
+from tests.support.groups import agent_config
 from tests.support.scripted import FakePython, FakeSearch, question
 
 
@@ -48,7 +49,7 @@ def test_a_stop_string_that_ends_inside_a_token_stops_at_that_token_and_keeps_it
     token, which is kept whole (its last character past the stop included), finish "stop"."""
     tokenizer = smollm2_tokenizer
     prompt = tuple(protocol.encode_prompt(tokenizer, "Describe bread in one sentence."))
-    greedy = Sampling(temperature=0.0)
+    greedy = Sampling.at(temperature=0.0)
     [[free]] = engine.generate([GenerationRequest(sampling=greedy, prompt_ids=prompt, max_new_tokens=24)])
     ids = list(free.token_ids)
     texts = pieces(tokenizer, ids)
@@ -69,7 +70,7 @@ def test_trajectories_the_real_model_writes_keep_the_token_invariants(engine, sm
     one has a result span."""
     tokenizer = smollm2_tokenizer
     rng = random.Random(0)
-    loop = AgentLoop(engine, ToolExecutor([FakeSearch(rng), FakePython(rng)]), AgentConfig(max_response_tokens=96, seed=3))
+    loop = AgentLoop(engine, ToolExecutor([FakeSearch(rng), FakePython(rng)]), agent_config(max_response_tokens=96, seed=3))
     states = []
     for k in range(3):
         states.append(loop.from_prefix(question(f"What is {k} + 2?"), f"q{k}", f"<think>compute it</think><python>print({k} + 2)</python>"))

@@ -92,7 +92,7 @@ def test_log_probs_are_of_the_tempered_distribution_the_hf_engine_sampled(toy):
     engine = HFEngine.from_model(lm, tokenizer)
     prompt = tokenizer.encode("<|im_start|>user\nWho works as a baker?<|im_end|>\n<|im_start|>assistant\n", add_special_tokens=False)
     [[sample]] = engine.generate(
-        [GenerationRequest(sampling=Sampling(temperature=0.7), prompt_ids=tuple(prompt), max_new_tokens=12, seed=3)]
+        [GenerationRequest(sampling=Sampling.at(temperature=0.7), prompt_ids=tuple(prompt), max_new_tokens=12, seed=3)]
     )
     t = TrajectoryState(id="t", question=QUESTION, prompt_ids=prompt, budgets=Budgets(6, 6, None, 100))
     t.append(list(sample.token_ids), TokenOrigin.SAMPLED, list(sample.logprobs), sample.tempered_logprobs)

@@ -150,7 +150,7 @@ def test_the_hf_engine_and_the_merged_stream_follow_every_step(toy):
         loss_of(policy).backward()
         optimizer.step()
         optimizer.zero_grad()
-        request = GenerationRequest(sampling=Sampling(temperature=1.0), prompt_ids=tuple(prompt), max_new_tokens=12, seed=step)
+        request = GenerationRequest(sampling=Sampling.at(temperature=1.0), prompt_ids=tuple(prompt), max_new_tokens=12, seed=step)
         with colocated.reading():
             [[sample]] = colocated.generator.generate([request])
             [[same]] = sharded.generate([request])

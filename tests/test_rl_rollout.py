@@ -20,7 +20,7 @@ from hypothesis import strategies as st
 from transformers import AutoTokenizer
 
 from etagent import protocol
-from etagent.agent import AgentConfig, AgentLoop, SegmentEntropy
+from etagent.agent import AgentLoop, SegmentEntropy
 from etagent.llm import Sample
 from etagent.records import Question, TokenOrigin
 from etagent.rl.algorithm import entropy_aware_advantages, entropy_moments, entropy_standardisation, policy_loss
@@ -41,6 +41,7 @@ from etagent.rl.rollout import (
 )
 from etagent.tools import ToolOutput
 from etagent.tools.executor import ToolExecutor
+from tests.support.groups import agent_config
 
 ANSWER = "<think>done</think><answer>The final answer is \\[ \\boxed{1} \\]</answer>"
 
@@ -86,7 +87,7 @@ def tokenizer(toy):
 
 def setup(tokenizer, calls: dict[str, int]):
     engine = ScriptedEngine(tokenizer, calls)
-    config = AgentConfig(max_search_calls=50, max_response_tokens=4000, max_segment_tokens=64, timeout_s=None, seed=0)
+    config = agent_config(max_search_calls=50, max_response_tokens=4000, max_segment_tokens=64, timeout_s=None, seed=0)
     loop = AgentLoop(engine, ToolExecutor([Search()]), config, SegmentEntropy(top_logprobs=1, window=20))
     prompts = [Prompt(Question(id=q, question=q, answer=["1"], source="toy", kind="qa"), i, "qa_effi_rl") for i, q in enumerate(calls)]
     return engine, loop, prompts
@@ -497,7 +498,7 @@ def test_top_logprobs_are_asked_for_only_where_the_tree_reads_them(tokenizer, ki
 
     engine.agenerate = counting
     rollout_settings = settings(kind=kind, n=4, initial_rollouts=2, top_logprobs=7, entropy_window=13)
-    config = AgentConfig(max_search_calls=50, max_response_tokens=4000, max_segment_tokens=64, timeout_s=None, seed=0)
+    config = agent_config(max_search_calls=50, max_response_tokens=4000, max_segment_tokens=64, timeout_s=None, seed=0)
     loop = AgentLoop(engine, ToolExecutor([Search()]), config, segment_entropy(rollout_settings))
     prompts = [
         Prompt(Question(id=q, question=q, answer=["1"], source="toy", kind="qa"), i, "qa_effi_rl") for i, q in enumerate(["two", "none"])

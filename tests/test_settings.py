@@ -115,7 +115,7 @@ def test_resume_freedom_comes_from_the_declarations():
 )
 def test_non_finite_and_out_of_range_settings_are_refused_by_the_real_cli(stage, override, key, tmp_path):
     """Through the real command line: exit 2, one line naming the key, nothing written."""
-    module = {"retriever": "etagent.retriever.build"}.get(stage, f"{stage}.run")
+    module = {"retriever": "etagent.retriever.build"}.get(stage, f"etagent.{stage}.run")
     out = tmp_path / "out"
     result = subprocess.run(
         [sys.executable, "-m", module, override, f"{'index_dir' if stage == 'retriever' else 'out_dir'}={out}"],

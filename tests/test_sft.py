@@ -21,6 +21,7 @@ from etagent.records import SFTExample, export_llamafactory
 from etagent.sft.data import IGNORE, build_dataset, load_examples, tokenize_example
 from etagent.sft.run import Collator
 from tests.support.commands import sft_command
+from tests.support.groups import agent_config
 
 TRAJECTORY = (
     "<think>I need the year.</think><search>Zorvak Telmin</search>"
@@ -90,12 +91,12 @@ def test_label_mask_lines_up_with_the_agent_loops_mask(tokenizer, toy):
     import asyncio
     import random
 
-    from etagent.agent import AgentConfig, AgentLoop
+    from etagent.agent import AgentLoop
     from etagent.tools.executor import ToolExecutor
     from tests.support.scripted import SCRIPTS, FakePython, FakeSearch, ScriptedEngine, question
 
     rng = random.Random(0)
-    loop = AgentLoop(ScriptedEngine(tokenizer, SCRIPTS), ToolExecutor([FakeSearch(rng), FakePython(rng)]), AgentConfig())
+    loop = AgentLoop(ScriptedEngine(tokenizer, SCRIPTS), ToolExecutor([FakeSearch(rng), FakePython(rng)]), agent_config())
     state = loop.new(question("q-python"), "t/0")
     asyncio.run(loop.run([state]))
     record = loop.to_record(state)

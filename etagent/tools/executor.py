@@ -120,14 +120,14 @@ def budget_exhausted_record(call: ToolCall, used: int, limit: int, scope: str) -
 class PythonToolConfig:
     """``tools.python`` (configs/tools/_base.yaml documents each field)."""
 
-    backend: Annotated[str, OneOf("sandbox", "sandbox_fusion")] = "sandbox"
-    isolation: Annotated[str, OneOf("auto", "namespaces", "rlimits")] = "auto"
-    interpreter: str | None = None
+    backend: Annotated[str, OneOf("sandbox", "sandbox_fusion")] = MISSING
+    isolation: Annotated[str, OneOf("auto", "namespaces", "rlimits")] = MISSING
+    interpreter: str | None = MISSING
     limits: SandboxLimits = field(default_factory=SandboxLimits)
-    max_output_chars: PositiveInt = 1000
-    concurrency: Annotated[PositiveInt, FREE] = 32
+    max_output_chars: PositiveInt = MISSING
+    concurrency: Annotated[PositiveInt, FREE] = MISSING
     preload: list[str] = MISSING
-    sandbox_fusion_url: str | None = None
+    sandbox_fusion_url: str | None = MISSING
 
 
 @group
@@ -137,39 +137,39 @@ class LocalSearchConfig:
     url: Annotated[str, FREE] = MISSING
     api: Annotated[str, OneOf("retrieve", "search")] = MISSING
     method: Annotated[str, OneOf("dense", "bm25", "hybrid")] | None = MISSING
-    token_env: Annotated[str | None, FREE] = None
+    token_env: Annotated[str | None, FREE] = MISSING
 
 
 @group
 class WebSearchConfig:
     """``tools.search.web``: a web search API."""
 
-    api_key_env: Annotated[str, FREE] = "SERPER_API_KEY"
-    endpoint: str | None = None
-    max_results: PositiveInt = 10
-    max_chars: PositiveInt = 1000
-    rate_per_s: PositiveFloat = 2.0
-    zone: str = "serp_api1"
+    api_key_env: Annotated[str, FREE] = MISSING
+    endpoint: str | None = MISSING
+    max_results: PositiveInt = MISSING
+    max_chars: PositiveInt = MISSING
+    rate_per_s: PositiveFloat = MISSING
+    zone: str = MISSING
 
 
 @group
 class SearchCacheConfig:
     """``tools.search.cache``: cached search results."""
 
-    path: str | None = None
-    mode: Annotated[str, OneOf("readwrite", "replay")] = "readwrite"
+    path: str | None = MISSING
+    mode: Annotated[str, OneOf("readwrite", "replay")] = MISSING
 
 
 @group
 class SearchToolConfig:
     """``tools.search``."""
 
-    backend: Annotated[str, OneOf("local", "serper", "brightdata", "bing")] = "local"
+    backend: Annotated[str, OneOf("local", "serper", "brightdata", "bing")] = MISSING
     top_k: PositiveInt = MISSING
-    max_doc_chars: PositiveInt = 1200
-    timeout_s: Annotated[PositiveFloat, FREE] = 30.0
-    attempts: Annotated[PositiveInt, FREE] = 3
-    concurrency: Annotated[PositiveInt, FREE] = 32
+    max_doc_chars: PositiveInt = MISSING
+    timeout_s: Annotated[PositiveFloat, FREE] = MISSING
+    attempts: Annotated[PositiveInt, FREE] = MISSING
+    concurrency: Annotated[PositiveInt, FREE] = MISSING
     local: LocalSearchConfig = field(default_factory=LocalSearchConfig)
     web: WebSearchConfig = field(default_factory=WebSearchConfig)
     # a cache changes where results come from, not what they are
@@ -181,7 +181,7 @@ class ToolsConfig:
     """The ``tools`` config group (configs/tools/), the schema Hydra checks it against at load."""
 
     # how many failures a run tolerates, not what any call returns
-    max_failure_share: Annotated[Fraction, FREE] = 0.05
+    max_failure_share: Annotated[Fraction, FREE] = MISSING
     python: PythonToolConfig = field(default_factory=PythonToolConfig)
     search: SearchToolConfig = field(default_factory=SearchToolConfig)
 

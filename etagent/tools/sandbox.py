@@ -66,6 +66,7 @@ from dataclasses import asdict, dataclass
 from pathlib import Path
 
 import httpx
+from omegaconf import MISSING
 
 from etagent.errors import UserError
 from etagent.net import ExternalCallError, post_json
@@ -117,14 +118,14 @@ SANDBOX_ENVIRONMENT = {
 class SandboxLimits:
     """Per-call limits. cpu_seconds defaults to the timeout rounded up, plus one."""
 
-    timeout_s: PositiveFloat = 30.0
-    memory_mb: PositiveInt = 2048
-    file_size_mb: PositiveInt = 16
-    open_files: PositiveInt = 256
-    processes: PositiveInt = 32
-    tmpfs_mb: PositiveInt = 64
-    max_output_bytes: PositiveInt = 256_000
-    cpu_seconds: PositiveInt | None = None
+    timeout_s: PositiveFloat = MISSING
+    memory_mb: PositiveInt = MISSING
+    file_size_mb: PositiveInt = MISSING
+    open_files: PositiveInt = MISSING
+    processes: PositiveInt = MISSING
+    tmpfs_mb: PositiveInt = MISSING
+    max_output_bytes: PositiveInt = MISSING
+    cpu_seconds: PositiveInt | None = MISSING
 
     def for_zygote(self, timeout_s: float) -> dict:
         return {
@@ -210,7 +211,7 @@ class PythonSandbox:
         self,
         *,
         python: str | None = None,
-        limits: SandboxLimits | None = None,
+        limits: SandboxLimits,
         isolation: str = "auto",
         preload: tuple[str, ...] = DEFAULT_PRELOAD,
         max_concurrency: int = 32,
@@ -220,7 +221,7 @@ class PythonSandbox:
         # an absolute path: the server starts in its own directory (sys.executable is relative when
         # Python was found through a relative PATH entry)
         self.python = os.path.abspath(python or sys.executable) if os.sep in (python or sys.executable) else shutil.which(python) or python
-        self.limits = limits or SandboxLimits()
+        self.limits = limits
         self.requested_isolation = isolation
         self.preload = tuple(preload)
         self.max_concurrency = max_concurrency
@@ -435,9 +436,9 @@ class SandboxFusion:
     Isolation is whatever that server provides (it runs code in its own container).
     """
 
-    def __init__(self, url: str, limits: SandboxLimits | None = None, attempts: int = 3):
+    def __init__(self, url: str, limits: SandboxLimits, attempts: int = 3):
         self.url = url.rstrip("/") + "/run_code"
-        self.limits = limits or SandboxLimits()
+        self.limits = limits
         self.attempts = attempts
         self.isolation, self.isolation_note = "sandbox-fusion", f"code runs on the SandboxFusion server at {url}"
 

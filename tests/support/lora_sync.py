@@ -54,7 +54,7 @@ def main(kind: str, model_dir: str) -> dict:
 
     def measure(step: int) -> dict:
         requests = [
-            GenerationRequest(tuple(p), sampling=Sampling(temperature=1.0), max_new_tokens=24, seed=100 * step + k)
+            GenerationRequest(tuple(p), sampling=Sampling.at(temperature=1.0), max_new_tokens=24, seed=100 * step + k)
             for k, p in enumerate(prompts)
         ]
         policy.eval()
@@ -84,7 +84,6 @@ def main(kind: str, model_dir: str) -> dict:
 
 
 def build_engine(kind: str, policy, tokenizer, model_dir: str, lora):
-    from etagent.llm import VLLMConfig
     from etagent.rl.engine import AdapterEngine, CopiedWeightsEngine, LivePolicyEngine
     from etagent.rl.policy import unhooked_twin
 
@@ -93,10 +92,15 @@ def build_engine(kind: str, policy, tokenizer, model_dir: str, lora):
 
         twin = unhooked_twin(policy.lm, lora)
         return LivePolicyEngine(HFEngine.from_model(twin, tokenizer), policy, twin)
+    from etagent.config import base_group
+    from etagent.llm import VLLMConfig
     from etagent.llm.vllm_engine import VLLMEngine
 
     adapters = kind == "vllm"
-    settings = VLLMConfig(
+    settings = base_group(
+        VLLMConfig,
+        "engine",
+        "vllm",
         max_model_len=512,
         gpu_memory_utilization=0.5,
         cpu_kv_cache_gb=0.25,

@@ -14,6 +14,8 @@ import sys
 
 import torch
 
+from tests.support.groups import vllm_config
+
 
 def other_weights(model_dir) -> dict[str, torch.Tensor]:
     """The state dict of a differently seeded toy model of the same shape (lm_head included)."""
@@ -53,7 +55,7 @@ def check_weight_update(engine, model_dir) -> dict:
     from etagent.llm import GenerationRequest, Sampling
 
     prompt = protocol.encode_prompt(engine.tokenizer, "What is 12 times 7?")
-    greedy = GenerationRequest(tuple(prompt), sampling=Sampling(temperature=0), max_new_tokens=12)
+    greedy = GenerationRequest(tuple(prompt), sampling=Sampling.at(temperature=0), max_new_tokens=12)
     original = {k: v.detach().clone() for k, v in AutoModelForCausalLM.from_pretrained(model_dir).state_dict().items()}
     before = engine.generate([greedy])[0][0]
     new = other_weights(model_dir)
@@ -100,13 +102,12 @@ def assert_weight_update(found: dict) -> None:
 
 
 if __name__ == "__main__":
-    from etagent.llm import VLLMConfig
     from etagent.llm.vllm_engine import VLLMEngine
 
     model_dir = sys.argv[1]
     engine = VLLMEngine.load(
         model_dir,
-        VLLMConfig(max_model_len=2048, gpu_memory_utilization=0.5, cpu_kv_cache_gb=0.25, enforce_eager=True, colocated=True),
+        vllm_config(max_model_len=2048, gpu_memory_utilization=0.5, cpu_kv_cache_gb=0.25, enforce_eager=True, colocated=True),
         dtype="float32",
     )
     found = check_weight_update(engine, model_dir)
