@@ -91,12 +91,12 @@ def main() -> None:
     work = Path(tempfile.mkdtemp(prefix="etagent-bench-colocated-"))
     toy, model = toy_policy(work, args.toy, args.model)
     import etagent.rl  # noqa: F401 (registers configs/rl's schema, which load_config needs)
-    from etagent.config import base_group, load_config
+    from etagent.config import base_group, load_settings
     from etagent.llm import VLLMConfig
     from etagent.llm.vllm_engine import VLLMEngine
     from etagent.tools.executor import build_executor
 
-    cfg = load_config("rl", "tiny", [f"model={model}", f"rollout.kind={args.rollout}"])
+    cfg = load_settings("rl", "tiny", [f"model={model}", f"rollout.kind={args.rollout}"])
     prompts = rl_prompts(toy, args.prompts)
     engine = VLLMEngine.load(
         model,

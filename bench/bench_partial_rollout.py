@@ -58,14 +58,14 @@ def main() -> None:
     toy, model = toy_policy(work, args.toy, args.model)
     import etagent.rl  # noqa: F401 (registers configs/rl's schema, which load_config needs)
     from etagent.agent import AgentConfig, AgentLoop
-    from etagent.config import build, load_config
+    from etagent.config import build, load_settings
     from etagent.llm.hf import HFEngine
     from etagent.rl.config import RolloutSettings
     from etagent.rl.rollout import PartialRollout, make_rollout, rollout_metrics, segment_entropy
     from etagent.tools.executor import build_executor
 
     overrides = [f"model={model}", f"rollout.kind={args.rollout}", "agent.lockstep=false"]
-    cfg = load_config("rl", "tiny", [*overrides, "rollout.partial=true", f"rollout.partial_extra={args.extra}"])
+    cfg = load_settings("rl", "tiny", [*overrides, "rollout.partial=true", f"rollout.partial_extra={args.extra}"])
     settings = build(RolloutSettings, cfg.rollout)
     prompts = rl_prompts(toy, args.prompts * args.steps + args.extra)
     engine = HFEngine(model, max_batch_size=64, continuous_batching=True)

@@ -38,11 +38,11 @@ def main() -> None:
     work = Path(tempfile.mkdtemp(prefix="etagent-bench-tree-"))
     toy, model = toy_policy(work, args.toy, args.model)
     import etagent.rl  # noqa: F401 (registers configs/rl's schema, which load_config needs)
-    from etagent.config import load_config
+    from etagent.config import load_settings
     from etagent.llm.hf import HFEngine
     from etagent.tools.executor import build_executor
 
-    cfg = load_config("rl", "tiny", [f"model={model}"])
+    cfg = load_settings("rl", "tiny", [f"model={model}"])
     prompts = rl_prompts(toy, args.prompts)
     engines = {
         "with prefix caching": HFEngine(model, max_batch_size=cfg.engine.max_batch_size),

@@ -248,11 +248,11 @@ def memory(work: Path) -> None:
     from memory_plan import build_model, update_parts
     from transformers import AutoModelForCausalLM, AutoTokenizer
 
-    from etagent.config import load_config
+    from etagent.config import load_settings
     from etagent.rl.distributed import init_distributed
     from etagent.rl.policy import load_policy, response_logprobs
 
-    cfg = load_config("rl", "paper")
+    cfg = load_settings("rl", "paper")
     tokens, chunk = int(cfg.train.micro_batch_tokens), int(cfg.train.logprob_chunk_tokens)
     layers = 2
     planned = build_model(layers)  # the slice on the meta device, as bench/memory_plan.py sees it
@@ -344,11 +344,10 @@ def memory_lora(folder: Path, planned, tokens: int, chunk: int, ids, mask, posit
     import torch
     from memory_plan import lora_update_parts
 
-    from etagent.config import build, load_config
-    from etagent.rl.config import RLLoraSettings
+    from etagent.config import load_settings
     from etagent.rl.policy import load_policy
 
-    lora = build(RLLoraSettings, load_config("rl", "paper_1gpu").lora)
+    lora = load_settings("rl", "paper_1gpu").lora
     device = ids.device
     policy, _ = load_policy(folder, device, compute_dtype=torch.bfloat16, chunk_tokens=chunk, gradient_checkpointing=True, lora=lora)
     trained = [p for p in policy.parameters() if p.requires_grad]

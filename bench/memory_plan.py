@@ -170,9 +170,9 @@ def update_parts(model: Model, world: int, tokens: int, chunk: int, checkpointin
 
 
 def rl_plan(model: Model, world: int, args) -> dict:
-    from etagent.config import load_config
+    from etagent.config import load_settings
 
-    cfg = load_config("rl", "paper")
+    cfg = load_settings("rl", "paper")
     tokens = int(cfg.train.micro_batch_tokens)
     chunk = int(cfg.train.logprob_chunk_tokens)
     bucket = int(cfg.train.weight_bucket_mb) << 20
@@ -259,10 +259,10 @@ def rl_lora_plan(model: Model, args) -> dict:
     base (asleep at level 1: offloaded to host memory) and sent the adapters after every update
     (rl/engine.py's AdapterEngine: each adapter tensor gathered in float32 and copied to the host,
     then loaded into vLLM's bf16 LoRA slot)."""
-    from etagent.config import build, load_config
+    from etagent.config import build, load_settings
     from etagent.rl.config import RLLoraSettings
 
-    cfg = load_config("rl", "paper_1gpu")
+    cfg = load_settings("rl", "paper_1gpu")
     lora = build(RLLoraSettings, cfg.lora)
     tokens = int(cfg.train.micro_batch_tokens)
     chunk = int(cfg.train.logprob_chunk_tokens)
@@ -311,9 +311,9 @@ def rl_lora_plan(model: Model, args) -> dict:
 
 
 def sft_plan(model: Model, world: int, args) -> dict:
-    from etagent.config import load_config
+    from etagent.config import load_settings
 
-    cfg = load_config("sft", "paper")
+    cfg = load_settings("sft", "paper")
     tokens = int(cfg.cutoff_len) * int(cfg.train.batch_size)
     vocab, hidden, n_layers = model.config.vocab_size, model.config.hidden_size, model.config.num_hidden_layers
     partitioned = math.ceil(model.params / world)
@@ -338,9 +338,9 @@ def main() -> None:
     parser.add_argument("--json", action="store_true", help="print the plan as JSON")
     args = parser.parse_args()
     if args.vllm_fraction is None:
-        from etagent.config import load_config
+        from etagent.config import load_settings
 
-        args.vllm_fraction = float(load_config("rl", "paper").engine.vllm.gpu_memory_utilization)
+        args.vllm_fraction = float(load_settings("rl", "paper").engine.vllm.gpu_memory_utilization)
     model = build_model()
     plans = {world: {"rl": rl_plan(model, world, args), "sft": sft_plan(model, world, args)} for world in args.gpus}
     plans[1] = {"rl paper_1gpu (LoRA)": rl_lora_plan(model, args)}

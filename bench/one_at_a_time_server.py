@@ -16,8 +16,7 @@ import uvicorn
 from fastapi import FastAPI
 from pydantic import BaseModel
 
-from etagent.config import build, load_config
-from etagent.retriever.config import RetrieverConfig
+from etagent.config import load_settings
 from etagent.retriever.server import Index
 
 
@@ -30,7 +29,7 @@ class RetrieveRequest(BaseModel):
 def main() -> None:
     index_dir, port, threads = sys.argv[1], int(sys.argv[2]), int(sys.argv[3])
     torch.set_num_threads(threads)
-    cfg = build(RetrieverConfig, load_config("retriever", "tiny", [f"index_dir={index_dir}", *sys.argv[4:]]))
+    cfg = load_settings("retriever", "tiny", [f"index_dir={index_dir}", *sys.argv[4:]])
     index = Index(Path(index_dir), cfg.serve, cfg.encoder)
     app = FastAPI()
 

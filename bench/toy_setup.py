@@ -52,7 +52,7 @@ def toy_tools(work: Path, toy: Path) -> Iterator:
     """The tiny tools config, its search pointed at a retriever service over the toy corpus that
     runs for the duration."""
     import etagent.tools.executor  # noqa: F401 (registers the tools group's schema, which load_config needs)
-    from etagent.config import load_config
+    from etagent.config import load_settings
 
     _run(sys.executable, "-m", "etagent.retriever.build", f"corpus={toy / 'corpus.jsonl'}", f"index_dir={work / 'index'}")
     port = 18500 + os.getpid() % 1000
@@ -69,7 +69,7 @@ def toy_tools(work: Path, toy: Path) -> Iterator:
                     break
             except httpx.HTTPError:
                 time.sleep(0.5)
-        yield load_config("tools", "tiny", [f"tools.search.local.url=http://127.0.0.1:{port}"]).tools
+        yield load_settings("tools", "tiny", [f"tools.search.local.url=http://127.0.0.1:{port}"])
     finally:
         server.terminate()
         server.wait()

@@ -30,8 +30,6 @@ import logging
 from collections.abc import Sequence
 from functools import partial
 
-from omegaconf import DictConfig
-
 from etagent import scoring
 from etagent.direct_rollout.config import DirectRolloutConfig
 from etagent.errors import DegradedRun, exit_on_user_error
@@ -52,14 +50,14 @@ def chain_judgement(prediction: str, golds: Sequence[str], kind: str, qa_pass_ma
     return Judgement(metric="f1", score=score, verdict=score >= qa_pass_mark, threshold=qa_pass_mark)
 
 
-def plan(cfg: DictConfig) -> None:
+def plan(cfg: DirectRolloutConfig) -> None:
     """Everything the stage can refuse, before it claims its output folder: the sampling's settings,
     inputs and questions under this stage's schema, so that a refused policy is named as the user
     set it (``model``) (etagent.sampling.plan_sampling, which :func:`run` runs inside run_sampling)."""
     plan_sampling(cfg, DirectRolloutConfig)
 
 
-def run(cfg: DictConfig) -> dict:
+def run(cfg: DirectRolloutConfig) -> dict:
     """Roll out every question not yet in cfg.out_dir; return the summary metrics."""
     stage = f"direct_rollout/stage{cfg.rl_stage}"
     return run_sampling(

@@ -208,6 +208,15 @@ def load_config(stage: str, preset: str = "tiny", overrides: Sequence[str] = ())
     return cfg
 
 
+def load_settings(stage: str, preset: str = "tiny", overrides: Sequence[str] = ()):
+    """The typed config a stage runs with: :func:`load_config`, checked, then built into the
+    stage's schema (a shared group's preset: its group's object). Built once, where the command
+    line is read (etagent/stage_cli.py), and passed down as it is: nothing below rebuilds a part."""
+    cfg = load_config(stage, preset, overrides)
+    schema, package = SCHEMAS[stage]
+    return build(schema, cfg[stage] if package is None else cfg)
+
+
 def check_composed(stage: str, cfg: DictConfig, preset_file: str, overrides: Sequence[str] = ()) -> None:
     """What :func:`load_config` checks once Hydra has composed a config (from ``preset_file`` and
     ``overrides``, which the messages name): no key its schema lacks, none left unset, and every

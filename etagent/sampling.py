@@ -21,6 +21,7 @@ flywheel's initial rollouts); each stage owns its entry point and config (``dire
 from __future__ import annotations
 
 import asyncio
+import dataclasses
 import logging
 import time
 import zlib
@@ -30,10 +31,9 @@ from dataclasses import field
 from pathlib import Path
 from typing import Annotated
 
-from omegaconf import MISSING, DictConfig, OmegaConf
+from omegaconf import MISSING
 
 from etagent.agent import AgentConfig, AgentLoop
-from etagent.config import build
 from etagent.errors import SettingError
 from etagent.gateway.harness import GatewaySettings, check_gateway
 from etagent.llm import EngineConfig, check_engine_settings
@@ -52,7 +52,6 @@ from etagent.settings import (
     check_model_weights,
     check_paths,
     group,
-    validate,
 )
 from etagent.tools.executor import ToolsConfig, check_tools, degraded, describe_failures, failure_counts
 
@@ -214,25 +213,23 @@ def _batches(items: Sequence, size: int) -> Iterator[list]:
         yield list(items[start : start + size])
 
 
-def _local(cfg: DictConfig, stage: str, todo: list[Question], judge: Judge, token_arrays: bool) -> Iterator[list[TrajectoryGroup]]:
+def _local(cfg: SamplingConfig, stage: str, todo: list[Question], judge: Judge, token_arrays: bool) -> Iterator[list[TrajectoryGroup]]:
     from etagent.llm import make_engine
     from etagent.tools.executor import build_executor
 
     engine = make_engine(cfg.engine)
     if cfg.gateway.harness:  # the harness runs its own tools
-        sampler = HarnessSampler(
-            engine, build(GatewaySettings, cfg.gateway), build(AgentConfig, cfg.agent), cfg.n, stage, judge, token_arrays
-        )
+        sampler = HarnessSampler(engine, cfg.gateway, cfg.agent, cfg.n, stage, judge, token_arrays)
         for group in sampler.stream(todo, window=cfg.batch_questions):
             yield [group]
         return
     with build_executor(cfg.tools) as executor:
-        sampler = Sampler(engine, executor, build(AgentConfig, cfg.agent), cfg.n, stage, judge, token_arrays)
+        sampler = Sampler(engine, executor, cfg.agent, cfg.n, stage, judge, token_arrays)
         for group in sampler.stream(todo, window=cfg.batch_questions):
             yield [group]
 
 
-def _ray(cfg: DictConfig, stage: str, todo: list[Question], judge: Judge, token_arrays: bool) -> Iterator[list[TrajectoryGroup]]:
+def _ray(cfg: SamplingConfig, stage: str, todo: list[Question], judge: Judge, token_arrays: bool) -> Iterator[list[TrajectoryGroup]]:
     import ray
     from ray.util import ActorPool
 
@@ -241,35 +238,33 @@ def _ray(cfg: DictConfig, stage: str, todo: list[Question], judge: Judge, token_
             ray.init(address=cfg.ray.address)
         else:
             ray.init(num_cpus=cfg.ray.workers * cfg.ray.num_cpus_per_worker, include_dashboard=False, log_to_driver=False)
-    plain = OmegaConf.to_container(cfg, resolve=True)
 
     @ray.remote
     class SamplingWorker:
-        def __init__(self, config: dict, stage: str, judge: Judge, token_arrays: bool):
+        def __init__(self, config: SamplingConfig, stage: str, judge: Judge, token_arrays: bool):
             import torch
 
             from etagent.llm import make_engine
             from etagent.tools.executor import build_executor
 
-            config = OmegaConf.create(config)
             torch.set_num_threads(max(1, config.ray.num_cpus_per_worker))
             self.executor = build_executor(config.tools)
             engine = make_engine(config.engine)
-            self.sampler = Sampler(engine, self.executor, build(AgentConfig, config.agent), config.n, stage, judge, token_arrays)
+            self.sampler = Sampler(engine, self.executor, config.agent, config.n, stage, judge, token_arrays)
 
         def sample(self, questions: list[dict]) -> list[dict]:
             groups = self.sampler.sample([Question.model_validate(q) for q in questions])
             return [g.to_json() for g in groups]
 
     options = {"num_cpus": cfg.ray.num_cpus_per_worker, "num_gpus": cfg.ray.num_gpus_per_worker}
-    workers = [SamplingWorker.options(**options).remote(plain, stage, judge, token_arrays) for _ in range(cfg.ray.workers)]
+    workers = [SamplingWorker.options(**options).remote(cfg, stage, judge, token_arrays) for _ in range(cfg.ray.workers)]
     pool = ActorPool(workers)
     batches = [[q.to_json() for q in batch] for batch in _batches(todo, cfg.batch_questions)]
     for result in pool.map_unordered(lambda worker, batch: worker.sample.remote(batch), batches):
         yield [TrajectoryGroup.model_validate(g) for g in result]
 
 
-def check_harness(cfg: DictConfig) -> None:
+def check_harness(cfg: SamplingConfig) -> None:
     """``gateway.harness``: a command that can start and the gateway's packages; one engine, here
     (the harness is pointed at this process's gateway, not at Ray's actors)."""
     check_gateway("gateway", cfg.gateway)
@@ -277,18 +272,17 @@ def check_harness(cfg: DictConfig) -> None:
         raise SettingError("ray.workers", f"is {cfg.ray.workers}, and gateway.harness drives the engine of this process: set ray.workers=0")
 
 
-def plan_sampling(cfg: DictConfig, schema: type = SamplingConfig) -> tuple[list[Question], str]:
+def plan_sampling(cfg: SamplingConfig, schema: type = SamplingConfig) -> tuple[list[Question], str]:
     """Everything a sampling run can refuse, before it claims its output folder, the cheap first
-    (a refused setting or question answers in about a second): the settings and what the run
-    reads, present and of its kind; every question read (first ``limit``); then what the engine,
-    the tools and Ray ask of this machine, and the model's weights against its config. Returns
-    the questions and how they were read (etagent.question_formats' Mapping, for the manifest).
-    ``schema``: the stage's, where it adds settings to these (direct rollout's ``model``, which
-    the engine's follows: a refusal names the key the user set)."""
-    values = OmegaConf.to_container(cfg, resolve=True)
-    validate(SamplingConfig, values)
+    (a refused setting or question answers in about a second; the ranges were checked at load):
+    what the run reads, present and of its kind; every question read (first ``limit``); then what
+    the engine, the tools and Ray ask of this machine, and the model's weights against its
+    config. Returns the questions and how they were read (etagent.question_formats' Mapping, for
+    the manifest). ``schema``: the stage's, where it adds settings to these (direct rollout's
+    ``model``, which the engine's follows: a refusal names the key the user set)."""
+    values = dataclasses.asdict(cfg)
     check_paths(schema, values)
-    rows, mapping = read_question_rows(cfg.questions, build(QuestionFormat, cfg.question_format), cfg.partial_input_ok)
+    rows, mapping = read_question_rows(cfg.questions, cfg.question_format, cfg.partial_input_ok)
     check_engine_settings(cfg.engine)
     if cfg.ray.workers > 0:
         check_installed("ray.workers", "ray", f"ray.workers={cfg.ray.workers}")
@@ -299,7 +293,7 @@ def plan_sampling(cfg: DictConfig, schema: type = SamplingConfig) -> tuple[list[
     return (questions[: cfg.limit] if cfg.limit is not None else questions), mapping.describe()
 
 
-def run_sampling(cfg: DictConfig, stage: str, judge: Judge, token_arrays: bool = True, schema: type = SamplingConfig) -> dict:
+def run_sampling(cfg: SamplingConfig, stage: str, judge: Judge, token_arrays: bool = True, schema: type = SamplingConfig) -> dict:
     """Sample every question of cfg.questions (``cfg`` holds :class:`SamplingConfig`'s keys, and
     the manifest records all of it) not yet in the output for ``stage`` (the name in
     each trajectory's provenance and the manifest), judging each rollout with ``judge``; return
@@ -309,7 +303,15 @@ def run_sampling(cfg: DictConfig, stage: str, judge: Judge, token_arrays: bool =
     leaves the per-token fields out."""
     started = time.time()
     questions, read_as = plan_sampling(cfg, schema)
-    config = OmegaConf.to_container(cfg, resolve=True)
+    return sample_planned(cfg, stage, judge, questions, read_as, token_arrays, started)
+
+
+def sample_planned(
+    cfg: SamplingConfig, stage: str, judge: Judge, questions: list[Question], read_as: str, token_arrays: bool, started: float
+) -> dict:
+    """:func:`run_sampling` once its plan has passed: for a stage that planned it itself
+    (evaluation checks its engine and tools once for all its datasets, and read their questions)."""
+    config = dataclasses.asdict(cfg)
     with claim_output(cfg.out_dir, stage=stage, schema=SamplingConfig, config=config) as out:
         metrics = _sample(cfg, stage, out, questions, judge, token_arrays, started)
         metrics["questions_read"] = read_as  # which column fed each field, and any kind inferred
@@ -328,7 +330,9 @@ def run_sampling(cfg: DictConfig, stage: str, judge: Judge, token_arrays: bool =
     return metrics
 
 
-def _sample(cfg: DictConfig, stage: str, out: Path, questions: list[Question], judge: Judge, token_arrays: bool, started: float) -> dict:
+def _sample(
+    cfg: SamplingConfig, stage: str, out: Path, questions: list[Question], judge: Judge, token_arrays: bool, started: float
+) -> dict:
     with JsonlAppender(out / "trajectories.jsonl") as writer:
         todo = [q for q in questions if q.id not in writer.done]
         log.info("%d questions, %d already done, %d to sample x %d", len(questions), len(questions) - len(todo), len(todo), cfg.n)

@@ -24,6 +24,8 @@ What this module does not do: compose configs (etagent/config.py) or run a stage
 from __future__ import annotations
 
 import argparse
+import dataclasses
+import functools
 import hashlib
 import itertools
 import logging
@@ -36,7 +38,7 @@ from typing import Any
 
 from omegaconf import DictConfig, OmegaConf
 
-from etagent.config import SCHEMAS, config_dir, load_config
+from etagent.config import SCHEMAS, config_dir, load_config, load_settings
 from etagent.errors import UserError
 from etagent.settings import PathKind, output_folders, settings_of, wanted
 
@@ -47,10 +49,10 @@ def stage_configs(
     prog: str,
     doc: str | None = None,
     resumes: bool = True,
-    plan: Callable[[DictConfig], Any] | None = None,
-) -> list[DictConfig]:
-    """The configs to run from a stage's command line: one, or one per sweep combination with
-    ``-m``. ``--cfg job`` and ``--info`` print and exit. ``--restart`` starts the stage over in
+    plan: Callable[[Any], Any] | None = None,
+) -> list:
+    """The typed configs to run from a stage's command line (the stage's schema, built once here
+    and passed down as it is): one, or one per sweep combination with ``-m``. ``--cfg job`` and ``--info`` print and exit. ``--restart`` starts the stage over in
     its output folder: what the folder holds is moved into a sibling folder first
     (etagent.rundir.set_aside), instead of being resumed, once every run's ``plan`` (the stage's
     checks before it claims its folder) has passed: a run that would be refused moves nothing.
@@ -85,13 +87,13 @@ def stage_configs(
     configs = []
     for overrides, subfolder in jobs:
         refuse_interpolated_overrides(stage, args.preset, overrides)
-        cfg = load_config(stage, args.preset, overrides)
+        cfg = load_settings(stage, args.preset, overrides)
         if subfolder is not None:
-            cfg = in_subfolders(stage, cfg, subfolder)
+            in_subfolders(stage, cfg, subfolder)
         configs.append(cfg)
     if args.cfg:
         for cfg in configs:
-            print(OmegaConf.to_yaml(cfg, resolve=True), end="")
+            print(OmegaConf.to_yaml(OmegaConf.structured(cfg)), end="")
         sys.exit(0)
     if args.info:
         print(info(stage, args.preset, args.overrides, configs[0]))
@@ -104,7 +106,7 @@ def stage_configs(
         for cfg in configs:  # every run's checks before anything moves
             plan(cfg)
         for cfg in configs:
-            for aside in set_aside(SCHEMAS[stage][0], OmegaConf.to_container(cfg, resolve=True)):
+            for aside in set_aside(SCHEMAS[stage][0], dataclasses.asdict(cfg)):
                 logging.getLogger(stage).warning("--restart: the earlier outputs are in %s", aside)
     if len(configs) > 1:
         logging.getLogger(stage).info("sweep: %d runs (%s)", len(configs), ", ".join(name for _, name in jobs))
@@ -176,12 +178,11 @@ def run_folder(pairs: Sequence[tuple[str, str]]) -> str:
     return f"{encoded[: MAX_NAME_BYTES - len(digest) - 1].decode(errors='ignore')}~{digest}"
 
 
-def in_subfolders(stage: str, cfg: DictConfig, subfolder: str) -> DictConfig:
-    """``cfg`` with every output folder its schema declares moved into ``subfolder`` of itself."""
-    values = OmegaConf.to_container(cfg, resolve=True)
-    for key, path in output_folders(SCHEMAS[stage][0], values):
-        OmegaConf.update(cfg, key, str(Path(path) / subfolder), merge=False)
-    return cfg
+def in_subfolders(stage: str, cfg, subfolder: str) -> None:
+    """Move every output folder ``cfg``'s schema declares into ``subfolder`` of itself."""
+    for key, path in output_folders(SCHEMAS[stage][0], dataclasses.asdict(cfg)):
+        *groups, leaf = key.split(".")
+        setattr(functools.reduce(getattr, groups, cfg), leaf, str(Path(path) / subfolder))
 
 
 # ---------------------------------------------------------------------------------------------
@@ -212,7 +213,7 @@ def refuse_interpolated_overrides(stage: str, preset: str, overrides: Sequence[s
 # --info and --help
 
 
-def info(stage: str, preset: str, overrides: Sequence[str], cfg: DictConfig) -> str:
+def info(stage: str, preset: str, overrides: Sequence[str], cfg) -> str:
     from etagent.settings import input_paths
 
     preset_file = config_dir() / stage / f"{preset}.yaml"
@@ -220,7 +221,7 @@ def info(stage: str, preset: str, overrides: Sequence[str], cfg: DictConfig) -> 
     defaults = [
         ", ".join(f"{k}: {v}" for k, v in d.items()) if isinstance(d, DictConfig) else str(d) for d in preset_yaml.get("defaults", [])
     ]
-    values = OmegaConf.to_container(cfg, resolve=True)
+    values = dataclasses.asdict(cfg)
     schema = SCHEMAS[stage][0]
     lines = [
         f"stage: {stage} (schema {schema.__module__}.{schema.__name__})",

@@ -33,16 +33,13 @@ import time
 from functools import partial
 from pathlib import Path
 
-from omegaconf import DictConfig, OmegaConf
-
-from etagent.config import build
 from etagent.errors import DegradedRun, SettingError, exit_on_user_error
 from etagent.evaluation.benchmarks import BENCHMARKS, benchmark_file, load_benchmark
 from etagent.evaluation.config import EvaluationConfig, EvaluationJudge
 from etagent.evaluation.metrics import aggregate, behaviour
 from etagent.evaluation.table import summary_rows, write_table
 from etagent.progress import Progress
-from etagent.question_formats import DEFAULT_FORMAT, QuestionFormat, read_question_rows
+from etagent.question_formats import DEFAULT_FORMAT, read_question_rows
 from etagent.records import JsonlAppender, TrajectoryGroup, iter_jsonl, read_jsonl, write_jsonl, write_manifest
 from etagent.rundir import claim_output
 from etagent.sampling import (
@@ -51,7 +48,7 @@ from etagent.sampling import (
     degraded_reasons,
     describe_context_overflow,
     describe_engine_failures,
-    run_sampling,
+    sample_planned,
 )
 from etagent.scoring import rule_judgement, sample_metrics
 from etagent.settings import check_installed, check_model_weights, check_paths
@@ -64,27 +61,27 @@ log = logging.getLogger("evaluation")
 DATASET_NAME = re.compile(r"[A-Za-z0-9._-]{1,128}")
 
 
-def dataset_sampling(cfg: DictConfig, name: str, questions_path: Path, out: Path) -> DictConfig:
+def dataset_sampling(cfg: EvaluationConfig, name: str, questions_path: Path, out: Path) -> SamplingConfig:
     """The rollouts of one dataset (etagent.sampling.SamplingConfig): this evaluation's engine,
-    agent, tools and Ray settings on the dataset's questions (already cut to ``limit``), with its
-    search routing."""
-    job = OmegaConf.structured(SamplingConfig)
-    job.merge_with(
-        {
-            "questions": str(questions_path),
-            "out_dir": str(out),
-            "n": cfg.n,
-            "batch_questions": cfg.batch_questions,
-            # the questions were read, cut to the limit and written in our own schema already
-            "question_format": dataclasses.asdict(DEFAULT_FORMAT),
-            "limit": None,
-            "partial_input_ok": cfg.partial_input_ok,
-            **{group: OmegaConf.to_container(cfg[group], resolve=True) for group in ("engine", "agent", "tools", "ray", "gateway")},
-        }
-    )
+    agent, tools and Ray settings on the dataset's questions (already read, cut to ``limit`` and
+    written in our own schema), with its search routing."""
+    tools = cfg.tools
     if name in BENCHMARKS and BENCHMARKS[name].search == "web" and cfg.web_search.backend:
-        job.tools.search.backend = cfg.web_search.backend
-    return job
+        tools = dataclasses.replace(tools, search=dataclasses.replace(tools.search, backend=cfg.web_search.backend))
+    return SamplingConfig(
+        questions=str(questions_path),
+        question_format=DEFAULT_FORMAT,
+        out_dir=str(out),
+        n=cfg.n,
+        batch_questions=cfg.batch_questions,
+        limit=None,
+        partial_input_ok=cfg.partial_input_ok,
+        engine=cfg.engine,
+        agent=cfg.agent,
+        tools=tools,
+        ray=cfg.ray,
+        gateway=cfg.gateway,
+    )
 
 
 def make_judge(judge: EvaluationJudge):
@@ -147,7 +144,7 @@ def behaviour_table(results: dict[str, dict]) -> list[str]:
     return lines
 
 
-def check_settings(cfg: DictConfig) -> dict:
+def check_settings(cfg: EvaluationConfig) -> dict:
     """What the evaluation reads, present and of its kind, before any output is written (ranges
     were checked at load). Returns the config as run: ``files`` holds the file of each dataset
     evaluated, and only those, so the manifest records the questions each result came from."""
@@ -175,13 +172,13 @@ def check_settings(cfg: DictConfig) -> dict:
             raise SettingError(
                 f"kinds.{name}", f"{name} is a known benchmark, scored as {BENCHMARKS[name].kind}; kinds is for datasets of your own"
             )
-    config = OmegaConf.to_container(cfg, resolve=True)
+    config = dataclasses.asdict(cfg)
     config["files"] = {name: str(benchmark_path(cfg, name)) for name in cfg.datasets}
     check_paths(EvaluationConfig, config)
     return config
 
 
-def check_machine(cfg: DictConfig, config: dict) -> None:
+def check_machine(cfg: EvaluationConfig, config: dict) -> None:
     """What the engines, Ray and each dataset's tools ask of this machine, and the models' weights
     against their configs (seconds: after the settings and the questions)."""
     from etagent.llm import check_engine_settings
@@ -202,7 +199,7 @@ def check_machine(cfg: DictConfig, config: dict) -> None:
     check_model_weights(EvaluationConfig, config)
 
 
-def plan(cfg: DictConfig) -> tuple[dict, dict[str, tuple[list, str]]]:
+def plan(cfg: EvaluationConfig) -> tuple[dict, dict[str, tuple[list, str]]]:
     """Everything the evaluation can refuse, before it claims its output folder, the cheap first:
     the settings (:func:`check_settings`), every dataset's questions read, then what the run asks
     of this machine (:func:`check_machine`). Returns the config as run and the questions of each
@@ -213,11 +210,11 @@ def plan(cfg: DictConfig) -> tuple[dict, dict[str, tuple[list, str]]]:
     return config, questions
 
 
-def benchmark_path(cfg: DictConfig, name: str) -> Path:
+def benchmark_path(cfg: EvaluationConfig, name: str) -> Path:
     return Path(cfg.files[name]) if name in cfg.files else benchmark_file(cfg.data_dir, name)
 
 
-def dataset_questions(cfg: DictConfig, name: str) -> tuple[list, str]:
+def dataset_questions(cfg: EvaluationConfig, name: str) -> tuple[list, str]:
     """The questions of one dataset: a known benchmark in its own format (evaluation/benchmarks.py),
     or a dataset of the user's in any format etagent.question_formats reads, with its kind from
     ``kinds`` where given (first ``limit`` only); and how its file was read (for the manifest)."""
@@ -225,7 +222,7 @@ def dataset_questions(cfg: DictConfig, name: str) -> tuple[list, str]:
     if name in BENCHMARKS:
         split = cfg.splits.get(name, cfg.question_format.split)
         return load_benchmark(name, path, cfg.limit, cfg.partial_input_ok, split), f"the {name} benchmark's own format"
-    settings = build(QuestionFormat, cfg.question_format)
+    settings = cfg.question_format
     if name in cfg.kinds:
         settings = dataclasses.replace(settings, kind=cfg.kinds[name])
     if settings.source is None:
@@ -236,17 +233,24 @@ def dataset_questions(cfg: DictConfig, name: str) -> tuple[list, str]:
     return [row.question for row in rows][: cfg.limit], mapping.describe()
 
 
-def evaluate_dataset(cfg: DictConfig, name: str, questions: list, judge_settings: EvaluationJudge, judge) -> dict:
+def evaluate_dataset(cfg: EvaluationConfig, name: str, questions: tuple[list, str], judge_settings: EvaluationJudge, judge) -> dict:
+    """One dataset's rollouts, scores and metrics. Its sampling was planned with the evaluation's
+    (:func:`plan`: the engines, the tools and the questions checked once for every dataset)."""
     out = Path(cfg.out_dir) / name
     out.mkdir(parents=True, exist_ok=True)
     path = benchmark_path(cfg, name)
     # the questions as read (cut to ``limit``), beside the dataset's folder: an input of its
     # rollouts, which never lies inside their output folder
+    questions, read_as = questions
     questions_path = write_jsonl(Path(cfg.out_dir) / "questions" / f"{name}.jsonl", questions)
-    rollouts = run_sampling(
+    rollouts = sample_planned(
         dataset_sampling(cfg, name, questions_path, out),
         f"evaluation/{name}",
-        judge=partial(rule_judgement, qa_pass_mark=cfg.qa_pass_mark),
+        partial(rule_judgement, qa_pass_mark=cfg.qa_pass_mark),
+        questions,
+        f"written by the evaluation from {path}, read as {read_as}",
+        token_arrays=True,
+        started=time.time(),
     )
     score(out, judge_settings, judge)
     wanted = {q.id for q in questions}
@@ -263,20 +267,20 @@ def evaluate_dataset(cfg: DictConfig, name: str, questions: list, judge_settings
     return metrics
 
 
-def run(cfg: DictConfig) -> dict:
+def run(cfg: EvaluationConfig) -> dict:
     started = time.time()
     config, questions = plan(cfg)  # every benchmark read (and so checked) before anything is written
     with claim_output(cfg.out_dir, stage="evaluation", schema=EvaluationConfig, config=config) as out:
         return _evaluate(cfg, out, config, questions, started)
 
 
-def _evaluate(cfg: DictConfig, out: Path, config: dict, questions: dict[str, tuple[list, str]], started: float) -> dict:
-    judge_settings = build(EvaluationJudge, cfg.judge)
+def _evaluate(cfg: EvaluationConfig, out: Path, config: dict, questions: dict[str, tuple[list, str]], started: float) -> dict:
+    judge_settings = cfg.judge
     judge = make_judge(judge_settings)
     results = {}
     for name in cfg.datasets:
         log.info("evaluating %s", name)
-        results[name] = evaluate_dataset(cfg, name, questions[name][0], judge_settings, judge)
+        results[name] = evaluate_dataset(cfg, name, questions[name], judge_settings, judge)
         results[name]["questions_read"] = questions[name][1]
     failures = {name: r["tool_failures"] for name, r in results.items()}
     reasons = {name: degraded_reasons(r, cfg.tools.max_failure_share) for name, r in results.items()}

@@ -31,17 +31,16 @@ The export is a function of its input: rerunning it rewrites the same files.
 
 from __future__ import annotations
 
+import dataclasses
 import json
 import logging
 import statistics
 from collections import Counter
 from pathlib import Path
 
-from omegaconf import DictConfig, OmegaConf
-
 from etagent import protocol
 from etagent.errors import UserError, exit_on_user_error
-from etagent.flywheel.config import ExportSettings
+from etagent.flywheel.config import ExportSettings, FlywheelConfig
 from etagent.records import SFTExample, Trajectory, TrajectoryGroup, export_llamafactory, read_jsonl, read_records, write_jsonl
 from etagent.settings import check_paths
 
@@ -62,7 +61,7 @@ def drop_reason(t: Trajectory, require_tool_success: bool) -> str | None:
     return None
 
 
-def choose(group: TrajectoryGroup, cfg: DictConfig, dropped: Counter) -> list[Trajectory]:
+def choose(group: TrajectoryGroup, cfg: FlywheelConfig, dropped: Counter) -> list[Trajectory]:
     """The trajectories of one question kept as SFT data; counts each drop by its reason."""
     candidates, seen = [], set()
     for t in group.trajectories:
@@ -94,12 +93,12 @@ def spread(calls_per_question: dict[str, list[int]]) -> dict:
     }
 
 
-def export(cfg: DictConfig) -> dict:
+def export(cfg: FlywheelConfig) -> dict:
     """Write the SFT data and the report; return the report."""
     e = cfg.export
     files = [str(path) for path in e.trajectories] if e.trajectories else [str(Path(cfg.out_dir) / "trajectories.jsonl")]
     # the export's own reading of the settings: the trajectories are read, export.out_dir written
-    check_paths(ExportSettings, {**OmegaConf.to_container(e, resolve=True), "trajectories": files})
+    check_paths(ExportSettings, {**dataclasses.asdict(e), "trajectories": files})
     out = Path(e.out_dir)
     out.mkdir(parents=True, exist_ok=True)
     # questions are written as they finish, an order that depends on timing: the data's order must not

@@ -32,24 +32,22 @@ cluster (scale the policy and the editor as pools of servers instead: ``engine.k
 from __future__ import annotations
 
 import asyncio
+import dataclasses
 import logging
 import time
 from collections import Counter
 from pathlib import Path
 
-from omegaconf import DictConfig, OmegaConf
-
 from etagent import scoring
-from etagent.agent import AgentConfig, AgentLoop
-from etagent.config import build
+from etagent.agent import AgentLoop
 from etagent.errors import DegradedRun, SettingError, exit_on_user_error
 from etagent.flywheel import prompts
 from etagent.flywheel.config import FlywheelConfig
 from etagent.flywheel.evolve import OPERATIONS, STAT_FIELDS, Flywheel, FlywheelSettings, QuestionRun, derived_seed
-from etagent.llm import Sampling, check_engine_settings
+from etagent.llm import check_engine_settings
 from etagent.llm.text import TextModel, load_text_model, shared_engine
 from etagent.progress import Progress
-from etagent.question_formats import QuestionFormat, read_question_rows
+from etagent.question_formats import read_question_rows
 from etagent.records import JsonlAppender, Question, TrajectoryGroup, read_jsonl, write_manifest
 from etagent.rundir import claim_output
 from etagent.sampling import context_overflow, degraded_reasons, describe_context_overflow, describe_engine_failures, engine_failures
@@ -120,7 +118,7 @@ async def evolve_all(settings: FlywheelSettings, flywheel: Flywheel, todo: list[
     progress.close()
 
 
-def check_settings(cfg: DictConfig) -> None:
+def check_settings(cfg: FlywheelConfig) -> None:
     """How the roles go together, and the models and questions present and of their kind, before
     any model loads (ranges were checked at load: flywheel/config.py)."""
     if cfg.editor.enabled and not cfg.editor.engine.model:
@@ -129,30 +127,30 @@ def check_settings(cfg: DictConfig) -> None:
         raise SettingError(
             "editor.enabled", "judge.llm and summariser.enabled use the editor's model: set editor.enabled=true and editor.engine.model"
         )
-    check_paths(FlywheelConfig, OmegaConf.to_container(cfg, resolve=True))
+    check_paths(FlywheelConfig, dataclasses.asdict(cfg))
 
 
-def plan(cfg: DictConfig) -> tuple[list[Question], str]:
+def plan(cfg: FlywheelConfig) -> tuple[list[Question], str]:
     """Everything the flywheel can refuse, before it claims its output folder, the cheap first:
     the settings (:func:`check_settings`) and every question read (first ``limit``); then what the
     engines and the tools ask of this machine and the models' weights against their configs.
     Returns the questions and how they were read (etagent.question_formats' Mapping, for the
     manifest)."""
     check_settings(cfg)
-    rows, mapping = read_question_rows(cfg.questions, build(QuestionFormat, cfg.question_format), cfg.partial_input_ok)
+    rows, mapping = read_question_rows(cfg.questions, cfg.question_format, cfg.partial_input_ok)
     check_engine_settings(cfg.engine)
     if cfg.editor.enabled:
         check_engine_settings(cfg.editor.engine, "editor.engine")
     check_tools(cfg.tools)
-    check_model_weights(FlywheelConfig, OmegaConf.to_container(cfg, resolve=True))
+    check_model_weights(FlywheelConfig, dataclasses.asdict(cfg))
     questions = [row.question for row in rows][: cfg.limit]
     return questions, mapping.describe()
 
 
-def run(cfg: DictConfig) -> dict:
+def run(cfg: FlywheelConfig) -> dict:
     started = time.time()
     questions, read_as = plan(cfg)  # before any model is loaded or output written
-    config = OmegaConf.to_container(cfg, resolve=True)
+    config = dataclasses.asdict(cfg)
     with claim_output(cfg.out_dir, stage="flywheel", schema=FlywheelConfig, config=config) as out:
         metrics = evolve(cfg, out, questions)
         metrics["questions_read"] = read_as  # which column fed each field, and any kind inferred
@@ -169,23 +167,23 @@ def run(cfg: DictConfig) -> dict:
     return metrics
 
 
-def evolve(cfg: DictConfig, out: Path, questions: list[Question]) -> dict:
+def evolve(cfg: FlywheelConfig, out: Path, questions: list[Question]) -> dict:
     """Evolve every question not yet in out/trajectories.jsonl; the summary of the whole file."""
     policy = shared_engine(cfg.engine)
     editor = judge = None
     if cfg.editor.enabled:
         editor = load_text_model(cfg.editor, "editor")
         if cfg.judge.llm:  # the editor's model, asked with the judge's own settings
-            judge_model = TextModel(editor.engine, build(Sampling, cfg.judge.sampling), cfg.judge.max_new_tokens, "judge")
+            judge_model = TextModel(editor.engine, cfg.judge.sampling, cfg.judge.max_new_tokens, "judge")
             judge = scoring.LLMJudge(judge_model, attempts=cfg.judge.attempts)
     else:
         log.warning("no editor configured (editor.enabled=false): A2, A3, B0, B1 and B2 are skipped; A1 and B3 run")
-    reflector = TextModel(policy, build(Sampling, cfg.reflector.sampling), cfg.reflector.max_new_tokens, "reflector")
-    settings = build(FlywheelSettings, cfg.flywheel)
+    reflector = TextModel(policy, cfg.reflector.sampling, cfg.reflector.max_new_tokens, "reflector")
+    settings = cfg.flywheel
     with build_executor(cfg.tools) as executor, JsonlAppender(out / "trajectories.jsonl") as writer:
         if cfg.summariser.enabled:
             executor.tools["search"] = SummarisedSearch(executor.tools["search"], editor)
-        loop = AgentLoop(policy, executor, build(AgentConfig, cfg.agent))
+        loop = AgentLoop(policy, executor, cfg.agent)
         flywheel = Flywheel(loop, reflector, editor, settings, judge)
         todo = [q for q in questions if q.id not in writer.done]
         log.info("%d questions, %d already done, %d to evolve", len(questions), len(questions) - len(todo), len(todo))

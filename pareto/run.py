@@ -38,6 +38,7 @@ nothing. What it does not do: roll out (``direct_rollout/``) or stratify by sour
 
 from __future__ import annotations
 
+import dataclasses
 import json
 import logging
 import time
@@ -46,7 +47,6 @@ from dataclasses import dataclass
 from pathlib import Path
 
 import numpy as np
-from omegaconf import DictConfig, OmegaConf
 
 from etagent.errors import MissingInput, SettingError, UserError, exit_on_user_error
 from etagent.pareto.config import ParetoConfig
@@ -188,9 +188,9 @@ def draw_scatter(path: Path, points: np.ndarray, status: list[str], names: list[
     tmp.replace(path)
 
 
-def check_settings(cfg: DictConfig) -> None:
+def check_settings(cfg: ParetoConfig) -> None:
     """The rollouts present, and what the declarations (pareto/config.py) cannot say alone."""
-    check_paths(ParetoConfig, OmegaConf.to_container(cfg, resolve=True))
+    check_paths(ParetoConfig, dataclasses.asdict(cfg))
     if not cfg.objectives:
         raise SettingError("objectives", "is empty: name at least one objective")
     import matplotlib  # noqa: F401 -- scatter.png needs it: missing, it is one line naming the extra (etagent/errors.py), before any write
@@ -208,17 +208,17 @@ class Selection:
     metrics: dict
 
 
-def plan(cfg: DictConfig) -> Selection:
+def plan(cfg: ParetoConfig) -> Selection:
     """Everything the stage can refuse, before it claims its output folder: the settings, the
     rollouts (finished, readable, some question eligible) and the whole selection."""
     check_settings(cfg)
     return select_questions(cfg)
 
 
-def run(cfg: DictConfig) -> dict:
+def run(cfg: ParetoConfig) -> dict:
     started = time.time()
     selection = plan(cfg)
-    config = OmegaConf.to_container(cfg, resolve=True)
+    config = dataclasses.asdict(cfg)
     # every run recomputes the selection from the rollouts, so nothing is resumed
     with claim_output(cfg.out_dir, stage=f"pareto/stage{cfg.rl_stage}", schema=ParetoConfig, config=config, resumes=False) as out:
         write_rl_parquet(selection.rows, out / "rl.parquet")
@@ -237,7 +237,7 @@ def run(cfg: DictConfig) -> dict:
     return selection.report
 
 
-def finished_rollouts(cfg: DictConfig) -> Path:
+def finished_rollouts(cfg: ParetoConfig) -> Path:
     """The direct rollout's trajectories.jsonl, refused unless that run finished and was not degraded."""
     rollouts = Path(cfg.rollouts)
     if rollouts.is_dir():
@@ -253,7 +253,7 @@ def finished_rollouts(cfg: DictConfig) -> Path:
     return rollouts
 
 
-def select_questions(cfg: DictConfig) -> Selection:
+def select_questions(cfg: ParetoConfig) -> Selection:
     """Select the stage's questions: the RL parquet's rows, each question's scores, the report and
     the scatter plot's points, for :func:`run` to write."""
     names = list(cfg.objectives)

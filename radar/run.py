@@ -28,6 +28,7 @@ percent-encoded (:func:`label_folder`: ``sft/rl`` is ``sft%2Frl``), one folder i
 from __future__ import annotations
 
 import asyncio
+import dataclasses
 import json
 import logging
 import time
@@ -35,9 +36,6 @@ from dataclasses import dataclass
 from pathlib import Path
 from urllib.parse import quote
 
-from omegaconf import DictConfig, OmegaConf
-
-from etagent.config import build
 from etagent.errors import MissingInput, SettingError, UserError, exit_on_user_error
 from etagent.llm import check_engine_settings
 from etagent.llm.text import TextModel, load_text_model
@@ -215,7 +213,7 @@ def label_folder(label: str) -> str:
     return name.replace(".", "%2E") if set(name) <= {"."} else name
 
 
-def run_labels(cfg: DictConfig) -> list[str]:
+def run_labels(cfg: RadarConfig) -> list[str]:
     """Each run's label: ``labels``, or the name it was evaluated under (its summary's ``run``).
     Refused, naming the labels: two runs with one label (one would replace the other in the
     chart and share its cached judgements; two that differ only in case would share a folder on
@@ -240,12 +238,12 @@ def run_labels(cfg: DictConfig) -> list[str]:
     return labels
 
 
-def check_settings(cfg: DictConfig) -> dict:
+def check_settings(cfg: RadarConfig) -> dict:
     """The runs and the tokenizer present, and what the declarations (radar/config.py) cannot say
     alone, before any work. Returns the config as run (with the toy oracle, no judge model)."""
     if not cfg.runs:
         raise SettingError("runs", "is empty: give the evaluation output directories to compare")
-    config = OmegaConf.to_container(cfg, resolve=True)
+    config = dataclasses.asdict(cfg)
     if cfg.judge.mode != "llm":  # the oracle reads the toy world's answers: no judge model
         config["judge"]["engine"]["model"] = None
     check_paths(RadarConfig, config)
@@ -266,7 +264,7 @@ def check_settings(cfg: DictConfig) -> dict:
     return config
 
 
-def plan(cfg: DictConfig) -> tuple[dict, list[dict[str, Evaluated]]]:
+def plan(cfg: RadarConfig) -> tuple[dict, list[dict[str, Evaluated]]]:
     """Everything the radar can refuse, before it claims its output folder: the settings
     (:func:`check_settings`), matplotlib for the chart, and every dataset of every run read
     (:func:`read_evaluated`; a run with none is refused). Returns the config as run and each
@@ -283,20 +281,20 @@ def plan(cfg: DictConfig) -> tuple[dict, list[dict[str, Evaluated]]]:
     return config, runs
 
 
-def run(cfg: DictConfig) -> dict:
+def run(cfg: RadarConfig) -> dict:
     config, runs = plan(cfg)
     with claim_output(cfg.out_dir, stage="radar", schema=RadarConfig, config=config) as out:
         return measure(cfg, out, config, runs)
 
 
-def measure(cfg: DictConfig, out: Path, config: dict, runs: list[dict[str, Evaluated]]) -> dict:
+def measure(cfg: RadarConfig, out: Path, config: dict, runs: list[dict[str, Evaluated]]) -> dict:
     from transformers import AutoTokenizer
 
     started = time.time()
     tokenizer = AutoTokenizer.from_pretrained(cfg.tokenizer)
     # A run is labelled with the name it was evaluated under (evaluation's run_name).
     labels = run_labels(cfg)
-    judge = build(RadarJudge, cfg.judge)
+    judge = cfg.judge
     result = {}
     for label, run_dir, datasets in zip(labels, cfg.runs, runs):
         per_dataset = {d: dataset_metrics(judge, evaluated, out / label_folder(label) / d, tokenizer) for d, evaluated in datasets.items()}

@@ -35,9 +35,7 @@ from dataclasses import asdict
 from pathlib import Path
 
 import numpy as np
-from omegaconf import DictConfig
 
-from etagent.config import build
 from etagent.errors import SettingError, UserError, exit_on_user_error
 from etagent.progress import Progress
 from etagent.records import RecordError, input_identity, iter_jsonl, write_manifest
@@ -254,12 +252,11 @@ def check_passages(cfg: RetrieverConfig) -> int:
     return n
 
 
-def plan(cfg: DictConfig) -> None:
+def plan(cfg: RetrieverConfig) -> None:
     """Everything a build can refuse before it claims its index folder (:func:`check_build`,
     :func:`check_passages`); what the folder holds is checked by :func:`build_index` itself."""
-    built = build(RetrieverConfig, cfg)
-    check_build(built)
-    check_passages(built)
+    check_build(cfg)
+    check_passages(cfg)
 
 
 def build_index(cfg: RetrieverConfig) -> dict:
@@ -352,7 +349,7 @@ def main(argv: list[str] | None = None) -> None:
     logging.basicConfig(level=logging.INFO, format="%(asctime)s %(name)s %(message)s")
     logging.getLogger("faiss.loader").setLevel(logging.WARNING)  # its CPU-feature probing is noise
     for cfg in stage_configs("retriever", argv, prog="python -m etagent.retriever.build", doc=__doc__, plan=plan):
-        build_index(build(RetrieverConfig, cfg))
+        build_index(cfg)
 
 
 if __name__ == "__main__":

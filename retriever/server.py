@@ -67,9 +67,8 @@ from fastapi.responses import JSONResponse, Response
 from omegaconf import OmegaConf
 from pydantic import AfterValidator, BaseModel, ConfigDict
 
-from etagent.config import build
 from etagent.errors import MissingInput, SettingError, UserError, exit_on_user_error
-from etagent.retriever.config import EncoderSettings, RetrieverConfig, ServeConfig
+from etagent.retriever.config import EncoderSettings, ServeConfig
 
 log = logging.getLogger("etagent.retriever.server")
 RRF_K = 60
@@ -540,8 +539,8 @@ def main(argv: list[str] | None = None) -> None:
     logging.basicConfig(level=logging.INFO, format="%(asctime)s %(name)s %(message)s")
     logging.getLogger("faiss.loader").setLevel(logging.WARNING)  # its CPU-feature probing is noise
     [cfg] = stage_configs("retriever", argv, prog="python -m etagent.retriever.server", doc=__doc__, resumes=False)
-    log.info("config:\n%s", OmegaConf.to_yaml(cfg))
-    settings = build(RetrieverConfig, cfg)
+    log.info("config:\n%s", OmegaConf.to_yaml(OmegaConf.structured(cfg)))
+    settings = cfg
     serve = settings.serve
     if serve.torch_threads:
         import torch

@@ -31,11 +31,11 @@ from dataclasses import replace
 from pathlib import Path
 
 import torch
-from omegaconf import DictConfig
 
-from etagent.config import LoraSettings, build
+from etagent.config import LoraSettings
 from etagent.errors import SettingError
 from etagent.rl.adapters import save_adapter
+from etagent.rl.config import RLConfig
 from etagent.rl.policy import Policy, gathered, lend_gathered, unhooked_twin
 from etagent.rl.weights import adapter_weights, release_cached_memory, sync_engine
 from etagent.settings import check_installed
@@ -157,7 +157,7 @@ class AdapterEngine(CopiedWeightsEngine):
         shutil.rmtree(self.folder, ignore_errors=True)
 
 
-def check_engine_settings(cfg: DictConfig) -> None:
+def check_engine_settings(cfg: RLConfig) -> None:
     """Refuse, before any work, an engine RL cannot run colocated or settings it cannot serve."""
     if cfg.engine.kind == "openai":
         raise SettingError("engine.kind", "must be hf or vllm: RL's engine runs in the trainer's process")
@@ -200,13 +200,13 @@ def check_engine_settings(cfg: DictConfig) -> None:
 
 
 def colocated_engine(
-    cfg: DictConfig, policy: Policy, tokenizer, device: torch.device, bucket_bytes: int, lora: LoraSettings | None
+    cfg: RLConfig, policy: Policy, tokenizer, device: torch.device, bucket_bytes: int, lora: LoraSettings | None
 ) -> ColocatedEngine:
     """The engine ``engine.kind`` names. The hf engine decodes with the policy's weights (``lora``:
     the policy's adapters, which its twin needs too). A vLLM engine starts from the stage's
     starting weights (``engine.model`` is the policy's own path: configs/rl/_base.yaml) and is sent
     them in ``engine.dtype`` (``auto``: as the policy holds them); a resumed run syncs it."""
-    from etagent.llm import EngineConfig, make_engine
+    from etagent.llm import make_engine
     from etagent.llm.hf import HFEngine
 
     if cfg.engine.kind == "hf":
@@ -216,7 +216,7 @@ def colocated_engine(
         )
         return LivePolicyEngine(generator, policy, twin)
     weight_dtype = None if cfg.engine.dtype == "auto" else getattr(torch, cfg.engine.dtype)
-    settings = build(EngineConfig, cfg.engine)
+    settings = cfg.engine
     vllm = replace(settings.vllm, colocated=True, max_lora_rank=lora.rank if lora else None)
     generator = make_engine(replace(settings, vllm=vllm))
     if lora:

@@ -73,8 +73,6 @@ import dataclasses
 import logging
 import os
 
-from omegaconf import DictConfig, OmegaConf
-
 from etagent.errors import SettingError, exit_on_user_error
 from etagent.gateway.harness import check_gateway
 from etagent.rl.config import RLConfig
@@ -84,7 +82,7 @@ from etagent.settings import check_attention, check_device, check_installed, che
 log = logging.getLogger("rl")
 
 
-def check_gateway_rollout(cfg: DictConfig) -> None:
+def check_gateway_rollout(cfg: RLConfig) -> None:
     """``rollout.kind=gateway``: a harness command that can start, the gateway's packages, and no
     partial rollouts (a session is driven by the harness to its end: nothing can stop it at a
     step's boundary and carry it over)."""
@@ -97,7 +95,7 @@ def check_gateway_rollout(cfg: DictConfig) -> None:
         raise SettingError("rollout.partial", "is true, and a gateway session runs to its end in the harness: set rollout.partial=false")
 
 
-def check_settings(cfg: DictConfig) -> None:
+def check_settings(cfg: RLConfig) -> None:
     """What the declarations (rl/config.py, checked at load) cannot say alone, how settings go
     together; then the model and data present and of their kind (etagent.settings.check_paths:
     files and headers only). (RL trains ``model``; the engine group's ``model`` is not read.)"""
@@ -162,17 +160,15 @@ def check_settings(cfg: DictConfig) -> None:
             "agent.sampling.temperature",
             f"must be a number > 0, got {cfg.agent.sampling.temperature}: RL's policy gradient needs a distribution (0 is greedy)",
         )
-    check_paths(RLConfig, OmegaConf.to_container(cfg, resolve=True))
+    check_paths(RLConfig, dataclasses.asdict(cfg))
 
 
-def check_rows(cfg: DictConfig) -> None:
+def check_rows(cfg: RLConfig) -> None:
     """Every row of the training and validation data readable as a prompt, without loading a
     tokenizer or torch: a malformed row is refused in about a second."""
-    from etagent.config import build
-    from etagent.question_formats import QuestionFormat
     from etagent.rl.rollout import read_prompts
 
-    question_format = build(QuestionFormat, cfg.data.question_format)
+    question_format = cfg.data.question_format
     read_prompts(cfg.data.train, question_format=question_format, rerender_prompts=cfg.data.rerender_prompts)
     if cfg.data.validation:
         own_split = dataclasses.replace(question_format, split=cfg.data.validation_split)
@@ -181,7 +177,7 @@ def check_rows(cfg: DictConfig) -> None:
         )
 
 
-def check_data(cfg: DictConfig) -> None:
+def check_data(cfg: RLConfig) -> None:
     """Each prompt within ``data.max_prompt_tokens`` under the model's tokenizer, and at least a
     step's prompts (``data.prompts_per_step``), before the output folder is claimed. The trainer's
     setup reads them again (rl/trainer.py's read_data)."""
@@ -196,13 +192,11 @@ def check_data(cfg: DictConfig) -> None:
         )
 
 
-def check_machine(cfg: DictConfig) -> None:
+def check_machine(cfg: RLConfig) -> None:
     """What the settings ask of this machine and this launch: the device, the optional packages,
     the batch plan over the processes torchrun started (WORLD_SIZE), the tools, and LoRA's target
     modules in the model."""
-    from etagent.config import build
     from etagent.rl.batch import batch_plan
-    from etagent.rl.config import RLLoraSettings
     from etagent.tools.executor import check_tools
 
     check_device("train.device", cfg.train.device)
@@ -211,12 +205,12 @@ def check_machine(cfg: DictConfig) -> None:
         check_installed("wandb.enabled", "wandb", "wandb.enabled=true")
     batch_plan(cfg.data.prompts_per_step, cfg.rollout.n, cfg.train.mini_batch_prompts, int(os.environ.get("WORLD_SIZE", "1")))
     check_tools(cfg.tools)
-    check_model_weights(RLConfig, OmegaConf.to_container(cfg, resolve=True))
+    check_model_weights(RLConfig, dataclasses.asdict(cfg))
     if cfg.lora.enabled:
-        build(RLLoraSettings, cfg.lora).check_targets(cfg.model)
+        cfg.lora.check_targets(cfg.model)
 
 
-def plan(cfg: DictConfig) -> None:
+def plan(cfg: RLConfig) -> None:
     """Everything RL can refuse, before the output folder is claimed (the module docstring says
     in which order), the cheap first: the settings, the inputs present and the data's rows; then
     the engine, the machine and the model's weights, the data under the tokenizer."""
@@ -231,14 +225,14 @@ def plan(cfg: DictConfig) -> None:
     check_data(cfg)
 
 
-def run(cfg: DictConfig) -> list[dict]:
+def run(cfg: RLConfig) -> list[dict]:
     """Train from the last checkpoint in cfg.out_dir (or cfg.model); return the metrics of the steps run."""
     plan(cfg)
     from etagent.rl.trainer import train
 
     if int(os.environ.get("RANK", "0")) != 0:  # under torchrun, rank 0 holds the output directory
         return train(cfg)
-    config = OmegaConf.to_container(cfg, resolve=True)
+    config = dataclasses.asdict(cfg)
     with claim_output(cfg.out_dir, stage=f"rl/stage{cfg.rl_stage}", schema=RLConfig, config=config):
         return train(cfg)
 

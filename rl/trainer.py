@@ -23,20 +23,17 @@ from pathlib import Path
 import numpy as np
 import torch
 import torch.distributed as dist
-from omegaconf import DictConfig, OmegaConf
 
 from etagent import protocol
-from etagent.agent import AgentConfig, AgentLoop, TrajectoryState
-from etagent.config import build
+from etagent.agent import AgentLoop, TrajectoryState
 from etagent.errors import DegradedRun, TrainingDiverged
 from etagent.progress import Progress
-from etagent.question_formats import QuestionFormat
 from etagent.records import origin_segments, policy_text, write_manifest
 from etagent.rl.actor import NonFiniteUpdate, response_logprobs, update
 from etagent.rl.algorithm import grpo_advantages, logprob_mismatch
 from etagent.rl.batch import TRUNCATED, Batch, BatchPlan, balanced_partition, batch_plan, pack, tempered_rollouts
 from etagent.rl.checkpoint import AdapterExport, export_model, latest_checkpoint, load_checkpoint, load_in_flight, save_checkpoint
-from etagent.rl.config import RewardSettings, RLLoraSettings, RolloutSettings
+from etagent.rl.config import RewardSettings, RLConfig
 from etagent.rl.distributed import gather_objects, init_distributed, sum_all, training_device
 from etagent.rl.engine import ColocatedEngine, colocated_engine
 from etagent.rl.paper_reward import validation_score
@@ -58,7 +55,7 @@ log = logging.getLogger("rl")
 class Trainer:
     """Everything a step uses, built once by :func:`setup`."""
 
-    cfg: DictConfig
+    cfg: RLConfig
     out: Path
     device: torch.device
     rank: int
@@ -81,10 +78,10 @@ class Trainer:
     export: Callable[[Path], None]  # the policy as the stage's output model, into a folder
 
 
-def read_data(cfg: DictConfig, tokenizer) -> tuple[list[Prompt], list[Prompt], dict[str, str]]:
+def read_data(cfg: RLConfig, tokenizer) -> tuple[list[Prompt], list[Prompt], dict[str, str]]:
     """The training and validation prompts (``data.train``, ``data.validation`` at its own split),
     each within ``data.max_prompt_tokens`` under ``tokenizer``, and how each file was read."""
-    question_format = build(QuestionFormat, cfg.data.question_format)
+    question_format = cfg.data.question_format
     read = functools.partial(
         read_prompt_set,
         tokenizer=tokenizer,
@@ -102,7 +99,7 @@ def read_data(cfg: DictConfig, tokenizer) -> tuple[list[Prompt], list[Prompt], d
     return prompts, validation, read_as
 
 
-def setup(cfg: DictConfig) -> Trainer:
+def setup(cfg: RLConfig) -> Trainer:
     device = training_device(cfg.train.device)
     rank, world = init_distributed(device)
     plan = batch_plan(int(cfg.data.prompts_per_step), int(cfg.rollout.n), int(cfg.train.mini_batch_prompts), world)
@@ -114,7 +111,7 @@ def setup(cfg: DictConfig) -> Trainer:
 
     checkpoint = latest_checkpoint(out)
     compute = getattr(torch, cfg.train.compute_dtype)
-    lora = build(RLLoraSettings, cfg.lora) if cfg.lora.enabled else None
+    lora = cfg.lora if cfg.lora.enabled else None
     policy, tokenizer = load_policy(
         cfg.model,
         device,
@@ -177,7 +174,7 @@ def setup(cfg: DictConfig) -> Trainer:
         start=state["step"],
         resumed_metrics=state["metrics"],
         in_flight=in_flight,
-        reward=build(RewardSettings, cfg.reward),
+        reward=cfg.reward,
         policy=policy,
         reference=reference,
         tokenizer=tokenizer,
@@ -546,7 +543,7 @@ def restore_metrics_log(trainer: Trainer) -> Path:
     return path
 
 
-def train(cfg: DictConfig) -> list[dict]:
+def train(cfg: RLConfig) -> list[dict]:
     """Set up, run the steps left, export the model and write the manifest; return the metrics of
     the steps run. The process group ends with it, however it ends."""
     try:
@@ -556,7 +553,7 @@ def train(cfg: DictConfig) -> list[dict]:
             dist.destroy_process_group()
 
 
-def run_steps(cfg: DictConfig) -> list[dict]:
+def run_steps(cfg: RLConfig) -> list[dict]:
     from etagent.tools.executor import build_executor
 
     started = time.time()
@@ -571,7 +568,7 @@ def run_steps(cfg: DictConfig) -> list[dict]:
             name=cfg.wandb.run_name,
             mode=cfg.wandb.mode,
             dir=str(trainer.out),
-            config=OmegaConf.to_container(cfg, resolve=True),
+            config=dataclasses.asdict(cfg),
         )
     tensorboard = None
     if trainer.rank == 0 and cfg.tensorboard.enabled:
@@ -580,10 +577,10 @@ def run_steps(cfg: DictConfig) -> list[dict]:
         # a resumed run drops the steps its killed predecessor logged after the checkpoint, as
         # restore_metrics_log does for metrics.jsonl
         tensorboard = SummaryWriter(str(trainer.out / "tensorboard"), purge_step=trainer.start + 1 if trainer.start else None)
-    config = build(AgentConfig, cfg.agent)
+    config = cfg.agent
     history = []
     with build_executor(cfg.tools) as executor:
-        rollout_settings = build(RolloutSettings, cfg.rollout)
+        rollout_settings = cfg.rollout
         loop = AgentLoop(trainer.engine.generator, executor, config, segment_entropy(rollout_settings))
         # validation reads no entropies
         greedy = AgentLoop(trainer.engine.generator, executor, replace(config, sampling=replace(config.sampling, temperature=0.0)))
@@ -629,7 +626,7 @@ def run_steps(cfg: DictConfig) -> list[dict]:
         write_manifest(
             trainer.out,
             stage=f"rl/stage{cfg.rl_stage}",
-            config=OmegaConf.to_container(cfg, resolve=True),
+            config=dataclasses.asdict(cfg),
             counts={"prompts": len(trainer.prompts), "steps": trainer.total},
             seed=trainer.seed,
             started_at=started,

@@ -25,6 +25,7 @@ system turn as at rollout time (the paper's alpaca layout put it in the user tur
 
 from __future__ import annotations
 
+import dataclasses
 import json
 import logging
 import os
@@ -34,9 +35,7 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
-from omegaconf import DictConfig, OmegaConf
-
-from etagent.config import LoraSettings, WandbConfig, build
+from etagent.config import LoraSettings, WandbConfig
 from etagent.errors import SettingError, TrainingDiverged, UserError, exit_on_user_error
 from etagent.progress import Progress
 from etagent.records import write_manifest
@@ -235,7 +234,7 @@ def load_model(name: str, dtype: str, attn_implementation: str | None, lora: Lor
     return model
 
 
-def check_settings(cfg: DictConfig) -> None:
+def check_settings(cfg: SFTConfig) -> None:
     """What the declarations (sft/config.py, checked at load) cannot say alone, and the model and
     the data present and of their kind (etagent.settings.check_paths: files and headers only)."""
     # transformers reads max_steps -1 as "train for train.epochs"
@@ -252,7 +251,7 @@ def check_settings(cfg: DictConfig) -> None:
         )
     if cfg.train.fsdp and "LOCAL_RANK" not in os.environ:  # the Trainer's own condition (its parallel mode)
         raise SettingError("train.fsdp", f"is {cfg.train.fsdp!r}, which shards across processes: launch with torchrun (scripts/sft.sh)")
-    check_paths(SFTConfig, OmegaConf.to_container(cfg, resolve=True))
+    check_paths(SFTConfig, dataclasses.asdict(cfg))
 
 
 @dataclass
@@ -266,7 +265,7 @@ class SFTPlan:
     args: Any  # the Trainer's TrainingArguments
 
 
-def plan(cfg: DictConfig) -> SFTPlan:
+def plan(cfg: SFTConfig) -> SFTPlan:
     """Everything SFT can refuse, before the output folder is claimed, the cheap first: the
     settings and the inputs present (:func:`check_settings`), every example read; then the
     optional packages the settings ask for, the model's weights against its config, LoRA's target
@@ -280,18 +279,18 @@ def plan(cfg: DictConfig) -> SFTPlan:
         check_installed("train.deepspeed", "deepspeed", "DeepSpeed (train.deepspeed)")
     if cfg.wandb.enabled:
         check_installed("wandb.enabled", "wandb", "wandb.enabled=true")
-    check_model_weights(SFTConfig, OmegaConf.to_container(cfg, resolve=True))
+    check_model_weights(SFTConfig, dataclasses.asdict(cfg))
     if cfg.lora.enabled:
-        build(LoraSettings, cfg.lora).check_targets(cfg.model)
+        cfg.lora.check_targets(cfg.model)
     from transformers import AutoTokenizer
 
     tokenizer = AutoTokenizer.from_pretrained(cfg.model)
     rows, data_report = build_dataset(examples, tokenizer, cfg.cutoff_len)
     if not rows:
         raise UserError(f"{cfg.data.path}: no example left to train on ({data_report})")
-    args = training_arguments(build(SFTTrainSettings, cfg.train), build(WandbConfig, cfg.wandb), cfg.seed, Path(cfg.out_dir))
+    args = training_arguments(cfg.train, cfg.wandb, cfg.seed, Path(cfg.out_dir))
     return SFTPlan(
-        config=OmegaConf.to_container(cfg, resolve=True),
+        config=dataclasses.asdict(cfg),
         tokenizer=tokenizer,
         dataset=[{"input_ids": r.input_ids, "labels": r.labels, "length": len(r)} for r in rows],
         data_report=data_report,
@@ -299,7 +298,7 @@ def plan(cfg: DictConfig) -> SFTPlan:
     )
 
 
-def run(cfg: DictConfig) -> dict:
+def run(cfg: SFTConfig) -> dict:
     # a finished run is left as it is: nothing of it is read again or trained, so only its
     # settings are checked (the claim compares them with the manifest's)
     previous = completed(cfg.out_dir) if (Path(cfg.out_dir) / "model").is_dir() else None
@@ -307,7 +306,7 @@ def run(cfg: DictConfig) -> dict:
         planned = plan(cfg)
     else:
         check_settings(cfg)
-    config = OmegaConf.to_container(cfg, resolve=True)
+    config = dataclasses.asdict(cfg)
     if int(os.environ.get("RANK", "0")) != 0:  # under torchrun, rank 0 holds the output directory
         return previous["metrics"] if previous is not None else train(cfg, Path(cfg.out_dir), planned)
     with claim_output(cfg.out_dir, stage="sft", schema=SFTConfig, config=config) as out:
@@ -320,7 +319,7 @@ def run(cfg: DictConfig) -> dict:
         return train(cfg, out, planned)
 
 
-def train(cfg: DictConfig, out: Path, planned: SFTPlan) -> dict:
+def train(cfg: SFTConfig, out: Path, planned: SFTPlan) -> dict:
     started = time.time()
     # -- setup ------------------------------------------------------------------------------
     import torch
@@ -335,7 +334,7 @@ def train(cfg: DictConfig, out: Path, planned: SFTPlan) -> dict:
         callbacks.append(free_core_threads())
     tokenizer, dataset, data_report, args, config = planned.tokenizer, planned.dataset, planned.data_report, planned.args, planned.config
     log.info("data: %s", data_report)
-    model = load_model(cfg.model, cfg.model_dtype, cfg.attn_implementation, build(LoraSettings, cfg.lora))
+    model = load_model(cfg.model, cfg.model_dtype, cfg.attn_implementation, cfg.lora)
 
     # -- train ------------------------------------------------------------------------------
     last = last_complete_checkpoint(Path(args.output_dir))

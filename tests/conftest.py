@@ -23,7 +23,7 @@ from pathlib import Path
 
 import pytest
 
-from etagent.config import load_config
+from etagent.config import load_settings
 from etagent.launcher.main import register_stage_schemas
 from etagent.toy.build import run
 from tests.support.browser import Browser, find_chromium
@@ -95,7 +95,7 @@ def _made_once(name: str, tmp_path_factory, make) -> Path:
 @pytest.fixture(scope="session")
 def toy(tmp_path_factory) -> Path:
     """The default toy world and tiny model (the one the demo and the later stages use)."""
-    return _made_once("toy", tmp_path_factory, lambda out: run(load_config("toy", "tiny", [f"out_dir={out}"])))
+    return _made_once("toy", tmp_path_factory, lambda out: run(load_settings("toy", "tiny", [f"out_dir={out}"])))
 
 
 @pytest.fixture(scope="session")

@@ -14,7 +14,7 @@ from pathlib import Path
 
 import pytest
 
-from etagent.config import load_config
+from etagent.config import load_settings
 from etagent.direct_rollout.run import chain_judgement
 from etagent.direct_rollout.run import run as run_direct_rollout
 from etagent.pareto.run import run as run_pareto
@@ -38,7 +38,7 @@ def rollout_overrides(sft_model: Path, toy: Path, server: str, out: Path, *extra
 
 
 def pareto_cfg(rollouts: Path, out: Path, *extra: str):
-    return load_config("pareto", "tiny", [f"rollouts={rollouts}", f"out_dir={out}", "count=10", *extra])
+    return load_settings("pareto", "tiny", [f"rollouts={rollouts}", f"out_dir={out}", "count=10", *extra])
 
 
 def test_chain_judgement_is_what_pareto_reads():
@@ -49,16 +49,16 @@ def test_chain_judgement_is_what_pareto_reads():
     assert not chain_judgement("the river Kess", ["Kess river bank"], "qa", 0.85).verdict  # below the mark
     assert chain_judgement("Kess River", ["Pell", "the Kess river"], "qa", 0.75).score == 1.0  # best over golds
     # the stage's setting is Pareto's bar
-    assert load_config("direct_rollout", "tiny", []).qa_pass_mark == load_config("pareto", "tiny", []).mixed_outcome.qa_pass_mark
+    assert load_settings("direct_rollout", "tiny", []).qa_pass_mark == load_settings("pareto", "tiny", []).mixed_outcome.qa_pass_mark
 
 
 def test_direct_rollout_resumes_without_duplicates(sft_model, toy, server, tmp_path, monkeypatch):
     monkeypatch.setenv("RETRIEVER_TOKEN", TOKEN)
     out = tmp_path / "rollouts"
-    first = run_direct_rollout(load_config("direct_rollout", "tiny", rollout_overrides(sft_model, toy, server, out, "limit=6")))
+    first = run_direct_rollout(load_settings("direct_rollout", "tiny", rollout_overrides(sft_model, toy, server, out, "limit=6")))
     assert first["questions"] == 6 and first["trajectories"] == 24
     before = (out / "trajectories.jsonl").read_text()
-    second = run_direct_rollout(load_config("direct_rollout", "tiny", rollout_overrides(sft_model, toy, server, out, "limit=10")))
+    second = run_direct_rollout(load_settings("direct_rollout", "tiny", rollout_overrides(sft_model, toy, server, out, "limit=10")))
     assert second["questions"] == 10 and second["trajectories"] == 40
     assert (out / "trajectories.jsonl").read_text().startswith(before)  # the first six kept as written
     groups = read_jsonl(out / "trajectories.jsonl", TrajectoryGroup)
@@ -83,7 +83,7 @@ def test_direct_rollout_on_a_local_ray_cluster_with_two_cpus(sft_model_full, toy
     out = tmp_path / "ray"
     overrides = rollout_overrides(sft_model_full, toy, server, out, "limit=8", "n=2", "ray.workers=2", "ray.num_cpus_per_worker=1")
     try:
-        metrics = run_direct_rollout(load_config("direct_rollout", "tiny", overrides))
+        metrics = run_direct_rollout(load_settings("direct_rollout", "tiny", overrides))
     finally:
         ray.shutdown()
     groups = read_jsonl(out / "trajectories.jsonl", TrajectoryGroup)
@@ -102,7 +102,7 @@ def test_kill_9_mid_rollout_then_resume_gives_the_identical_parquet(sft_model, t
     monkeypatch.setenv("RETRIEVER_TOKEN", TOKEN)
     questions = 24
     straight = tmp_path / "straight"
-    run_direct_rollout(load_config("direct_rollout", "tiny", rollout_overrides(sft_model, toy, server, straight, f"limit={questions}")))
+    run_direct_rollout(load_settings("direct_rollout", "tiny", rollout_overrides(sft_model, toy, server, straight, f"limit={questions}")))
 
     killed = tmp_path / "killed"
     command = [sys.executable, "-m", "etagent.direct_rollout.run", *rollout_overrides(sft_model, toy, server, killed, f"limit={questions}")]
@@ -117,7 +117,7 @@ def test_kill_9_mid_rollout_then_resume_gives_the_identical_parquet(sft_model, t
     proc.wait(timeout=30)
     written = len(lines.read_bytes().splitlines())
     assert 8 <= written < questions, f"killed too late to test a resume ({written} lines)"
-    run_direct_rollout(load_config("direct_rollout", "tiny", rollout_overrides(sft_model, toy, server, killed, f"limit={questions}")))
+    run_direct_rollout(load_settings("direct_rollout", "tiny", rollout_overrides(sft_model, toy, server, killed, f"limit={questions}")))
 
     def chains(path: Path) -> dict:
         return {

@@ -17,7 +17,7 @@ import pytest
 from fastapi import FastAPI, Request
 from fastapi.responses import JSONResponse
 
-from etagent.config import build, load_config
+from etagent.config import build, load_settings
 from etagent.evaluation.benchmarks import BENCHMARKS, benchmark_file, load_benchmark
 from etagent.evaluation.config import EvaluationJudge
 from etagent.evaluation.metrics import aggregate, behaviour
@@ -245,7 +245,7 @@ def scored_eval(tmp_path, judge_url):
         )
         groups.append(TrajectoryGroup.for_question(q, [t]))
     write_jsonl(out / "trajectories.jsonl", groups)
-    cfg = load_config(
+    cfg = load_settings(
         "evaluation",
         "tiny",
         [

@@ -16,7 +16,7 @@ from transformers import AutoTokenizer
 
 from etagent import protocol
 from etagent.agent import AgentLoop
-from etagent.config import load_config
+from etagent.config import load_settings
 from etagent.flywheel import prompts
 from etagent.flywheel.evolve import Flywheel, FlywheelSettings, QuestionRun, select_parent
 from etagent.flywheel.steps import (
@@ -113,7 +113,7 @@ def tokenizer(toy):
 
 @pytest.fixture(scope="module")
 def executor():
-    tools = load_config("tools", "tiny", ["tools.python.limits.timeout_s=20"]).tools
+    tools = load_settings("tools", "tiny", ["tools.python.limits.timeout_s=20"])
     with build_executor(tools) as ex:
         yield ex
 
@@ -341,7 +341,7 @@ def test_export_keeps_correct_distinct_trajectories_fewest_calls_first(tokenizer
         # questions are written as they finish: here the later one first; the data is in question order
         for run in (wrong, right):
             writer.write(question_record(run, timed_out=False, seconds=1.0, editor=True))
-    cfg = load_config("flywheel", "tiny", [f"out_dir={tmp_path}", "export.max_per_question=2"])
+    cfg = load_settings("flywheel", "tiny", [f"out_dir={tmp_path}", "export.max_per_question=2"])
     report = export(cfg)
 
     examples = read_records(tmp_path / "sft" / "sft.jsonl", SFTExample)
@@ -393,7 +393,7 @@ def test_search_results_are_summarised_by_the_summariser(tokenizer, toy, server,
     monkeypatch.setenv("RETRIEVER_TOKEN", TOKEN)
     name = json.loads((toy / "corpus.jsonl").read_text().splitlines()[0])["title"]
     summariser = ScriptedModel(tokenizer, lambda prompt: "**Final Information** " + prompt.split("Search results:\n", 1)[1][:40])
-    tools = load_config("tools", "tiny", [f"tools.search.local.url={server}", "tools.search.local.token_env=RETRIEVER_TOKEN"]).tools
+    tools = load_settings("tools", "tiny", [f"tools.search.local.url={server}", "tools.search.local.token_env=RETRIEVER_TOKEN"])
     with build_executor(tools) as ex:
         plain = ex.run_sync([ToolCall("search", name)])[0]
         ex.tools["search"] = SummarisedSearch(ex.tools["search"], TextModel(SharedBatches(summariser), GREEDY, 64, "s"))

@@ -181,7 +181,7 @@ def test_pareto_stage_on_a_hand_made_rollout_file(tmp_path):
     out, exactly `count` selected, and the same files again on a rerun."""
     import json
 
-    from etagent.config import load_config
+    from etagent.config import load_settings
     from etagent.pareto.run import run
 
     lines = [
@@ -196,7 +196,7 @@ def test_pareto_stage_on_a_hand_made_rollout_file(tmp_path):
     lines[6]["trajectories"][3]["finish_reason"] = "error"  # left out: g keeps three chains
     rollouts = tmp_path / "trajectories.jsonl"
     rollouts.write_text("".join(json.dumps(line) + "\n" for line in reversed(lines)))
-    cfg = load_config("pareto", "tiny", [f"rollouts={rollouts}", f"out_dir={tmp_path / 'out'}", "count=2"])
+    cfg = load_settings("pareto", "tiny", [f"rollouts={rollouts}", f"out_dir={tmp_path / 'out'}", "count=2"])
     report = run(cfg)
     assert report["counts"]["eligible"] == 3 and report["counts"]["selected"] == 2
     assert report["counts"]["chains_left_out"] == {"engine_error": 1}
@@ -212,7 +212,7 @@ def test_pareto_stage_on_a_hand_made_rollout_file(tmp_path):
     # the ablation without Pareto: as many questions, drawn from all of them under the seed
     drawn = []
     for seed in range(12):
-        cfg = load_config(
+        cfg = load_settings(
             "pareto", "tiny", [f"rollouts={rollouts}", f"out_dir={tmp_path / 'random'}", "count=2", "method=random", f"seed={seed}"]
         )
         report = run(cfg)

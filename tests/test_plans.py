@@ -19,6 +19,7 @@ stage wrote, and nothing of a run its plan refuses; a hand-edited manifest refus
 from __future__ import annotations
 
 import ast
+import dataclasses
 import hashlib
 import importlib
 import importlib.util
@@ -31,9 +32,8 @@ import textwrap
 from pathlib import Path
 
 import pytest
-from omegaconf import OmegaConf
 
-from etagent.config import SCHEMAS, load_config
+from etagent.config import SCHEMAS, load_settings
 from etagent.records import RLRow, write_manifest, write_rl_parquet
 
 # The shared modules whose checks a stage's plan runs (the engine's, the tools', the sampling's);
@@ -130,9 +130,9 @@ def claim(stage: str, argv: list[str], plan) -> dict:
     """The corrected run's plan and claim, as ``run`` does them; the manifest it leaves."""
     from etagent.rundir import claim_output
 
-    cfg = load_config(stage, "tiny", argv)
+    cfg = load_settings(stage, "tiny", argv)
     plan(cfg)
-    values = OmegaConf.to_container(cfg, resolve=True)
+    values = dataclasses.asdict(cfg)
     folder = values["index_dir" if stage == "retriever" else "out_dir"]
     with claim_output(folder, stage=stage, schema=SCHEMAS[stage][0], config=values) as out:
         return json.loads((out / "manifest.json").read_text())
@@ -563,8 +563,8 @@ def test_a_manifest_edited_by_hand_is_refused(toy, tmp_path):
     schema = SCHEMAS["direct_rollout"][0]
     claim("direct_rollout", argv, plan)
     manifest = json.loads((out / "manifest.json").read_text())
-    changed = load_config("direct_rollout", "tiny", [*argv, "n=2"])
-    config = OmegaConf.to_container(changed, resolve=True)
+    changed = load_settings("direct_rollout", "tiny", [*argv, "n=2"])
+    config = dataclasses.asdict(changed)
     # the edit a careless user makes to pass a rerun with n=2: the manifest's config says n=2 too
     (out / "manifest.json").write_text(json.dumps({**manifest, "config": {**manifest["config"], "n": 2}}, indent=2))
     with pytest.raises(ManifestEdited, match="its stage, config or inputs are not as its run wrote them"):

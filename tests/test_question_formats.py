@@ -17,7 +17,7 @@ import pytest
 
 from etagent import protocol
 from etagent.cli import convert_main
-from etagent.config import load_config
+from etagent.config import load_settings
 from etagent.direct_rollout.run import run as run_direct_rollout
 from etagent.errors import SettingError
 from etagent.evaluation.run import run as run_evaluation
@@ -258,7 +258,7 @@ def test_evaluation_and_direct_rollout_run_on_every_format(formats, toy_question
         "batch_questions=4",
         "bootstrap_rounds=10",
     ]
-    summary = run_evaluation(load_config("evaluation", "tiny", overrides))
+    summary = run_evaluation(load_settings("evaluation", "tiny", overrides))
     for name in names:
         result = summary["datasets"][name]
         assert result["file"] == str(formats[name])
@@ -269,7 +269,7 @@ def test_evaluation_and_direct_rollout_run_on_every_format(formats, toy_question
     for name in ("search_r1", "datasets_dict"):
         out = tmp_path / f"rollouts-{name}"
         run_direct_rollout(
-            load_config(
+            load_settings(
                 "direct_rollout",
                 "tiny",
                 [*tiny_agent(toy, server), f"questions={formats[name]}", f"out_dir={out}", "n=1", "limit=3", "batch_questions=3"]
@@ -441,14 +441,14 @@ def test_evaluation_reads_each_dataset_at_its_own_split(producer_files, toy, tmp
     gsm, expected = producer_files["gsm8k_datasets_folder"]
     deepmath, deepmath_expected = producer_files["trl_deepmath_folder"]
     base = [f"model={toy / 'model'}", f"out_dir={tmp_path / 'eval'}", "datasets=[gsm,deep]", f"+files.gsm={gsm}", f"+files.deep={deepmath}"]
-    cfg = load_config("evaluation", "tiny", [*base, "+splits.gsm=test", "+splits.deep=train"])
+    cfg = load_settings("evaluation", "tiny", [*base, "+splits.gsm=test", "+splits.deep=train"])
     questions, read_as = dataset_questions(cfg, "gsm")
     assert [q.answer for q in questions] == [e[1] for e in expected] and "the number after '####'" in read_as
     assert len(dataset_questions(cfg, "deep")[0]) == 1
-    cfg = load_config("evaluation", "tiny", [*base, "+splits.gsm=test"])
+    cfg = load_settings("evaluation", "tiny", [*base, "+splits.gsm=test"])
     with pytest.raises(SettingError, match=r"splits.deep: .* holds several splits"):
         dataset_questions(cfg, "deep")
-    cfg = load_config("evaluation", "tiny", [*base, "+splits.gsm=test", "+splits.deep=test", "+splits.other=test"])
+    cfg = load_settings("evaluation", "tiny", [*base, "+splits.gsm=test", "+splits.deep=test", "+splits.other=test"])
     with pytest.raises(SettingError, match=r"splits.other: 'other' is not one of this run's datasets"):
         check_settings(cfg)
 
@@ -464,12 +464,12 @@ def test_a_dataset_name_never_forms_a_path(toy, tmp_path):
     questions = toy / "questions" / "test.jsonl"
     base = [f"model={toy / 'model'}", f"out_dir={tmp_path / 'eval'}"]
     for name in ("../up", "a/b", "..", "a\\b", "x" * 200):
-        cfg = load_config("evaluation", "tiny", base)
+        cfg = load_settings("evaluation", "tiny", base)
         with open_dict(cfg):  # names Hydra's override grammar would not take
             cfg.datasets, cfg.files[name] = [name], str(questions)
         with pytest.raises(SettingError, match=r"setting datasets: .* is not a dataset name"):
             check_settings(cfg)
-    cfg = load_config("evaluation", "tiny", [*base, "datasets=[toy,toy]"])
+    cfg = load_settings("evaluation", "tiny", [*base, "datasets=[toy,toy]"])
     with pytest.raises(SettingError, match="names a dataset twice: 'toy'"):
         check_settings(cfg)
     assert not (tmp_path / "eval").exists() and not (tmp_path / "up").exists()

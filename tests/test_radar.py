@@ -12,7 +12,7 @@ from fastapi import FastAPI, Request
 from hypothesis import given, settings
 from hypothesis import strategies as st
 
-from etagent.config import build, load_config
+from etagent.config import build, load_settings
 from etagent.radar.config import RadarJudge
 from etagent.radar.metrics import execution, majority_redundant, paper_result_ok, parse_redundancy
 from etagent.records import Question, Trajectory
@@ -95,7 +95,7 @@ def test_radar_llm_judge_votes_through_a_served_text_model(tmp_path):
     trajectories = [Trajectory(id=f"q/{k}", text=text, prediction="Quell") for k, text in enumerate(["searched once", "searched twice"])]
     groups = [TrajectoryGroup.for_question(q, trajectories)]
     with serve(app) as url:
-        cfg = load_config("radar", "tiny", ["judge.mode=llm", f"judge.engine.openai.urls=[{url}/v1]", "judge.rounds=3"])
+        cfg = load_settings("radar", "tiny", ["judge.mode=llm", f"judge.engine.openai.urls=[{url}/v1]", "judge.rounds=3"])
         verdicts = conciseness(build(RadarJudge, cfg.judge), groups, tmp_path)
         assert verdicts == {"q/0": False, "q/1": True}
         asked = len(bodies)

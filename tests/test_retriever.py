@@ -22,9 +22,8 @@ from pathlib import Path
 import httpx
 import pytest
 
-from etagent.config import build, load_config
+from etagent.config import load_settings
 from etagent.question_formats import read_questions
-from etagent.retriever.config import RetrieverConfig
 from etagent.tools.search import RetrieverClient, SearchTool
 from tests.support.commands import TOKEN, build_index
 from tests.support.servers import free_port, wait_until_healthy
@@ -385,7 +384,7 @@ def test_other_index_types_build_and_serve(toy, tmp_path):
     for kind, extra in (("HNSW", []), ("IVF-PQ", ["build.ivf_lists=4", "build.pq_m=8", "serve.nprobe=4"])):
         out = tmp_path / kind
         build_index(corpus, out, f"build.index_type={kind}", "build.bm25=false", *extra)
-        cfg = build(RetrieverConfig, load_config("retriever", "tiny", [f"index_dir={out}", f"build.index_type={kind}", *extra]))
+        cfg = load_settings("retriever", "tiny", [f"index_dir={out}", f"build.index_type={kind}", *extra])
         with TestClient(create_app(out, cfg.serve, cfg.encoder)) as client:
             health = client.get("/health").json()
             assert health["methods"] == ["dense"]

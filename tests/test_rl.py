@@ -303,9 +303,9 @@ def test_bf16_compute_and_gradient_checkpointing(sft_model_full, parquet, server
 
 
 def test_paper_preset_has_the_papers_numbers():
-    from etagent.config import load_config
+    from etagent.config import load_settings
 
-    cfg = load_config("rl", "paper")
+    cfg = load_settings("rl", "paper")
     assert (cfg.data.prompts_per_step, cfg.rollout.n, cfg.train.mini_batch_prompts, cfg.data.epochs) == (64, 16, 4, 3)
     assert (cfg.rollout.kind, cfg.rollout.initial_rollouts, cfg.rollout.beam_size) == ("tree", 8, 2)
     assert (cfg.rollout.branch_probability, cfg.rollout.entropy_weight) == (0.5, 0.2)

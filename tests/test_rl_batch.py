@@ -303,9 +303,9 @@ def test_log_probs_peak_memory_at_qwens_vocabulary():
 def test_the_presets_batch_plan_on_1_to_16_ranks(preset):
     """The same optimizer steps of the same number of sequences on every world size the step's
     prompts divide over; any other world size is refused before work starts, naming the key."""
-    from etagent.config import load_config
+    from etagent.config import load_settings
 
-    cfg = load_config("rl", preset)
+    cfg = load_settings("rl", preset)
     per_step, n, mini = cfg.data.prompts_per_step, cfg.rollout.n, cfg.train.mini_batch_prompts
     for world in range(1, 17):
         if per_step % world:

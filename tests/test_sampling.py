@@ -11,7 +11,7 @@ import torch
 
 from etagent import protocol
 from etagent.agent import AgentLoop, SegmentEntropy
-from etagent.config import load_config
+from etagent.config import load_settings
 from etagent.question_formats import read_questions
 from etagent.tools.executor import build_executor
 from tests.support.commands import TOKEN
@@ -22,7 +22,7 @@ from tests.support.trajectories import mask_runs
 @pytest.fixture
 def tools_cfg(server, monkeypatch):
     monkeypatch.setenv("RETRIEVER_TOKEN", TOKEN)
-    return load_config(
+    return load_settings(
         "tools",
         "tiny",
         [f"tools.search.local.url={server}", "tools.search.local.token_env=RETRIEVER_TOKEN", "tools.python.limits.timeout_s=10"],

@@ -364,11 +364,11 @@ def test_budget_exhausted_record_is_explicit():
 
 
 def test_python_and_search_through_one_executor(retriever):
-    from etagent.config import load_config
+    from etagent.config import load_settings
     from etagent.tools.executor import build_executor
 
     url, _ = retriever
-    cfg = load_config("tools", "tiny", [f"tools.search.local.url={url}", "tools.python.limits.timeout_s=5"]).tools
+    cfg = load_settings("tools", "tiny", [f"tools.search.local.url={url}", "tools.python.limits.timeout_s=5"])
     with build_executor(cfg) as executor:
         records = executor.run_sync([ToolCall("python", "print(6 * 7)"), ToolCall("search", "Zorvak Telmin"), ToolCall("python", "")])
     assert records[0].output == "42" and records[0].ok

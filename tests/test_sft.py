@@ -243,7 +243,7 @@ def test_tiny_preset_answers_held_out_questions_with_the_right_tools(sft_model_f
     tiny preset, as the demo runs it), then run through the agent loop with the real tools on
     the 200 held-out toy questions, greedy. It must answer them, not only write the protocol:
     a regression in the toy world, the tokenizer or the recipe shows here."""
-    from etagent.config import load_config
+    from etagent.config import load_settings
     from etagent.records import TrajectoryGroup, read_jsonl
     from etagent.sampling import run_sampling
     from etagent.scoring import rule_correctness, rule_judgement
@@ -252,7 +252,7 @@ def test_tiny_preset_answers_held_out_questions_with_the_right_tools(sft_model_f
     final_loss = manifest["metrics"]["final_logged_loss"]
     monkeypatch.setenv("RETRIEVER_TOKEN", "test-token-123")
     out = sft_model_full.parent / "held-out"
-    cfg = load_config(
+    cfg = load_settings(
         "direct_rollout",
         "tiny",
         [

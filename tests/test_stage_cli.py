@@ -5,6 +5,7 @@ naming the one to set)."""
 
 from __future__ import annotations
 
+import dataclasses
 import json
 import subprocess
 import sys
@@ -14,9 +15,8 @@ import pytest
 import yaml
 from hypothesis import given, settings
 from hypothesis import strategies as st
-from omegaconf import OmegaConf
 
-from etagent.config import SCHEMAS, config_dir, load_config, presets
+from etagent.config import SCHEMAS, config_dir, load_settings, presets
 from etagent.errors import UserError
 from etagent.settings import settings_of
 from etagent.stage_cli import documented_file, settings_help, stage_configs, sweep, yaml_docs
@@ -45,7 +45,7 @@ def test_cfg_job_prints_the_resolved_config():
     )
     assert done.returncode == 0, done.stderr
     printed = yaml.safe_load(done.stdout)
-    expected = OmegaConf.to_container(load_config("rl", "tiny", ["optim.lr=0.002"]), resolve=True)
+    expected = dataclasses.asdict(load_settings("rl", "tiny", ["optim.lr=0.002"]))
     assert printed == expected and printed["optim"]["lr"] == 0.002
     assert "${" not in done.stdout  # every interpolation resolved
 
@@ -93,7 +93,7 @@ def test_a_key_that_follows_another_is_refused_naming_the_one_to_set(stage):
             stage_configs(stage, [f"{key}=x"], prog=stage)
     if stage in ("direct_rollout", "evaluation", "flywheel", "rl"):  # the model has one name in every stage that samples
         assert aliases.get("engine.model") == "follows model (set that)"
-        assert load_config(stage, "tiny", ["model=elsewhere"]).engine.model == "elsewhere"
+        assert load_settings(stage, "tiny", ["model=elsewhere"]).engine.model == "elsewhere"
 
 
 def test_sweep_expands_like_hydra_and_names_each_run(tmp_path):

@@ -15,7 +15,7 @@ import torch
 from transformers import AutoModelForCausalLM, AutoTokenizer
 
 from etagent import protocol
-from etagent.config import load_config
+from etagent.config import load_settings
 from etagent.question_formats import read_questions
 from etagent.records import SFTExample, TrajectoryGroup, read_jsonl, read_records
 from etagent.toy.build import run
@@ -61,7 +61,7 @@ def without_timings(path: Path) -> list[dict]:
 def test_build_is_deterministic_from_the_seed(tmp_path):
     for name in ("a", "b", "c"):
         seed = 1 if name == "c" else 0
-        run(load_config("toy", "tiny", [f"out_dir={tmp_path / name}", f"seed={seed}"] + SMALL))
+        run(load_settings("toy", "tiny", [f"out_dir={tmp_path / name}", f"seed={seed}"] + SMALL))
     for artifact in ARTIFACTS:
         if artifact == "seed_trajectories.jsonl":  # identical except the measured tool-call times
             a, b = (without_timings(tmp_path / run_dir / artifact) for run_dir in ("a", "b"))
@@ -115,7 +115,7 @@ def test_every_made_up_word_and_number_has_the_same_ids_wherever_it_appears(toy)
 
     from etagent.toy.world import make_world
 
-    config = load_config("toy", "tiny", [f"out_dir={toy}"])
+    config = load_settings("toy", "tiny", [f"out_dir={toy}"])
     words = set(make_world(config.seed, config.world.people, config.world.cities).made_up_words())
     tokenizer = AutoTokenizer.from_pretrained(toy / "model")
     own_ids: dict[str, list[int]] = {}
@@ -264,11 +264,11 @@ def test_cli_build_then_rerun_is_a_no_op_and_a_config_change_is_refused(tmp_path
 def test_question_counts_the_config_or_the_world_cannot_give_are_clear_errors(tmp_path):
     missing = SMALL + [f"out_dir={tmp_path / 'a'}", "~questions.train.none"]
     with pytest.raises(ValueError, match="questions.train: give a count for each of search, python, both, none"):
-        run(load_config("toy", "tiny", missing))
+        run(load_settings("toy", "tiny", missing))
     # 40 people can be asked 80 distinct 'none' questions per world version
     too_many = SMALL + [f"out_dir={tmp_path / 'b'}", "questions.train.none=800"]
     with pytest.raises(ValueError, match="fewer than 100 distinct 'none' questions"):
-        run(load_config("toy", "tiny", too_many))
+        run(load_settings("toy", "tiny", too_many))
 
 
 def test_rl_pool_is_asked_in_a_world_version_of_its_own(toy):

@@ -329,11 +329,11 @@ def test_a_caller_that_stops_waiting_aborts_its_request(engine):
 @pytest.fixture(scope="module")
 def async_engine(toy):
     """What a sampling stage builds from ``engine.kind=vllm``: vLLM's async engine."""
-    from etagent.config import load_config
+    from etagent.config import load_settings
     from etagent.llm import make_engine
 
     overrides = [f"engine.model={toy / 'model'}", "engine.kind=vllm", "engine.vllm.max_model_len=2048", "engine.vllm.enforce_eager=true"]
-    engine = make_engine(load_config("engine", "tiny", overrides + ["engine.vllm.cpu_kv_cache_gb=0.5"]).engine)
+    engine = make_engine(load_settings("engine", "tiny", overrides + ["engine.vllm.cpu_kv_cache_gb=0.5"]))
     yield engine
     engine.shutdown()
 

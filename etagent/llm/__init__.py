@@ -363,10 +363,7 @@ def check_engine_settings(cfg, prefix: str = "engine") -> None:
 
 
 def make_engine(cfg: EngineConfig):
-    """An engine from the ``engine`` config group (configs/engine/*.yaml), as loaded or built."""
-    from etagent.config import build
-
-    cfg = build(EngineConfig, cfg)
+    """An engine from the ``engine`` config group (configs/engine/*.yaml)."""
     if cfg.kind == "hf":
         from etagent.llm.hf import HFEngine
 

@@ -27,14 +27,12 @@ from __future__ import annotations
 
 from collections.abc import Sequence
 
-from omegaconf import DictConfig
-
-from etagent.llm import GenerationRequest, Sampling, SharedBatches, make_engine
+from etagent.llm import EngineConfig, GenerationRequest, Sampling, SharedBatches, make_engine
 from etagent.llm.openai_engine import OpenAIEngine
 from etagent.net import ExternalCallError
 
 
-def shared_engine(cfg: DictConfig):
+def shared_engine(cfg: EngineConfig):
     """The engine of an ``engine`` group, shared through :class:`SharedBatches` where it decodes a
     call at a time (``hf`` without continuous batching), so concurrent callers batch together."""
     engine = make_engine(cfg)
@@ -98,8 +96,7 @@ class TextModel:
         return await self.complete(messages, stop=stop, seed=seed)
 
 
-def load_text_model(role: DictConfig, name: str) -> TextModel:
-    """The text model of a role's config: its ``engine``, ``sampling`` and ``max_new_tokens``."""
-    from etagent.config import build
-
-    return TextModel(shared_engine(role.engine), build(Sampling, role.sampling), role.max_new_tokens, name)
+def load_text_model(role, name: str) -> TextModel:
+    """The text model of a role's config (a judge's, the flywheel's editor's or reflector's group):
+    its ``engine``, ``sampling`` and ``max_new_tokens``."""
+    return TextModel(shared_engine(role.engine), role.sampling, role.max_new_tokens, name)

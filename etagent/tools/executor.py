@@ -195,9 +195,6 @@ def check_tools(cfg: ToolsConfig) -> None:
     in the environment, a cache replayed from a file that is not there, and a sandbox that cannot
     give the code the isolation asked for with the interpreter asked for (it is started and
     stopped: a tenth of a second). Nothing is written (a cache's file is made only by the run)."""
-    from etagent.config import build
-
-    cfg = build(ToolsConfig, cfg)
     py, se = cfg.python, cfg.search
     if py.backend == "sandbox_fusion" and not py.sandbox_fusion_url:
         raise SettingError(
@@ -227,13 +224,11 @@ def python_sandbox(py: PythonToolConfig):
 
 
 def build_executor(cfg: ToolsConfig) -> ToolExecutor:
-    """The tools described by a ``tools`` config group (configs/tools/), as loaded or built."""
-    from etagent.config import build
+    """The tools described by a ``tools`` config group (configs/tools/)."""
     from etagent.tools.cache import ToolCache
     from etagent.tools.sandbox import PythonTool, SandboxFusion
     from etagent.tools.search import RetrieverClient, SearchTool, WebSearch
 
-    cfg = build(ToolsConfig, cfg)
     py = cfg.python
     limits = py.limits
     if py.backend == "sandbox":

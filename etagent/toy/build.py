@@ -23,18 +23,17 @@ prints the summary and exits; a different config is an error unless ``--force``.
 
 from __future__ import annotations
 
+import dataclasses
 import json
 import random
 import time
 from collections import Counter
 from pathlib import Path
 
-from omegaconf import DictConfig, OmegaConf
-
 from etagent import protocol
 from etagent.errors import UserError, exit_on_user_error
 from etagent.records import SFTExample, TrajectoryGroup, write_jsonl, write_manifest
-from etagent.toy.config import ToyConfig  # noqa: F401 -- registers configs/toy's schema
+from etagent.toy.config import ToyConfig
 from etagent.toy.model import DIGIT_CHUNKS, build_model, save_policy, train_tokenizer
 from etagent.toy.seeds import BEHAVIOURS, ToySearch, write_trajectory
 from etagent.toy.world import KINDS, make_questions, make_world
@@ -53,7 +52,7 @@ def check_token_ids_survive_reload(tokenizer, model_dir: Path, texts: list[str])
             raise RuntimeError(f"{model_dir}: decoding does not give the text back for {text[:80]!r}")
 
 
-def build(cfg: DictConfig, out_dir: Path) -> dict:
+def build(cfg: ToyConfig, out_dir: Path) -> dict:
     """Build everything into out_dir and return the summary written to the manifest. One random
     stream draws everything, in this order: world, held-out questions, training worlds and
     questions, seed trajectories, the RL pool."""
@@ -64,8 +63,8 @@ def build(cfg: DictConfig, out_dir: Path) -> dict:
     write_jsonl(out_dir / "corpus.jsonl", corpus)
 
     for split in ("train", "rl"):
-        if set(cfg.questions[split]) != set(KINDS):
-            raise ValueError(f"questions.{split}: give a count for each of {', '.join(KINDS)} (got {', '.join(cfg.questions[split])})")
+        if set(getattr(cfg.questions, split)) != set(KINDS):
+            raise ValueError(f"questions.{split}: give a count for each of {', '.join(KINDS)} (got {', '.join(getattr(cfg.questions, split))})")
     test_texts: set[str] = set()
     test = make_questions(world, rng, {kind: cfg.questions.test_per_kind for kind in KINDS}, "test", test_texts)
     versioned, searches = training_questions(cfg, world, rng, test_texts, out_dir)
@@ -119,7 +118,7 @@ def build(cfg: DictConfig, out_dir: Path) -> dict:
     write_manifest(
         out_dir,
         stage="toy",
-        config=OmegaConf.to_container(cfg, resolve=True),
+        config=dataclasses.asdict(cfg),
         counts={
             "corpus": len(corpus),
             "train_questions": len(train),
@@ -135,7 +134,7 @@ def build(cfg: DictConfig, out_dir: Path) -> dict:
     return summary
 
 
-def training_questions(cfg: DictConfig, world, rng: random.Random, test_texts: set[str], out_dir: Path) -> tuple[list, dict]:
+def training_questions(cfg: ToyConfig, world, rng: random.Random, test_texts: set[str], out_dir: Path) -> tuple[list, dict]:
     """The training questions as (world version, question), and each version's search.
 
     Training questions are asked in versions of the world with redrawn facts (World.
@@ -158,7 +157,7 @@ def training_questions(cfg: DictConfig, world, rng: random.Random, test_texts: s
     return versioned, searches
 
 
-def seed_groups(cfg: DictConfig, versioned: list, searches: dict, rng: random.Random) -> list[TrajectoryGroup]:
+def seed_groups(cfg: ToyConfig, versioned: list, searches: dict, rng: random.Random) -> list[TrajectoryGroup]:
     """``cfg.seeds.per_question`` seed trajectories per training question, each behaviour drawn
     from ``cfg.seeds.mix`` and written against its world version's search."""
     mix = {b: float(cfg.seeds.mix[b]) for b in BEHAVIOURS}
@@ -220,11 +219,11 @@ def print_summary(summary: dict, out_dir: Path, example: str | None = None) -> N
             print(f"    {line}")
 
 
-def run(cfg: DictConfig, force: bool = False) -> dict:
+def run(cfg: ToyConfig, force: bool = False) -> dict:
     """Build unless an identical build is already in cfg.out_dir; print the summary."""
     out_dir = Path(cfg.out_dir)
     manifest_path = out_dir / "manifest.json"
-    resolved = OmegaConf.to_container(cfg, resolve=True)
+    resolved = dataclasses.asdict(cfg)
     if manifest_path.exists() and not force:
         manifest = json.loads(manifest_path.read_text())
         if manifest.get("status") == "complete" and manifest.get("config") == resolved:
@@ -249,7 +248,7 @@ def run(cfg: DictConfig, force: bool = False) -> dict:
 def main(argv: list[str] | None = None) -> None:
     import argparse
 
-    from etagent.config import load_config
+    from etagent.config import load_settings
 
     parser = argparse.ArgumentParser(prog="etagent toy build", description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     parser.add_argument("--out", help="output directory (default: out_dir in configs/toy/tiny.yaml)")
@@ -257,7 +256,7 @@ def main(argv: list[str] | None = None) -> None:
     parser.add_argument("overrides", nargs="*", help="Hydra overrides, e.g. world.people=400 model.layers=6")
     args = parser.parse_args(argv)
     overrides = list(args.overrides) + ([f"out_dir={args.out}"] if args.out else [])
-    run(load_config("toy", "tiny", overrides), force=args.force)
+    run(load_settings("toy", "tiny", overrides), force=args.force)
 
 
 if __name__ == "__main__":
