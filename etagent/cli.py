@@ -108,11 +108,11 @@ def tool_main(argv: list[str]) -> int:
     if args.tool == "python" and args.file and "=" in args.file:  # an override, not a file
         overrides.insert(0, args.file)
         args.file = None
-    from etagent.config import load_config
+    from etagent.config import load_settings
     from etagent.protocol import ToolCall
     from etagent.tools.executor import build_executor
 
-    cfg = load_config("tools", args.preset, overrides).tools
+    cfg = load_settings("tools", args.preset, overrides)
     if args.tool == "python":
         payload = open(args.file).read() if args.file else sys.stdin.read()
     else:

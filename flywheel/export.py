@@ -146,7 +146,7 @@ def export(cfg: FlywheelConfig) -> dict:
         "kept_by_operation": dict(kept_ops.most_common()),
         "questions_with_data": sum(1 for calls in kept_calls.values() if calls),
         "export": spread(kept_calls),
-        "rules": {k: e[k] for k in ("max_per_question", "prefer_fewer_calls", "require_tool_success")},
+        "rules": {k: getattr(e, k) for k in ("max_per_question", "prefer_fewer_calls", "require_tool_success")},
     }
     if e.seed_data:
         seed = seed_examples(Path(e.seed_data), set(kept_calls))

@@ -457,7 +457,6 @@ def test_a_dataset_name_never_forms_a_path(toy, tmp_path):
     """An evaluation dataset's name becomes its folder in out_dir and its questions' file name: a
     name that is not one plain path component (a separator, '..', empty) or that repeats is refused
     before anything is written."""
-    from omegaconf import open_dict
 
     from etagent.evaluation.run import check_settings
 
@@ -465,8 +464,7 @@ def test_a_dataset_name_never_forms_a_path(toy, tmp_path):
     base = [f"model={toy / 'model'}", f"out_dir={tmp_path / 'eval'}"]
     for name in ("../up", "a/b", "..", "a\\b", "x" * 200):
         cfg = load_settings("evaluation", "tiny", base)
-        with open_dict(cfg):  # names Hydra's override grammar would not take
-            cfg.datasets, cfg.files[name] = [name], str(questions)
+        cfg.datasets, cfg.files[name] = [name], str(questions)  # names Hydra's override grammar would not take
         with pytest.raises(SettingError, match=r"setting datasets: .* is not a dataset name"):
             check_settings(cfg)
     cfg = load_settings("evaluation", "tiny", [*base, "datasets=[toy,toy]"])

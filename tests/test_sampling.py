@@ -26,7 +26,7 @@ def tools_cfg(server, monkeypatch):
         "tools",
         "tiny",
         [f"tools.search.local.url={server}", "tools.search.local.token_env=RETRIEVER_TOKEN", "tools.python.limits.timeout_s=10"],
-    ).tools
+    )
 
 
 def check_token_invariants(loop, states, model):
