@@ -230,7 +230,7 @@ def run(cfg: ParetoConfig) -> dict:
             stage=f"pareto/stage{cfg.rl_stage}",
             config=config,
             counts=selection.counts,
-            seed=int(cfg.seed),
+            seed=cfg.seed,
             started_at=started,
             metrics=selection.metrics,
         )
@@ -275,7 +275,7 @@ def select_questions(cfg: ParetoConfig) -> Selection:
     front = np.full(len(questions), -1)
     distance = np.full(len(questions), np.nan)
     if cfg.method == "pareto":
-        selection = select(points[eligible], int(cfg.count), int(cfg.seed))
+        selection = select(points[eligible], cfg.count, cfg.seed)
         chosen = eligible[selection.selected]
         front[eligible] = selection.ranks
         distance[eligible] = selection.distance
@@ -286,7 +286,7 @@ def select_questions(cfg: ParetoConfig) -> Selection:
             "taken_from_cut_front": selection.taken_from_cut,
         }
     else:  # the ablation without Pareto: as many questions, drawn at random from the whole pool
-        draw = np.random.default_rng([int(cfg.seed), 1]).choice(len(questions), size=min(int(cfg.count), len(questions)), replace=False)
+        draw = np.random.default_rng([cfg.seed, 1]).choice(len(questions), size=min(cfg.count, len(questions)), replace=False)
         chosen, fronts = np.sort(draw), {}
 
     if not len(chosen):
@@ -295,7 +295,7 @@ def select_questions(cfg: ParetoConfig) -> Selection:
         )
     # the parquet: extra_info.index is the position in the selection, the rows are shuffled
     rows = [RLRow.for_question(questions[i], index=k, split=cfg.split) for k, i in enumerate(chosen)]
-    order = np.random.default_rng(int(cfg.seed)).permutation(len(rows))
+    order = np.random.default_rng(cfg.seed).permutation(len(rows))
 
     selected = np.zeros(len(questions), dtype=bool)
     selected[chosen] = True
@@ -309,7 +309,7 @@ def select_questions(cfg: ParetoConfig) -> Selection:
         "rollouts": str(rollouts),
         "objectives": names,
         "method": cfg.method,
-        "requested": int(cfg.count),
+        "requested": cfg.count,
         "counts": {
             "questions": len(questions),
             "chains": int(len(chains.question)),

@@ -12,10 +12,11 @@ this module does not do: generate, score, or decide the plan (rl/batch.py).
 from __future__ import annotations
 
 import math
+from dataclasses import dataclass
+from typing import TYPE_CHECKING
 
 import torch
 import torch.distributed as dist
-from omegaconf import DictConfig
 
 from etagent.divergence import largest_magnitude
 from etagent.rl.algorithm import (
@@ -27,9 +28,12 @@ from etagent.rl.algorithm import (
     policy_loss,
     truncated_importance_weights,
 )
-from etagent.rl.batch import Batch, BatchPlan, ForwardPass, forward_passes, token_logprobs
+from etagent.rl.batch import Batch, ForwardPass, forward_passes, token_logprobs
 from etagent.rl.distributed import max_all, sum_all
 from etagent.rl.policy import Policy
+
+if TYPE_CHECKING:  # for the annotations only: the trainer imports this module
+    from etagent.rl.trainer import Trainer
 
 
 class NonFiniteUpdate(RuntimeError):
@@ -62,24 +66,10 @@ def response_logprobs(policy: Policy, batch: Batch, budget: int, share_prefixes:
     return logprobs
 
 
-def update(
-    policy: Policy,
-    optimizer: torch.optim.Optimizer,
-    plan: BatchPlan,
-    batch: Batch,
-    advantages: torch.Tensor,
-    old: torch.Tensor,
-    ref: torch.Tensor | None,
-    cfg: DictConfig,
-    device: torch.device,
-    rollout_mismatch: bool = False,
-    tis_cap: float | None = None,
-) -> dict:
-    """One optimizer step per mini-batch of the plan; the step's metrics (summed over ranks).
-
-    Every rank takes the same number of optimizer steps and of micro-batches per step (each
-    backward is a collective under FSDP2): a rank with fewer micro-batches runs its first one
-    again with the loss multiplied by zero.
+@dataclass
+class StepBatch:
+    """A step's rollouts as the update reads them: packed (``batch``), their ``advantages``, the
+    ``old`` log-probabilities of the sampled tokens and the KL reference's (``ref``, or None).
 
     ``rollout_mismatch``: also report how far the rollout engine's log-probabilities are from the
     trainer's (``rollout/logprob_mismatch``, mean absolute difference per policy token), measured
@@ -89,116 +79,123 @@ def update(
 
     ``tis_cap``: the rollouts came from another engine, whose log-probabilities are in
     ``batch.rollout_logprobs``; each token's loss is weighted by truncated importance sampling
-    (:func:`etagent.rl.algorithm.truncated_importance_weights`, ``old`` over the rollout's, capped), and
-    the metrics say how large the ratios were and how many were cut."""
-    world = dist.get_world_size()
-    size = plan.mini_batch_sequences_per_rank
-    minis = [list(range(k * size, (k + 1) * size)) for k in range(plan.optimizer_steps)]
-    assert minis[-1][-1] == batch.input_ids.shape[0] - 1, "a rank's rollouts are not the plan's"
-    sums = dict.fromkeys(
-        (
-            "loss",
-            "clipped_tokens",
-            "dual_clipped_tokens",
-            "entropy",
-            "kl",
-            "policy_tokens",
-            "grad_norm",
-            "mismatch",
-            "computed_tokens",
-            "path_tokens",
-        ),
-        0.0,
-    )
-    weights = None if tis_cap is None else truncated_importance_weights(old, batch.rollout_logprobs, tis_cap)
-    row_tokens = batch.tokens()
+    (:func:`etagent.rl.algorithm.truncated_importance_weights`, ``old`` over the rollout's,
+    capped), and the metrics say how large the ratios were and how many were cut."""
+
+    batch: Batch
+    advantages: torch.Tensor
+    old: torch.Tensor
+    ref: torch.Tensor | None
+    rollout_mismatch: bool = False
+    tis_cap: float | None = None
+
+
+SUMS = ("loss", "clipped_tokens", "dual_clipped_tokens", "entropy", "kl", "policy_tokens", "grad_norm", "mismatch")
+SUMS += ("computed_tokens", "path_tokens")
+
+
+def update(trainer: Trainer, step: StepBatch) -> dict:
+    """One optimizer step per mini-batch of the trainer's plan over the step's batch; the step's
+    metrics (summed over ranks). Reads the trainer's policy, optimizer, plan, device and settings
+    (``train``, ``algorithm``, ``optim``).
+
+    Every rank takes the same number of optimizer steps and of micro-batches per step (each
+    backward is a collective under FSDP2): a rank with fewer micro-batches runs its first one
+    again with the loss multiplied by zero."""
+    size = trainer.plan.mini_batch_sequences_per_rank
+    minis = [list(range(k * size, (k + 1) * size)) for k in range(trainer.plan.optimizer_steps)]
+    assert minis[-1][-1] == step.batch.input_ids.shape[0] - 1, "a rank's rollouts are not the plan's"
+    sums = dict.fromkeys(SUMS, 0.0)
+    weights = None if step.tis_cap is None else truncated_importance_weights(step.old, step.batch.rollout_logprobs, step.tis_cap)
     for number, mini in enumerate(minis):
-        problems: list[str] = []  # micro-batches whose loss was not finite, and which of its inputs
-        largest_gap = 0.0  # the largest |log-prob - old log-prob| at a policy token
-        trained_tokens = sum_all([float(batch.loss_mask[mini].sum())], device)[0]
-        tokens = max(trained_tokens, 1.0)  # the loss's divisor: a mini-batch of none (all masked) has a loss of 0
-        parts = forward_passes(batch, mini, cfg.train.micro_batch_tokens, policy.packs_sequences, cfg.train.share_prefixes)
-        n_parts = int(max_all([len(parts)], device)[0])
-        standardisation = None
-        if cfg.algorithm.entropy_aware_advantage:  # AEPO: z over the optimizer step's tokens, every rank's
-            standardisation = mini_batch_entropy(policy, batch, parts, n_parts, device)
-        for k in range(n_parts):
-            step, weight = (parts[k], 1.0) if k < len(parts) else (parts[0], 0.0)
-            rows = step.rows
-            micro = batch.forward(step, policy.packs_sequences, policy.eager)
-            sums["computed_tokens"] += weight * micro.tokens()
-            sums["path_tokens"] += weight * sum(row_tokens[i] for i in rows)
-            logprobs, entropy = token_logprobs(policy, micro, with_entropy=True)
-            if rollout_mismatch and number == 0:
-                gap = (logprobs.detach().float() - batch.rollout_logprobs[rows, : micro.response_width]).abs()
-                sums["mismatch"] += weight * float(masked_sum(gap, micro.loss_mask))
-            micro_advantages = advantages[rows]
-            if standardisation is not None:
-                micro_advantages = entropy_aware_advantages(micro_advantages, entropy, *standardisation)
-            terms = policy_loss(
-                logprobs,
-                old[rows, : micro.response_width],
-                micro_advantages,
-                micro.loss_mask,
-                tokens / world,  # gradients are averaged over ranks: this makes it a sum over all tokens / tokens
-                cfg.algorithm.clip_low,
-                cfg.algorithm.clip_high,
-                cfg.algorithm.clip_c,
-                cfg.algorithm.entropy_balanced_clipping,
-                None if weights is None else weights[rows, : micro.response_width],
-                cfg.algorithm.log_ratio_clamp,
-            )
-            loss = terms.loss
-            if ref is not None:
-                # verl's use_kl_loss: the estimator's token mean over the mini-batch, like the policy loss
-                kl = masked_sum(kl_estimate(logprobs, ref[rows, : micro.response_width], cfg.algorithm.kl_estimator), micro.loss_mask)
-                loss = loss + cfg.algorithm.kl_coef * kl / (tokens / world)
-                sums["kl"] += weight * kl.item()
-            if not math.isfinite(loss.item()):
-                problems.append(describe_non_finite_loss(loss, rows, logprobs, old, micro_advantages, weights, micro.loss_mask))
-            largest_gap = max(largest_gap, largest_logprob_gap(logprobs, old[rows, : micro.response_width], micro.loss_mask))
-            (loss * weight).backward()
-            sums["loss"] += weight * loss.item() / world
-            sums["clipped_tokens"] += weight * terms.clipped_tokens.item()
-            sums["dual_clipped_tokens"] += weight * terms.dual_clipped_tokens.item()
-            sums["entropy"] += weight * float(masked_sum(entropy, micro.loss_mask))
-        where = f"mini-batch {number + 1} of {len(minis)}"
-        grad_norm = optimizer_step(policy, optimizer, cfg.optim.grad_clip, device, where, problems, largest_gap)
-        sums["policy_tokens"] += trained_tokens
-        sums["grad_norm"] += float(grad_norm) / len(minis)
-    first_tokens = float(batch.loss_mask[minis[0]].sum())
-    loss_sum, clipped, dual, entropy, kl, mismatch, first_tokens, computed, path_tokens = sum_all(
-        [
-            sums["loss"],
-            sums["clipped_tokens"],
-            sums["dual_clipped_tokens"],
-            sums["entropy"],
-            sums["kl"],
-            sums["mismatch"],
-            first_tokens,
-            sums["computed_tokens"],
-            sums["path_tokens"],
-        ],
-        device,
-    )
-    extra = {"actor/kl": kl / max(sums["policy_tokens"], 1.0)} if ref is not None else {}
-    if rollout_mismatch:
-        extra["rollout/logprob_mismatch"] = mismatch / max(first_tokens, 1.0)
-    if tis_cap is not None:
-        extra.update(importance_ratio_metrics(old, batch, tis_cap, device))
+        mini_batch_update(trainer, step, mini, f"mini-batch {number + 1} of {len(minis)}", weights, sums, first=number == 0)
+    return update_metrics(trainer.device, step, sums, minis)
+
+
+def mini_batch_update(trainer: Trainer, step: StepBatch, mini: list[int], where: str, weights, sums: dict, first: bool) -> None:
+    """The loss over one mini-batch's micro-batches, backward, then one optimizer step; adds to
+    ``sums``. ``weights``: the batch's truncated importance weights, or None."""
+    policy, device, cfg, batch, old = trainer.policy, trainer.device, trainer.cfg, step.batch, step.old
+    world = dist.get_world_size()
+    problems: list[str] = []  # micro-batches whose loss was not finite, and which of its inputs
+    largest_gap = 0.0  # the largest |log-prob - old log-prob| at a policy token
+    trained_tokens = sum_all([float(batch.loss_mask[mini].sum())], device)[0]
+    tokens = max(trained_tokens, 1.0)  # the loss's divisor: a mini-batch of none (all masked) has a loss of 0
+    parts = forward_passes(batch, mini, cfg.train.micro_batch_tokens, policy.packs_sequences, cfg.train.share_prefixes)
+    n_parts = int(max_all([len(parts)], device)[0])
+    standardisation = None
+    if cfg.algorithm.entropy_aware_advantage:  # AEPO: z over the optimizer step's tokens, every rank's
+        standardisation = mini_batch_entropy(policy, batch, parts, n_parts, device)
+    row_tokens = batch.tokens()
+    for k in range(n_parts):
+        part, weight = (parts[k], 1.0) if k < len(parts) else (parts[0], 0.0)
+        rows = part.rows
+        micro = batch.forward(part, policy.packs_sequences, policy.eager)
+        sums["computed_tokens"] += weight * micro.tokens()
+        sums["path_tokens"] += weight * sum(row_tokens[i] for i in rows)
+        logprobs, entropy = token_logprobs(policy, micro, with_entropy=True)
+        if step.rollout_mismatch and first:
+            gap = (logprobs.detach().float() - batch.rollout_logprobs[rows, : micro.response_width]).abs()
+            sums["mismatch"] += weight * float(masked_sum(gap, micro.loss_mask))
+        micro_advantages = step.advantages[rows]
+        if standardisation is not None:
+            micro_advantages = entropy_aware_advantages(micro_advantages, entropy, *standardisation)
+        terms = policy_loss(
+            logprobs,
+            old[rows, : micro.response_width],
+            micro_advantages,
+            micro.loss_mask,
+            tokens / world,  # gradients are averaged over ranks: this makes it a sum over all tokens / tokens
+            cfg.algorithm.clip_low,
+            cfg.algorithm.clip_high,
+            cfg.algorithm.clip_c,
+            cfg.algorithm.entropy_balanced_clipping,
+            None if weights is None else weights[rows, : micro.response_width],
+            cfg.algorithm.log_ratio_clamp,
+        )
+        loss = terms.loss
+        if step.ref is not None:
+            # verl's use_kl_loss: the estimator's token mean over the mini-batch, like the policy loss
+            kl = masked_sum(kl_estimate(logprobs, step.ref[rows, : micro.response_width], cfg.algorithm.kl_estimator), micro.loss_mask)
+            loss = loss + cfg.algorithm.kl_coef * kl / (tokens / world)
+            sums["kl"] += weight * kl.item()
+        if not math.isfinite(loss.item()):
+            problems.append(describe_non_finite_loss(loss, rows, logprobs, old, micro_advantages, weights, micro.loss_mask))
+        largest_gap = max(largest_gap, largest_logprob_gap(logprobs, old[rows, : micro.response_width], micro.loss_mask))
+        (loss * weight).backward()
+        sums["loss"] += weight * loss.item() / world
+        sums["clipped_tokens"] += weight * terms.clipped_tokens.item()
+        sums["dual_clipped_tokens"] += weight * terms.dual_clipped_tokens.item()
+        sums["entropy"] += weight * float(masked_sum(entropy, micro.loss_mask))
+    grad_norm = optimizer_step(policy, trainer.optimizer, cfg.optim.grad_clip, device, where, problems, largest_gap)
+    sums["policy_tokens"] += trained_tokens
+    sums["grad_norm"] += float(grad_norm) / trainer.plan.optimizer_steps
+
+
+def update_metrics(device: torch.device, step: StepBatch, sums: dict, minis: list[list[int]]) -> dict:
+    """The update's metrics from its per-rank sums, summed over ranks."""
+    first_tokens = float(step.batch.loss_mask[minis[0]].sum())
+    names = ("loss", "clipped_tokens", "dual_clipped_tokens", "entropy", "kl", "mismatch", "computed_tokens", "path_tokens")
+    total = dict(zip(names + ("first_tokens",), sum_all([sums[name] for name in names] + [first_tokens], device)))
+    policy_tokens = max(sums["policy_tokens"], 1.0)
+    extra = {"actor/kl": total["kl"] / policy_tokens} if step.ref is not None else {}
+    if step.rollout_mismatch:
+        extra["rollout/logprob_mismatch"] = total["mismatch"] / max(total["first_tokens"], 1.0)
+    if step.tis_cap is not None:
+        extra.update(importance_ratio_metrics(step.old, step.batch, step.tis_cap, device))
     return extra | {
-        "actor/loss": loss_sum / len(minis),
-        "actor/clip_fraction": clipped / max(sums["policy_tokens"], 1.0),
-        "actor/dual_clip_fraction": dual / max(sums["policy_tokens"], 1.0),
+        "actor/loss": total["loss"] / len(minis),
+        "actor/clip_fraction": total["clipped_tokens"] / policy_tokens,
+        "actor/dual_clip_fraction": total["dual_clipped_tokens"] / policy_tokens,
         # of the distributions the tokens were drawn from, as each mini-batch's forward sees them
-        "actor/entropy": entropy / max(sums["policy_tokens"], 1.0),
+        "actor/entropy": total["entropy"] / policy_tokens,
         "actor/grad_norm": sums["grad_norm"],
         "actor/optimizer_steps": len(minis),
         "actor/policy_tokens": sums["policy_tokens"],
         # positions the update's forward passes computed (padding included), against the paths'
         # own tokens: below 1 where prefix trees shared their prompts and branches
-        "actor/computed_tokens": computed,
-        "actor/computed_over_path_tokens": computed / max(path_tokens, 1.0),
+        "actor/computed_tokens": total["computed_tokens"],
+        "actor/computed_over_path_tokens": total["computed_tokens"] / max(total["path_tokens"], 1.0),
     }
 
 

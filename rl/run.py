@@ -119,8 +119,8 @@ def check_settings(cfg: RLConfig) -> None:
         )
     if cfg.rollout.partial and cfg.rollout.on_stale == "wait":
         # waiting for its oldest groups, a step trains on groups at most ceil(extra / share) steps old
-        share = max(1, int(cfg.data.prompts_per_step) // int(os.environ.get("WORLD_SIZE", "1")))
-        oldest = -(-int(cfg.rollout.partial_extra) // share)
+        share = max(1, cfg.data.prompts_per_step // int(os.environ.get("WORLD_SIZE", "1")))
+        oldest = -(-cfg.rollout.partial_extra // share)
         if oldest > cfg.rollout.max_staleness:
             raise SettingError(
                 "rollout.max_staleness",

@@ -29,7 +29,7 @@ from etagent.agent import AgentLoop, TrajectoryState
 from etagent.errors import DegradedRun, TrainingDiverged
 from etagent.progress import Progress
 from etagent.records import origin_segments, policy_text, write_manifest
-from etagent.rl.actor import NonFiniteUpdate, response_logprobs, update
+from etagent.rl.actor import NonFiniteUpdate, StepBatch, response_logprobs, update
 from etagent.rl.algorithm import grpo_advantages, logprob_mismatch
 from etagent.rl.batch import TRUNCATED, Batch, BatchPlan, balanced_partition, batch_plan, pack, tempered_rollouts
 from etagent.rl.checkpoint import AdapterExport, export_model, latest_checkpoint, load_checkpoint, load_in_flight, save_checkpoint
@@ -99,32 +99,57 @@ def read_data(cfg: RLConfig, tokenizer) -> tuple[list[Prompt], list[Prompt], dic
     return prompts, validation, read_as
 
 
+def setup_policy(cfg: RLConfig, device: torch.device, lora, trained: bool):
+    """The policy to train and its tokenizer, sharded; ``trained``: a checkpoint will bring what
+    is trained (with LoRA the adapters, over the base read here), so its weights are not read."""
+    return load_policy(
+        cfg.model,
+        device,
+        compute_dtype=getattr(torch, cfg.train.compute_dtype),
+        chunk_tokens=cfg.train.logprob_chunk_tokens,
+        gradient_checkpointing=cfg.train.gradient_checkpointing,
+        attn_implementation=cfg.train.attn_implementation,
+        weights=not trained or lora is not None,
+        temperature=cfg.agent.sampling.temperature,
+        lora=lora,
+        seed=cfg.train.seed,
+    )
+
+
+def setup_reference(cfg: RLConfig, policy: Policy, device: torch.device, lora) -> Reference | None:
+    """The KL term's reference (None without the term): the stage's starting policy, also after a
+    resume; with LoRA its base, the policy with the adapters off."""
+    if cfg.algorithm.kl_coef == 0:
+        return None
+    if lora:
+        return Reference(policy, adapters_off=True)
+    frozen, _ = load_policy(
+        cfg.model,
+        device,
+        compute_dtype=getattr(torch, cfg.train.compute_dtype),
+        chunk_tokens=cfg.train.logprob_chunk_tokens,
+        attn_implementation=cfg.train.attn_implementation,
+        trainable=False,
+        temperature=cfg.agent.sampling.temperature,
+    )
+    return Reference(frozen, adapters_off=False)
+
+
 def setup(cfg: RLConfig) -> Trainer:
+    """The run's state: the process group, the policy and its optimizer (from the last checkpoint
+    when there is one), the KL reference, the data, the engine."""
     device = training_device(cfg.train.device)
     rank, world = init_distributed(device)
-    plan = batch_plan(int(cfg.data.prompts_per_step), int(cfg.rollout.n), int(cfg.train.mini_batch_prompts), world)
+    plan = batch_plan(cfg.data.prompts_per_step, cfg.rollout.n, cfg.train.mini_batch_prompts, world)
     out = Path(cfg.out_dir)
     out.mkdir(parents=True, exist_ok=True)
-    seed = int(cfg.train.seed)
+    seed = cfg.train.seed
     random.seed(seed)
     torch.manual_seed(seed)
 
     checkpoint = latest_checkpoint(out)
-    compute = getattr(torch, cfg.train.compute_dtype)
     lora = cfg.lora if cfg.lora.enabled else None
-    policy, tokenizer = load_policy(
-        cfg.model,
-        device,
-        compute_dtype=compute,
-        chunk_tokens=cfg.train.logprob_chunk_tokens,
-        gradient_checkpointing=cfg.train.gradient_checkpointing,
-        attn_implementation=cfg.train.attn_implementation,
-        # a checkpoint holds what is trained: with LoRA the adapters, over the base read here
-        weights=checkpoint is None or lora is not None,
-        temperature=cfg.agent.sampling.temperature,
-        lora=lora,
-        seed=seed,
-    )
+    policy, tokenizer = setup_policy(cfg, device, lora, trained=checkpoint is not None)
     optimizer = torch.optim.AdamW(
         [p for p in policy.parameters() if p.requires_grad],
         lr=cfg.optim.lr,
@@ -139,28 +164,12 @@ def setup(cfg: RLConfig) -> Trainer:
         in_flight = load_in_flight(checkpoint) if cfg.rollout.partial else None
         if rank == 0:
             log.info("resuming after step %d from %s", state["step"], checkpoint)
-    # the KL term's reference is the stage's starting policy, also after a resume: with LoRA its
-    # base, the policy with the adapters off
-    reference = None
-    if cfg.algorithm.kl_coef > 0 and lora:
-        reference = Reference(policy, adapters_off=True)
-    elif cfg.algorithm.kl_coef > 0:
-        frozen, _ = load_policy(
-            cfg.model,
-            device,
-            compute_dtype=compute,
-            chunk_tokens=cfg.train.logprob_chunk_tokens,
-            attn_implementation=cfg.train.attn_implementation,
-            trainable=False,
-            temperature=cfg.agent.sampling.temperature,
-        )
-        reference = Reference(frozen, adapters_off=False)
-
+    reference = setup_reference(cfg, policy, device, lora)
     prompts, validation, read_as = read_data(cfg, tokenizer)  # rl/run.py's plan read them before the claim
-    per_step = int(cfg.data.prompts_per_step)
+    per_step = cfg.data.prompts_per_step
     total = int(cfg.train.max_steps or len(prompts) // per_step * cfg.data.epochs)
 
-    engine = colocated_engine(cfg, policy, tokenizer, device, int(cfg.train.weight_bucket_mb) << 20, lora)
+    engine = colocated_engine(cfg, policy, tokenizer, device, cfg.train.weight_bucket_mb << 20, lora)
     engine.start(resumed=checkpoint is not None)
     return Trainer(
         cfg=cfg,
@@ -188,7 +197,7 @@ def setup(cfg: RLConfig) -> Trainer:
             lm=policy.lm,
             tokenizer=tokenizer,
             dtype=getattr(torch, cfg.train.export_dtype),
-            bucket_bytes=int(cfg.train.weight_bucket_mb) << 20,
+            bucket_bytes=cfg.train.weight_bucket_mb << 20,
             adapter=AdapterExport(lora, str(cfg.model)) if lora and lora.export == "adapter" else None,
             dropout=policy.dropout,
         ),
@@ -258,11 +267,7 @@ def train_step(trainer: Trainer, step: int, loop: AgentLoop, greedy: AgentLoop, 
         # (batch shapes, dtype) is measured in the update's first mini-batch
         hf_mismatch = trainer.engine.rollout_logprobs_are_old(stale_tis) and comparable
         try:
-            metrics.update(
-                update(
-                    trainer.policy, trainer.optimizer, trainer.plan, batch, advantages, old, ref, cfg, trainer.device, hf_mismatch, tis_cap
-                )
-            )
+            metrics.update(update(trainer, StepBatch(batch, advantages, old, ref, rollout_mismatch=hf_mismatch, tis_cap=tis_cap)))
         except NonFiniteUpdate as error:  # before the save phase: the last checkpoint is the last good one
             last = latest_checkpoint(trainer.out)
             raise TrainingDiverged(

@@ -338,7 +338,7 @@ def test_an_update_whose_gradient_is_not_finite_stops_before_its_optimizer_step(
     import torch.distributed as dist
     from omegaconf import OmegaConf
 
-    from etagent.rl.actor import NonFiniteUpdate, update
+    from etagent.rl.actor import NonFiniteUpdate, StepBatch, update
     from etagent.rl.distributed import init_distributed
     from etagent.rl.policy import load_policy
 
@@ -371,7 +371,7 @@ def test_an_update_whose_gradient_is_not_finite_stops_before_its_optimizer_step(
             NonFiniteUpdate,
             match=r"mini-batch 1 of 2: gradient norm [0-9.e+-]+, a micro-batch loss not finite, so .*old log-probabilities: 1 of 6 policy tokens",
         ):
-            update(policy, optimizer, plan, batch, torch.tensor([1.0, -1.0, 1.0, -1.0]), old, None, cfg, torch.device("cpu"))
+            update(trainer_state(policy, optimizer, plan, cfg), StepBatch(batch, torch.tensor([1.0, -1.0, 1.0, -1.0]), old, None))
         assert all(torch.equal(v.full_tensor(), before[k]) for k, v in policy.state_dict().items())
         # a finite gradient whose step overflows the weights: caught right after the step,
         # before the next mini-batch (and before the trainer's save). The overflow is scripted (a
@@ -397,7 +397,7 @@ def test_an_update_whose_gradient_is_not_finite_stops_before_its_optimizer_step(
                 NonFiniteUpdate,
                 match=r"mini-batch 1 of 2: its optimizer step \(gradient norm [0-9.e+-]+\) left 1 parameter values not finite or over 1e\+04",
             ):
-                update(policy, overflowing, plan, batch, advantages, batch.rollout_logprobs, None, cfg, torch.device("cpu"))
+                update(trainer_state(policy, overflowing, plan, cfg), StepBatch(batch, advantages, batch.rollout_logprobs, None))
             with torch.no_grad():
                 weight = next(iter(policy.parameters()))
                 (weight.to_local() if isinstance(weight, DTensor) else weight).view(-1)[0] = 0.0
@@ -440,6 +440,14 @@ def test_trajectories_the_engine_failed_on_are_counted_masked_and_stop_the_step_
             dist.destroy_process_group()
 
 
+def trainer_state(policy, optimizer, plan, cfg):
+    """What rl/actor.py's update reads of the trainer (rl/trainer.py's Trainer), for tests that
+    run an update alone: the policy, its optimizer, the batch plan, the settings, the device."""
+    from types import SimpleNamespace
+
+    return SimpleNamespace(policy=policy, optimizer=optimizer, plan=plan, cfg=cfg, device=torch.device("cpu"))
+
+
 def update_settings(micro_batch_tokens: int, entropy_aware: bool, share_prefixes: bool = False):
     from omegaconf import OmegaConf
 
@@ -467,7 +475,7 @@ def test_aepos_entropy_aware_step_does_not_depend_on_the_micro_batches(toy):
     the norms differed (0.390 against 0.331 in the probe that found it)."""
     import torch.distributed as dist
 
-    from etagent.rl.actor import update
+    from etagent.rl.actor import StepBatch, update
     from etagent.rl.distributed import init_distributed
     from etagent.rl.policy import load_policy
 
@@ -492,17 +500,8 @@ def test_aepos_entropy_aware_step_does_not_depend_on_the_micro_batches(toy):
             # about lr sign(g), which rounding flips where g is near 0)
             optimizer = torch.optim.SGD(policy.parameters(), lr=1.0)
             old = batch.rollout_logprobs - 0.05  # ratios off 1, as after a first mini-batch
-            metrics = update(
-                policy,
-                optimizer,
-                plan,
-                batch,
-                advantages,
-                old,
-                None,
-                update_settings(micro_batch_tokens, entropy_aware),
-                torch.device("cpu"),
-            )
+            settings = update_settings(micro_batch_tokens, entropy_aware)
+            metrics = update(trainer_state(policy, optimizer, plan, settings), StepBatch(batch, advantages, old, None))
             return metrics["actor/grad_norm"], {k: v.full_tensor() for k, v in policy.state_dict().items()}
 
         for entropy_aware in (False, True):
@@ -628,7 +627,7 @@ def test_the_update_on_prefix_trees_is_the_flat_update(toy):
     update computes fewer positions (actor/computed_over_path_tokens below 1)."""
     import torch.distributed as dist
 
-    from etagent.rl.actor import update
+    from etagent.rl.actor import StepBatch, update
     from etagent.rl.distributed import init_distributed
     from etagent.rl.policy import load_policy
 
@@ -645,7 +644,7 @@ def test_the_update_on_prefix_trees_is_the_flat_update(toy):
             optimizer = torch.optim.SGD(policy.parameters(), lr=1.0)
             cfg = update_settings(512, entropy_aware=True, share_prefixes=share)
             cfg.algorithm.tis_cap = 2.0
-            metrics = update(policy, optimizer, plan, batch, advantages, old, None, cfg, torch.device("cpu"), tis_cap=2.0)
+            metrics = update(trainer_state(policy, optimizer, plan, cfg), StepBatch(batch, advantages, old, None, tis_cap=2.0))
             return metrics, {k: v.full_tensor() for k, v in policy.state_dict().items()}
 
         (shared, shared_weights), (flat, flat_weights) = step(True), step(False)
