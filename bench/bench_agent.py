@@ -104,33 +104,12 @@ def main() -> None:
 
         questions = read_questions(toy / "questions" / "test.jsonl")[: args.questions]
         rows = []
+        vllm = base_group(VLLMConfig, "engine", "vllm", max_model_len=2048, gpu_memory_utilization=0.5, enforce_eager=True)
         with build_executor(tools) as executor:
             engines = {
                 "hf": lambda: HFEngine(model),
-                "vllm offline": lambda: VLLMEngine.load(
-                    model,
-                    base_group(
-                        VLLMConfig,
-                        "engine",
-                        "vllm",
-                        max_model_len=2048,
-                        gpu_memory_utilization=0.5,
-                        enforce_eager=True,
-                    ),
-                    dtype="float32",
-                ),
-                "vllm async": lambda: AsyncVLLMEngine.load(
-                    model,
-                    base_group(
-                        VLLMConfig,
-                        "engine",
-                        "vllm",
-                        max_model_len=2048,
-                        gpu_memory_utilization=0.5,
-                        enforce_eager=True,
-                    ),
-                    dtype="float32",
-                ),
+                "vllm offline": lambda: VLLMEngine.load(model, vllm, dtype="float32"),
+                "vllm async": lambda: AsyncVLLMEngine.load(model, vllm, dtype="float32"),
             }
             for name in args.engines.split(","):
                 engine = engines[name]()
