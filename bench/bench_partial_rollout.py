@@ -57,23 +57,22 @@ def main() -> None:
     work = Path(tempfile.mkdtemp(prefix="etagent-bench-partial-"))
     toy, model = toy_policy(work, args.toy, args.model)
     import etagent.rl  # noqa: F401 (registers configs/rl's schema, which load_config needs)
-    from etagent.agent import AgentConfig, AgentLoop
-    from etagent.config import build, load_settings
+    from etagent.agent import AgentLoop
+    from etagent.config import load_settings
     from etagent.llm.hf import HFEngine
-    from etagent.rl.config import RolloutSettings
     from etagent.rl.rollout import PartialRollout, make_rollout, rollout_metrics, segment_entropy
     from etagent.tools.executor import build_executor
 
     overrides = [f"model={model}", f"rollout.kind={args.rollout}", "agent.lockstep=false"]
     cfg = load_settings("rl", "tiny", [*overrides, "rollout.partial=true", f"rollout.partial_extra={args.extra}"])
-    settings = build(RolloutSettings, cfg.rollout)
+    settings = cfg.rollout
     prompts = rl_prompts(toy, args.prompts * args.steps + args.extra)
     engine = HFEngine(model, max_batch_size=64, continuous_batching=True)
     rows = []
     with toy_tools(work, toy) as tools, build_executor(tools) as plain:
         slow = slowed(plain, args.slow_share, args.slow_s)
         for label, executor in (("as they are", plain), (f"{args.slow_share:.0%} of calls take {args.slow_s:g} s", slow)):
-            loop = AgentLoop(engine, executor, build(AgentConfig, cfg.agent), segment_entropy(settings))
+            loop = AgentLoop(engine, executor, cfg.agent, segment_entropy(settings))
             results = {}
             for name in ("to the end", "partial"):
                 rollout = make_rollout(settings)

@@ -259,11 +259,10 @@ def rl_lora_plan(model: Model, args) -> dict:
     base (asleep at level 1: offloaded to host memory) and sent the adapters after every update
     (rl/engine.py's AdapterEngine: each adapter tensor gathered in float32 and copied to the host,
     then loaded into vLLM's bf16 LoRA slot)."""
-    from etagent.config import build, load_settings
-    from etagent.rl.config import RLLoraSettings
+    from etagent.config import load_settings
 
     cfg = load_settings("rl", "paper_1gpu")
-    lora = build(RLLoraSettings, cfg.lora)
+    lora = cfg.lora
     tokens = int(cfg.train.micro_batch_tokens)
     chunk = int(cfg.train.logprob_chunk_tokens)
     bucket = int(cfg.train.weight_bucket_mb) << 20

@@ -125,13 +125,11 @@ def rl_prompts(toy: Path, count: int) -> list:
 def rl_step_generation(engine, executor, prompts: list, cfg) -> tuple[float, dict[str, list[int]]]:
     """One RL step's rollouts (step 1, seed 0) with RL's config ``cfg`` (its agent and rollout
     groups): the seconds they took and every trajectory's token ids by id."""
-    from etagent.agent import AgentConfig, AgentLoop
-    from etagent.config import build
-    from etagent.rl.config import RolloutSettings
+    from etagent.agent import AgentLoop
     from etagent.rl.rollout import make_rollout, segment_entropy
 
-    settings = build(RolloutSettings, cfg.rollout)
-    loop = AgentLoop(engine, executor, build(AgentConfig, cfg.agent), segment_entropy(settings))
+    settings = cfg.rollout
+    loop = AgentLoop(engine, executor, cfg.agent, segment_entropy(settings))
     start = time.perf_counter()
     out = make_rollout(settings).generate(loop, prompts, step=1, seed=0)
     return time.perf_counter() - start, {t.id: t.response_ids for group in out.groups for t in group}

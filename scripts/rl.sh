@@ -17,7 +17,7 @@ export PATH="$VENV/bin:$PATH" TOKENIZERS_PARALLELISM=false WANDB_MODE=${WANDB_MO
 NPROC=${NPROC:-1}
 NNODES=${NNODES:-1}
 uses_vllm() {
-  python -c 'import sys, rl; from etagent.stage_cli import stage_configs; sys.exit(stage_configs("rl", sys.argv[1:], prog="rl")[0].engine.kind != "vllm")' "$@"
+  python -c 'import sys, etagent.rl; from etagent.stage_cli import stage_configs; sys.exit(stage_configs("rl", sys.argv[1:], prog="rl")[0].engine.kind != "vllm")' "$@"
 }
 if [ "$NNODES" -gt 1 ]; then
   : "${NODE_RANK:?set NODE_RANK (0..NNODES-1) on every node}" "${MASTER_ADDR:?set MASTER_ADDR to the address of node 0}"

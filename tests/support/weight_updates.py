@@ -14,8 +14,6 @@ import sys
 
 import torch
 
-from tests.support.groups import vllm_config
-
 
 def other_weights(model_dir) -> dict[str, torch.Tensor]:
     """The state dict of a differently seeded toy model of the same shape (lm_head included)."""
@@ -101,14 +99,22 @@ def assert_weight_update(found: dict) -> None:
     assert found["restored"] == found["before"] and found["restored_logprob_error"] < 1e-5
 
 
-if __name__ == "__main__":
+if __name__ == "__main__":  # run by path under torchrun: tests.support is not importable here
+    from etagent.config import base_group
+    from etagent.llm import VLLMConfig
     from etagent.llm.vllm_engine import VLLMEngine
 
     model_dir = sys.argv[1]
-    engine = VLLMEngine.load(
-        model_dir,
-        vllm_config(max_model_len=2048, gpu_memory_utilization=0.5, cpu_kv_cache_gb=0.25, enforce_eager=True, colocated=True),
-        dtype="float32",
+    settings = base_group(
+        VLLMConfig,
+        "engine",
+        "vllm",
+        max_model_len=2048,
+        gpu_memory_utilization=0.5,
+        cpu_kv_cache_gb=0.25,
+        enforce_eager=True,
+        colocated=True,
     )
+    engine = VLLMEngine.load(model_dir, settings, dtype="float32")
     found = check_weight_update(engine, model_dir)
     print("WEIGHT-UPDATE " + json.dumps({**found, "in_process": engine.in_process}), flush=True)
