@@ -62,11 +62,9 @@ def build(cfg: ToyConfig, out_dir: Path) -> dict:
     corpus = world.corpus()
     write_jsonl(out_dir / "corpus.jsonl", corpus)
 
-    for split in ("train", "rl"):
-        if set(getattr(cfg.questions, split)) != set(KINDS):
-            raise ValueError(
-                f"questions.{split}: give a count for each of {', '.join(KINDS)} (got {', '.join(getattr(cfg.questions, split))})"
-            )
+    for split, counts in (("train", cfg.questions.train), ("rl", cfg.questions.rl)):
+        if set(counts) != set(KINDS):
+            raise ValueError(f"questions.{split}: give a count for each of {', '.join(KINDS)} (got {', '.join(counts)})")
     test_texts: set[str] = set()
     test = make_questions(world, rng, {kind: cfg.questions.test_per_kind for kind in KINDS}, "test", test_texts)
     versioned, searches = training_questions(cfg, world, rng, test_texts, out_dir)
