@@ -110,7 +110,9 @@ def test_every_stage_folder_is_a_module_of_etagent_by_one_link():
         assert "one_name(__name__)" in (ROOT / folder / "__init__.py").read_text(), f"{folder}/__init__.py must call one_name"
 
 
-@pytest.mark.parametrize("where", ["root", "elsewhere"])
+# from elsewhere is the installed case, which test_install.py runs too (slow): the default run keeps
+# the root, where a second name could appear
+@pytest.mark.parametrize("where", ["root", pytest.param("elsewhere", marks=pytest.mark.slow)])
 def test_python_dash_m_runs_a_stage_by_its_one_name_from_the_root_and_from_elsewhere(where, tmp_path):
     cwd = ROOT if where == "root" else tmp_path
     done = subprocess.run([sys.executable, "-m", "etagent.pareto.run", "--help"], cwd=cwd, capture_output=True, text=True, timeout=120)
@@ -125,6 +127,7 @@ def test_a_stage_imported_by_its_folders_name_is_refused_in_one_line():
     assert "ImportError: the stage package 'pareto' is etagent.pareto: import it, or run it with python -m, under that name" in done.stderr
 
 
+@pytest.mark.slow  # imports every module in a fresh process (10 s); the guard in each stage's __init__ is checked above
 def test_every_module_is_loaded_once_under_one_name():
     """Every module of the project imported in one process (stages through their links): no file is
     behind two module names."""
