@@ -256,6 +256,8 @@ def test_stop_strings_across_the_window_on_thousands_of_streams(smollm2_tokenize
     assert checked > 2500 and stopped > 300, (checked, stopped)
 
 
+# slow (17 s): the default run keeps the hf engine's join (tests/test_engines.py) and vLLM's token checks
+@pytest.mark.slow
 def test_a_request_joins_the_running_batch_at_the_next_step(engine):
     """RL's colocated engine generates continuously: requests sent one by one from concurrent
     coroutines (the agent loop sends one per trajectory) give the tokens each gives in one call
