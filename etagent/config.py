@@ -237,7 +237,7 @@ def check_composed(stage: str, cfg: DictConfig, preset_file: str, overrides: Seq
         key, exc = _unresolved(cfg, overrides, exc)
         raise SettingError(key, f"its interpolation does not resolve: {_resolution_failure(exc)} ({where})") from None
     shared_group = package is None  # a shared group's own file composes under the group's name
-    derived = frozenset(_interpolated_keys(cfg[stage] if shared_group else cfg))
+    derived = frozenset(interpolated_keys(cfg[stage] if shared_group else cfg))
     try:
         validate(schema, values[stage] if shared_group else values, derived)
     except SettingError as error:
@@ -250,7 +250,7 @@ def _unresolved(cfg: DictConfig, overrides: Sequence[str], exc: OmegaConfBaseExc
     where one does not resolve (``model=${oc.env:X}``, not ``engine.model``, whose ``${model}``
     OmegaConf met first), else the key OmegaConf met it at."""
     overridden = {override.lstrip("+~").split("=", 1)[0] for override in overrides}
-    for key in _interpolated_keys(cfg):
+    for key in interpolated_keys(cfg):
         if key in overridden:
             try:
                 OmegaConf.select(cfg, key, throw_on_resolution_failure=True)
@@ -301,7 +301,7 @@ def missing_keys(cfg: DictConfig | ListConfig, path: str = "") -> list[str]:
     return keys
 
 
-def _interpolated_keys(cfg: DictConfig, path: str = "") -> list[str]:
+def interpolated_keys(cfg: DictConfig, path: str = "") -> list[str]:
     """Keys whose value is an interpolation (``${...}``): they take another setting's value."""
     keys = []
     for key in cfg.keys():
@@ -309,7 +309,7 @@ def _interpolated_keys(cfg: DictConfig, path: str = "") -> list[str]:
         if node._is_interpolation():
             keys.append(f"{path}{key}")
         elif isinstance(node, DictConfig) and not node._is_missing() and not node._is_none():
-            keys += _interpolated_keys(node, f"{path}{key}.")
+            keys += interpolated_keys(node, f"{path}{key}.")
     return keys
 
 

@@ -196,17 +196,37 @@ def refuse_interpolated_overrides(stage: str, preset: str, overrides: Sequence[s
     keys = [o.split("=", 1)[0].lstrip("+~") for o in overrides if "=" in o]
     if not keys:
         return
-    plain = load_config(stage, preset)
+    aliases = preset_aliases(stage, preset)
     for key in keys:
+        if key in aliases:
+            raise UserError(
+                f"setting {key}: is {aliases[key]}'s value in every preset of {stage} (one name per value): set {aliases[key]}=... instead"
+            )
+
+
+def preset_aliases(stage: str, preset: str) -> dict[str, str]:
+    """Every key of the preset whose whole value is another key's (``engine.model: ${model}``; a
+    template such as ``stage${rl_stage}`` is not), with that key. Composing the preset takes a
+    quarter of a second, so it is done once per process for as long as no config file changes
+    (a sweep, and every stage called in one process, ask again)."""
+    root = config_dir()
+    files = tuple(sorted((str(path), path.stat().st_mtime_ns) for path in root.rglob("*.yaml")))
+    return _aliases_in(stage, preset, files)
+
+
+@functools.lru_cache(maxsize=64)
+def _aliases_in(stage: str, preset: str, files: tuple) -> dict[str, str]:
+    from etagent.config import interpolated_keys
+
+    plain = load_config(stage, preset)
+    aliases = {}
+    for key in interpolated_keys(plain):
         parent_key, _, leaf = key.rpartition(".")
         parent = OmegaConf.select(plain, parent_key) if parent_key else plain
-        if not (isinstance(parent, DictConfig) and leaf in parent and OmegaConf.is_interpolation(parent, leaf)):
-            continue
         alias = ALIAS.fullmatch(str(OmegaConf.to_container(parent, resolve=False)[leaf]))
-        if alias:  # the whole value is another key's (a template such as stage${rl_stage} is not)
-            raise UserError(
-                f"setting {key}: is {alias.group(1)}'s value in every preset of {stage} (one name per value): set {alias.group(1)}=... instead"
-            )
+        if alias:
+            aliases[key] = alias.group(1)
+    return aliases
 
 
 # ---------------------------------------------------------------------------------------------

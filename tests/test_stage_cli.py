@@ -96,6 +96,23 @@ def test_a_key_that_follows_another_is_refused_naming_the_one_to_set(stage):
         assert load_settings(stage, "tiny", ["model=elsewhere"]).engine.model == "elsewhere"
 
 
+def test_a_key_made_to_follow_another_is_refused_in_the_same_process(tmp_path, monkeypatch):
+    """The keys that follow others are read once per process while no config file changes: a
+    preset edited between two launches in one process is read again."""
+    import shutil
+    import time
+
+    configs = tmp_path / "configs"
+    shutil.copytree(config_dir(), configs)
+    monkeypatch.setenv("ETAGENT_CONFIG_DIR", str(configs))
+    assert stage_configs("sft", ["seed=3"], prog="sft")[0].seed == 3
+    preset = configs / "sft" / "tiny.yaml"
+    time.sleep(0.01)  # a new modification time even where the file system counts coarsely
+    preset.write_text(preset.read_text() + "seed: ${train.max_steps}\n")
+    with pytest.raises(UserError, match=r"setting seed: is train.max_steps's value.*set train.max_steps=\.\.\. instead"):
+        stage_configs("sft", ["seed=3"], prog="sft")
+
+
 def test_sweep_expands_like_hydra_and_names_each_run(tmp_path):
     jobs = sweep(["seed=0,1", "n=2", "limit=range(1,3)"])
     assert [line for line, _ in jobs] == [
