@@ -1,6 +1,8 @@
 #!/usr/bin/env bash
 # The main job on the embedded default: every stage of the pipeline on the toy world, on CPU.
 #   bash scripts/demo.sh [RUN_DIR]      (default runs/demo; rerunning resumes where it stopped)
+# WORLD=hard runs it on the world with headroom (docs/toy-world.md), e.g.
+#   WORLD=hard bash scripts/demo.sh runs/hard
 set -euo pipefail
 cd "$(dirname "$0")/.."
 VENV=$(realpath "${ETAGENT_VENV:-.venv}")
@@ -17,7 +19,7 @@ evaluate_on_held_out() {
 }
 
 echo "== 1/10 toy world and tiny model -> $RUN/toy"
-etagent toy build --out "$RUN/toy"
+etagent toy build --world "${WORLD:-toy}" --out "$RUN/toy"
 
 echo
 echo "== 2/10 retriever index over the toy corpus -> $RUN/index"

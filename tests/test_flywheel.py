@@ -31,43 +31,17 @@ from etagent.flywheel.steps import (
     tool_steps,
     without_reasoning,
 )
-from etagent.llm import GREEDY, Sample, Sampling, SharedBatches
+from etagent.llm import GREEDY, Sampling, SharedBatches
 from etagent.llm.text import TextModel
 from etagent.records import Question, TokenOrigin
 from etagent.tools.executor import build_executor
 from tests.support.groups import agent_config
+from tests.support.scripted import ScriptedModel
 from tests.support.trajectories import mask_runs
 
 ANSWER = "<answer>The final answer is \\[ \\boxed{{{}}} \\]</answer>"
 RIGHT = Question(id="right", question="What is 51 multiplied by 12?", answer=["612"], source="toy_python", kind="math")
 WRONG = Question(id="wrong", question="What is 51 times 12?", answer=["612"], source="toy_python", kind="math")
-
-
-class ScriptedModel:
-    """A test double for control flow: replies to each prompt's text with ``respond(text)``. A
-    reply is cut after the first of the request's stop strings it contains (finish ``stop``),
-    else ends with EOS. Records every prompt."""
-
-    max_model_len = 4096
-
-    def __init__(self, tokenizer, respond: Callable[[str], str]):
-        self.tokenizer, self.respond = tokenizer, respond
-        self.prompts: list[str] = []
-
-    async def agenerate(self, requests):
-        out = []
-        for r in requests:
-            text = self.tokenizer.decode(list(r.prompt_ids), skip_special_tokens=False)
-            self.prompts.append(text)
-            reply = self.respond(text)
-            ends = [(reply.find(s) + len(s), s) for s in r.stop if s in reply]
-            if ends:
-                end, stop = min(ends)
-                ids, finish = self.tokenizer.encode(reply[:end], add_special_tokens=False), "stop"
-            else:
-                ids, finish, stop = self.tokenizer.encode(reply, add_special_tokens=False) + [self.tokenizer.eos_token_id], "eos", None
-            out.append([Sample(ids, [-0.1] * len(ids), finish, stop)])
-        return out
 
 
 def response_of(prompt: str) -> str:

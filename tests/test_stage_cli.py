@@ -36,7 +36,7 @@ MODULES = {
 
 
 def test_every_stage_has_a_command():
-    assert set(MODULES) == set(STAGES) - {"toy"}
+    assert set(MODULES) == set(STAGES) - {"toy", "toy_hard"}  # both built by `etagent toy build`
 
 
 def test_cfg_job_prints_the_resolved_config():

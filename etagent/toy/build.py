@@ -1,6 +1,7 @@
 """Build the toy world, its seed data and the tiny model into one directory.
 
     etagent toy build --out runs/toy            # or: python -m etagent.toy.build --out runs/toy
+    etagent toy build --world hard --out runs/hard/toy   # the world with headroom (build_hard)
 
 Writes, deterministically from ``seed``:
 
@@ -31,9 +32,10 @@ from collections import Counter
 from pathlib import Path
 
 from etagent import protocol
-from etagent.errors import UserError, exit_on_user_error
+from etagent.errors import SettingError, UserError, exit_on_user_error
 from etagent.records import SFTExample, TrajectoryGroup, write_jsonl, write_manifest
-from etagent.toy.config import ToyConfig
+from etagent.toy.config import HardWorldConfig, ToyConfig
+from etagent.toy.hops import make_hop_questions, make_hop_world, parse_shape, write_hop_trajectory
 from etagent.toy.model import DIGIT_CHUNKS, build_model, save_policy, train_tokenizer
 from etagent.toy.seeds import BEHAVIOURS, ToySearch, write_trajectory
 from etagent.toy.world import KINDS, make_questions, make_world
@@ -83,22 +85,111 @@ def build(cfg: ToyConfig, out_dir: Path) -> dict:
         q.question.world_version = "rl"
     write_jsonl(out_dir / "questions" / "rl.jsonl", [q.question for q in rl_pool])
 
-    sft = [
-        SFTExample.from_trajectory(t.id, g.question, t.text, source=g.source, provenance=t.provenance)
-        for g in groups
-        for t in g.trajectories
-        if t.judgement.score == 1.0 and protocol.validate_template_format(t.text)
-    ]
+    sft = seed_sft_examples(groups)
 
     texts = [protocol.SYSTEM_PROMPT] + [d["contents"] for d in corpus]
     texts += [q.question.question for q in train + test] + [t.text for g in groups for t in g.trajectories]
-    tokenizer = train_tokenizer(texts, cfg.tokenizer.vocab_size, world.made_up_words())
+    tokenizer, model = write_tokenizer_and_model(cfg, out_dir, texts, world.made_up_words(), groups, sft)
+    summary = build_summary(world, corpus, train, test, rl_pool, groups, sft, tokenizer, model)
+    write_build_manifest(out_dir, "toy", cfg, summary, started)
+    return summary
+
+
+def build_hard(cfg: HardWorldConfig, out_dir: Path) -> dict:
+    """The hard world (etagent/toy/hops.py) into out_dir, in the toy's layout, so every stage and
+    script reads it as it reads the toy; ``questions/train.jsonl`` also holds the flywheel's
+    questions (the shapes no seed teaches; in no SFT data). One random stream draws everything:
+    world, held-out questions, training versions with their questions and the flywheel's, seeds,
+    the RL pool."""
+    started = time.time()
+    for split in ("train", "flywheel", "test", "rl"):
+        for shape in getattr(cfg.questions, split):
+            try:
+                parse_shape(shape)
+            except ValueError as error:
+                raise SettingError(f"questions.{split}.{shape}", str(error)) from None
+    rng = random.Random(cfg.seed)
+    w = cfg.world
+    world = make_hop_world(cfg.seed, w.people, w.cities, w.landmark_people, w.landmark_cities)
+    corpus = world.corpus()
+    write_jsonl(out_dir / "corpus.jsonl", corpus)
+    check_each_name_finds_its_document(cfg, corpus)
+    test_texts: set[str] = set()
+    test = make_hop_questions(world, rng, cfg.questions.test, "test", test_texts, w.landmark_start)
+    versions = [world.with_redrawn_facts(rng) for _ in range(w.training_versions)]
+    seeded, unseeded, searches = [], [], {}
+    for k, version in enumerate(versions, start=1):
+        version_corpus = version.corpus()
+        write_jsonl(out_dir / "training_worlds" / f"{k}.jsonl", version_corpus)
+        searches[k] = ToySearch(version_corpus, cfg.tools.search.top_k, cfg.tools.search.max_doc_chars)
+        asked = set(test_texts)
+        for counts, prefix, into in ((cfg.questions.train, "train", seeded), (cfg.questions.flywheel, "flywheel", unseeded)):
+            share = {shape: n // len(versions) + (k <= n % len(versions)) for shape, n in counts.items()}
+            for q in make_hop_questions(version, rng, share, f"{prefix}-w{k}", asked, w.landmark_start):
+                q.question.world_version = k
+                into.append((k, q))
+    train = [q for _, q in seeded + unseeded]
+    write_jsonl(out_dir / "questions" / "train.jsonl", [q.question for q in train])
+    write_jsonl(out_dir / "questions" / "test.jsonl", [q.question for q in test])
+    mix = {b: float(cfg.seeds.mix[b]) for b in BEHAVIOURS}
+    groups = []
+    for k, q in seeded:
+        trajectories = []
+        for i in range(cfg.seeds.per_question):
+            trajectory = write_hop_trajectory(q, rng.choices(list(mix), weights=list(mix.values()))[0], searches[k], rng)
+            trajectory.id = f"{q.question.id}/seed{i}"
+            trajectory.provenance.world_version = k
+            trajectories.append(trajectory)
+        groups.append(TrajectoryGroup.for_question(q.question, trajectories))
+    rl_world = world.with_redrawn_facts(rng)
+    write_jsonl(out_dir / "rl_world" / "corpus.jsonl", rl_world.corpus())
+    rl_pool = make_hop_questions(rl_world, rng, cfg.questions.rl, "rl", set(test_texts), w.landmark_start)
+    for q in rl_pool:
+        q.question.world_version = "rl"
+    write_jsonl(out_dir / "questions" / "rl.jsonl", [q.question for q in rl_pool])
+
+    sft = seed_sft_examples(groups)
+    texts = [protocol.SYSTEM_PROMPT] + [d["contents"] for d in corpus]
+    texts += [q.question.question for q in train + test] + [t.text for g in groups for t in g.trajectories]
+    tokenizer, model = write_tokenizer_and_model(cfg, out_dir, texts, world.made_up_words(), groups, sft)
+    summary = build_summary(world, corpus, train, test, rl_pool, groups, sft, tokenizer, model)
+    summary["questions"]["per_shape_flywheel"] = dict(Counter(q.shape for _, q in unseeded))
+    write_build_manifest(out_dir, "toy_hard", cfg, summary, started)
+    return summary
+
+
+def check_each_name_finds_its_document(cfg: HardWorldConfig, corpus: list[dict]) -> None:
+    """Raise unless a search for each entity's name returns that entity's own document first (a
+    name is also mentioned in the documents of those it mentors or governs)."""
+    search = ToySearch(corpus, 1, cfg.tools.search.max_doc_chars)
+    ids, _ = search.index.search([doc["title"] for doc in corpus], 1)
+    wrong = [doc["title"] for doc, found in zip(corpus, ids) if corpus[found[0]]["title"] != doc["title"]]
+    if wrong:
+        raise RuntimeError(f"a search for {wrong[0]!r} (and {len(wrong) - 1} more) does not return its own document first")
+
+
+def write_build_manifest(out_dir: Path, stage: str, cfg, summary: dict, started: float) -> None:
+    questions = summary["questions"]
+    counts = {
+        "corpus": summary["corpus_documents"],
+        "train_questions": questions["train"],
+        "test_questions": questions["test"],
+        "rl_questions": questions["rl"],
+        "seed_trajectories": summary["seed_trajectories"],
+        "sft_examples": summary["sft_examples"],
+    }
+    write_manifest(out_dir, stage=stage, config=dataclasses.asdict(cfg), counts=counts, seed=cfg.seed, started_at=started, metrics=summary)
+
+
+def write_tokenizer_and_model(cfg, out_dir: Path, texts: list[str], made_up_words: list[str], groups, sft) -> tuple:
+    """Train the tokenizer on the world's texts, count each seed's tokens, write the seed
+    trajectories and the SFT data, and save the randomly initialised tiny model beside them."""
+    tokenizer = train_tokenizer(texts, cfg.tokenizer.vocab_size, made_up_words)
     for g in groups:
         for t in g.trajectories:
             t.n_tokens = len(tokenizer.encode(t.text))
     write_jsonl(out_dir / "seed_trajectories.jsonl", groups)
     write_jsonl(out_dir / "sft.jsonl", sft)
-
     m = cfg.model
     model = build_model(
         tokenizer,
@@ -109,29 +200,21 @@ def build(cfg: ToyConfig, out_dir: Path) -> dict:
         intermediate_size=m.intermediate_size,
         max_positions=m.max_positions,
         seed=cfg.seed,
-        token_classes=[tokenizer.convert_tokens_to_ids(world.made_up_words()), tokenizer.convert_tokens_to_ids(DIGIT_CHUNKS)],
+        token_classes=[tokenizer.convert_tokens_to_ids(made_up_words), tokenizer.convert_tokens_to_ids(DIGIT_CHUNKS)],
     )
     model_dir = save_policy(model, tokenizer, out_dir / "model")
     check_token_ids_survive_reload(tokenizer, model_dir, texts + [s.response for s in sft[:50]])
+    return tokenizer, model
 
-    summary = build_summary(world, corpus, train, test, rl_pool, groups, sft, tokenizer, model)
-    write_manifest(
-        out_dir,
-        stage="toy",
-        config=dataclasses.asdict(cfg),
-        counts={
-            "corpus": len(corpus),
-            "train_questions": len(train),
-            "test_questions": len(test),
-            "rl_questions": len(rl_pool),
-            "seed_trajectories": summary["seed_trajectories"],
-            "sft_examples": len(sft),
-        },
-        seed=cfg.seed,
-        started_at=started,
-        metrics=summary,
-    )
-    return summary
+
+def seed_sft_examples(groups) -> list[SFTExample]:
+    """The correct, well-formed seed trajectories as SFT data."""
+    return [
+        SFTExample.from_trajectory(t.id, g.question, t.text, source=g.source, provenance=t.provenance)
+        for g in groups
+        for t in g.trajectories
+        if t.judgement.score == 1.0 and protocol.validate_template_format(t.text)
+    ]
 
 
 def training_questions(cfg: ToyConfig, world, rng: random.Random, test_texts: set[str], out_dir: Path) -> tuple[list, dict]:
@@ -178,7 +261,7 @@ def build_summary(world, corpus, train, test, rl_pool, groups, sft, tokenizer, m
     """What the manifest records of a build: sizes, the seed data's behaviours and accuracy."""
     all_trajectories = [t for g in groups for t in g.trajectories]
     behaviours = Counter(t.provenance.behaviour for t in all_trajectories)
-    kinds = Counter(q.toy_kind for q in train)
+    kinds = Counter(q.question.source.removeprefix("toy_") for q in train)  # the kind, or the hard world's shape
     return {
         "entities": {"people": len(world.people), "cities": len(world.cities)},
         "corpus_documents": len(corpus),
@@ -232,12 +315,12 @@ def run(cfg: ToyConfig, force: bool = False) -> dict:
         if manifest.get("config") != resolved:
             raise UserError(f"{out_dir} holds a toy world built with a different config; use another --out or --force")
     out_dir.mkdir(parents=True, exist_ok=True)
-    summary = build(cfg, out_dir)
+    summary = build_hard(cfg, out_dir) if isinstance(cfg, HardWorldConfig) else build(cfg, out_dir)
     example = None
     with open(out_dir / "seed_trajectories.jsonl") as f:
         for line in f:
             group = json.loads(line)
-            if group["source"] == "toy_both":
+            if group["source"] in ("toy_both", "toy_hops2"):
                 example = f"Q: {group['question']}\n" + group["trajectories"][0]["text"]
                 break
     print_summary(summary, out_dir, example)
@@ -251,12 +334,18 @@ def main(argv: list[str] | None = None) -> None:
     from etagent.config import load_settings
 
     parser = argparse.ArgumentParser(prog="etagent toy build", description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
-    parser.add_argument("--out", help="output directory (default: out_dir in configs/toy/tiny.yaml)")
+    parser.add_argument(
+        "--world",
+        choices=("toy", "hard"),
+        default="toy",
+        help="toy: the embedded default (configs/toy/tiny.yaml); hard: the world with headroom (configs/toy_hard/tiny.yaml)",
+    )
+    parser.add_argument("--out", help="output directory (default: out_dir in the world's config)")
     parser.add_argument("--force", action="store_true", help="rebuild even if the directory holds another build")
     parser.add_argument("overrides", nargs="*", help="Hydra overrides, e.g. world.people=400 model.layers=6")
     args = parser.parse_args(argv)
     overrides = list(args.overrides) + ([f"out_dir={args.out}"] if args.out else [])
-    run(load_settings("toy", "tiny", overrides), force=args.force)
+    run(load_settings("toy" if args.world == "toy" else "toy_hard", "tiny", overrides), force=args.force)
 
 
 if __name__ == "__main__":

@@ -1,5 +1,6 @@
-"""The schema of configs/toy/tiny.yaml (the toy world's build, etagent/toy/build.py): field names
-and types only; the values, and what each means, are in the YAML."""
+"""The schemas of configs/toy/tiny.yaml (the toy world's build, etagent/toy/build.py) and of
+configs/toy_hard/tiny.yaml (the hard world's, etagent/toy/hops.py): field names and types only;
+the values, and what each means, are in the YAML."""
 
 from __future__ import annotations
 
@@ -64,3 +65,37 @@ class ToyConfig:
 
 
 register_stage_schema("toy", ToyConfig)
+
+
+@group
+class HardWorldSize:
+    people: PositiveInt = MISSING
+    cities: PositiveInt = MISSING
+    training_versions: PositiveInt = MISSING
+    landmark_people: NonNegativeInt = MISSING
+    landmark_cities: NonNegativeInt = MISSING
+    landmark_start: Fraction = MISSING
+
+
+@group
+class HardQuestionCounts:
+    # per question shape (hops0 to hops4, optionally +python: etagent/toy/hops.py)
+    train: dict[str, NonNegativeInt] = MISSING
+    flywheel: dict[str, NonNegativeInt] = MISSING
+    test: dict[str, NonNegativeInt] = MISSING
+    rl: dict[str, NonNegativeInt] = MISSING
+
+
+@group
+class HardWorldConfig:
+    tools: ToolsConfig = field(default_factory=ToolsConfig)
+    out_dir: OutputFolder = MISSING
+    seed: Seed = MISSING
+    world: HardWorldSize = field(default_factory=HardWorldSize)
+    questions: HardQuestionCounts = field(default_factory=HardQuestionCounts)
+    seeds: ToySeeds = field(default_factory=ToySeeds)
+    tokenizer: ToyTokenizer = field(default_factory=ToyTokenizer)
+    model: ToyModel = field(default_factory=ToyModel)
+
+
+register_stage_schema("toy_hard", HardWorldConfig)

@@ -65,7 +65,7 @@ def _answer(value: str) -> str:
     return f"<answer>The final answer is \\[ \\boxed{{{value}}} \\]</answer>"
 
 
-class _Builder:
+class TrajectoryBuilder:
     """Accumulates a trajectory's text and tool-call records."""
 
     def __init__(self, search: ToySearch):
@@ -112,7 +112,7 @@ def write_trajectory(q: ToyQuestion, behaviour: str, search: ToySearch, rng: ran
     """One seed trajectory of the given behaviour for a toy question."""
     if q.toy_kind == "none" and behaviour == "insufficient":
         behaviour = "efficient"
-    b = _Builder(search)
+    b = TrajectoryBuilder(search)
     pick = rng.choice
     answer = q.question.answer[0]
     plan = _plan(q, behaviour, rng)

@@ -214,7 +214,7 @@ def _search_question(rng: random.Random, world: World) -> tuple[str, str, str, s
     return f"In which year was {c.name} founded?", str(c.founded), c.name, f"{c.name} was founded in {c.founded}"
 
 
-def _python_question(rng: random.Random) -> tuple[str, str, str]:
+def arithmetic_question(rng: random.Random) -> tuple[str, str, str]:
     """(question, answer, code) for arithmetic on numbers in the question; every number < 1000."""
     form = rng.choice(["product", "sum", "remainder"])
     if form == "product":
@@ -269,7 +269,7 @@ def make_questions(world: World, rng: random.Random, counts: Mapping[str, int], 
                 text, answer, entity, fact = _search_question(rng, world)
                 searches, code, src_kind = [entity], None, "qa"
             elif kind == "python":
-                text, answer, code = _python_question(rng)
+                text, answer, code = arithmetic_question(rng)
                 entity, fact, searches, src_kind = None, None, [], "math"
             elif kind == "both":
                 text, answer, entity, fact, code = _both_question(rng, world)

@@ -1,14 +1,42 @@
-"""Test doubles for control-flow tests (their docstrings say so): an engine that replays scripted
-segments, search and Python tools with random latency, and the scripts of the agent loop's tests."""
+"""Test doubles for control-flow tests (their docstrings say so): a model that replies to each
+prompt by a rule, an engine that replays scripted segments, search and Python tools with random latency, and the scripts of the agent loop's tests."""
 
 from __future__ import annotations
 
 import asyncio
+from collections.abc import Callable
 
 from etagent import protocol
 from etagent.llm import GenerationRequest, Sample
 from etagent.records import Question
 from etagent.tools import ToolOutput
+
+
+class ScriptedModel:
+    """A test double for control flow: replies to each prompt's text with ``respond(text)``. A
+    reply is cut after the first of the request's stop strings it contains (finish ``stop``),
+    else ends with EOS. Records every prompt."""
+
+    max_model_len = 4096
+
+    def __init__(self, tokenizer, respond: Callable[[str], str]):
+        self.tokenizer, self.respond = tokenizer, respond
+        self.prompts: list[str] = []
+
+    async def agenerate(self, requests):
+        out = []
+        for r in requests:
+            text = self.tokenizer.decode(list(r.prompt_ids), skip_special_tokens=False)
+            self.prompts.append(text)
+            reply = self.respond(text)
+            ends = [(reply.find(s) + len(s), s) for s in r.stop if s in reply]
+            if ends:
+                end, stop = min(ends)
+                ids, finish = self.tokenizer.encode(reply[:end], add_special_tokens=False), "stop"
+            else:
+                ids, finish, stop = self.tokenizer.encode(reply, add_special_tokens=False) + [self.tokenizer.eos_token_id], "eos", None
+            out.append([Sample(ids, [-0.1] * len(ids), finish, stop)])
+        return out
 
 
 class ScriptedEngine:
