@@ -3,12 +3,15 @@
     python -m etagent.evaluation.ablations RUN_DIR/ablations --seeds 3 --variants full no-efficiency ...
 
 Reads, per seed s and variant v (and reference: a starting policy, evaluated only),
-``seed{s}/{v}/eval/summary.json`` (the held-out evaluation) and
-``seed{s}/{v}/stage*/rl/metrics.jsonl`` (the RL steps), as scripts/ablations.sh lays them out,
+``seed{s}/{v}/eval/summary.json`` (the held-out evaluation),
+``seed{s}/{v}/stage*/rl/metrics.jsonl`` (the RL steps) and, where the run has them,
+``seed{s}/{v}/curve/step{N}/eval/summary.json`` (checkpoints evaluated along RL: the learning
+curve, its area by the trapezoid rule), as scripts/ablations.sh lays them out,
 and writes ``ablations.md`` and ``ablations.json`` beside them. Per variant: correctness,
 efficiency, tool calls per answer, the redundant and insufficient rates, the redundant rate among
 solved answers, and the tool calls the RL rollouts executed (a tree's copied calls counted once);
-then, per seed, each variant beside the whole pipeline, the comparisons the paper's ablations
+then each variant's difference from the whole pipeline, paired per seed, with its 95% interval
+(Student's t); then, per seed, each variant beside the whole pipeline, the comparisons the paper's ablations
 make; then both again for the policies after the first stage (``seed{s}/{v}/stage1/eval``), where
 there is one. A run that is missing or unfinished is named, not averaged.
 
@@ -19,6 +22,8 @@ from __future__ import annotations
 
 import argparse
 import json
+import math
+import re
 import statistics
 from pathlib import Path
 
@@ -48,12 +53,44 @@ def run_figures(run: Path) -> dict | None:
     rl_calls = 0.0
     for metrics in sorted(run.glob("**/rl/metrics.jsonl")):
         rl_calls += sum(json.loads(line)["rollout/tool_calls_executed"] for line in metrics.read_text().splitlines() if line.strip())
-    return {
+    figures = {
         "correctness": toy["correctness"],
         "efficiency": toy["efficiency"],
         **{key: every[key] for key in ("tool_calls", "redundant_rate", "redundant_when_solved", "insufficient_rate")},
         "rl_tool_calls": rl_calls,
     }
+    curve = learning_curve(run)
+    if curve:
+        figures["curve"] = curve
+        figures["curve_area"] = curve_area(curve)
+    return figures
+
+
+def learning_curve(run: Path) -> list[tuple[int, float]]:
+    """(RL step, held-out correctness) of the checkpoints evaluated along the run
+    (``curve/step{N}/eval/summary.json``, N counted over every stage), in step order."""
+    points = []
+    for summary in run.glob("curve/step*/eval/summary.json"):
+        step = int(re.fullmatch(r"step(\d+)", summary.parent.parent.name).group(1))
+        points.append((step, json.loads(summary.read_text())["datasets"]["toy"]["correctness"]))
+    return sorted(points)
+
+
+def curve_area(curve: list[tuple[int, float]]) -> float:
+    """The area under the learning curve by the trapezoid rule, over the steps it spans: its mean
+    height, in correctness points (one point: its correctness)."""
+    if len(curve) == 1:
+        return curve[0][1]
+    area = sum((s1 - s0) * (c0 + c1) / 2 for (s0, c0), (s1, c1) in zip(curve, curve[1:]))
+    return area / (curve[-1][0] - curve[0][0])
+
+
+def half_width(values: list[float]) -> float:
+    """The half-width of the 95% interval of the mean of ``values`` (Student's t, n - 1 degrees
+    of freedom): the spread over seeds, as the issue's ablations are to be read."""
+    from scipy.stats import t
+
+    return float(t.ppf(0.975, len(values) - 1) * statistics.stdev(values) / math.sqrt(len(values)))
 
 
 def cell(values: list[float], digits: int) -> str:
@@ -64,16 +101,57 @@ def cell(values: list[float], digits: int) -> str:
     return f"{statistics.mean(values):.{digits}f} ± {statistics.stdev(values):.{digits}f}"
 
 
+def interval(values: list[float], digits: int) -> str:
+    """The mean and its 95% interval, ``mean [low, high]``."""
+    if len(values) < 2:
+        return f"{values[0]:+.{digits}f}" if values else "missing"
+    mean, half = statistics.mean(values), half_width(values)
+    return f"{mean:+.{digits}f} [{mean - half:+.{digits}f}, {mean + half:+.{digits}f}]"
+
+
+# The figures each variant's difference from full is given for, with 95% intervals.
+DIFFERENCES = (*FIELDS, ("curve_area", "area under the curve", 1))
+
+
+def difference_lines(figures: dict[str, dict[int, dict | None]]) -> list[str]:
+    """Each variant minus ``full``, paired per seed (the same questions, seeds and starting
+    policy): the mean difference and its 95% interval over the seeds both finished. A difference
+    whose interval holds 0 is not resolved by these seeds."""
+    keys = [
+        (key, heading, digits)
+        for key, heading, digits in DIFFERENCES
+        if any(key in f for per in figures.values() for f in per.values() if f)
+    ]
+    lines = [
+        "Each variant minus full, paired per seed: mean difference [95% interval, Student's t over the seeds]; an "
+        "interval that holds 0 does not resolve the difference.",
+        "",
+        "| variant | seeds | " + " | ".join(h for _, h, _ in keys) + " |",
+        "|---|---|" + "---|" * len(keys),
+    ]
+    for name, per_seed in figures.items():
+        if name == "full":
+            continue
+        pairs = [(figures["full"][s], f) for s, f in per_seed.items() if f is not None and figures["full"].get(s) is not None]
+        cells = [
+            interval([other[key] - full[key] for full, other in pairs if key in full and key in other], digits) for key, _, digits in keys
+        ]
+        lines.append(f"| {name} | {len(pairs)} | " + " | ".join(cells) + " |")
+    return lines
+
+
 def ratio(a: float, b: float) -> str:
     return f"{a / b:.2f}" if b else "n/a"
 
 
 def summary_lines(figures: dict[str, dict[int, dict | None]]) -> list[str]:
-    """Mean ± std per run name, then the runs that are not there."""
-    lines = ["| variant | seeds | " + " | ".join(h for _, h, _ in FIELDS) + " |", "|---|---|" + "---|" * len(FIELDS)]
+    """Mean ± std per run name (and the area under the learning curve, where runs have one),
+    then the runs that are not there."""
+    fields = [f for f in DIFFERENCES if f in FIELDS or any(f[0] in r for per in figures.values() for r in per.values() if r)]
+    lines = ["| variant | seeds | " + " | ".join(h for _, h, _ in fields) + " |", "|---|---|" + "---|" * len(fields)]
     for name, per_seed in figures.items():
         done = [f for f in per_seed.values() if f is not None]
-        cells = [cell([f[key] for f in done], digits) for key, _, digits in FIELDS]
+        cells = [cell([f[key] for f in done if key in f], digits) for key, _, digits in fields]
         lines.append(f"| {name} | {len(done)} | " + " | ".join(cells) + " |")
     missing = [f"seed{s}/{name}" for name, per_seed in figures.items() for s, f in per_seed.items() if f is None]
     if missing:
@@ -115,12 +193,13 @@ def ablation_table(root: Path, seeds: int, variants: list[str], references: list
     variants whose first stage was evaluated on its own (those with more than one stage)."""
     figures = {v: {s: run_figures(root / f"seed{s}" / v) for s in range(seeds)} for v in (*references, *variants)}
     lines = [
-        f"Mean ± std over {seeds} seeds (held-out questions, T=0.6, 2 samples each; RL tool calls: executed by the RL "
+        f"Mean ± std over {seeds} seeds (held-out questions at the demo's evaluation sampling; RL tool calls: executed by the RL "
         "rollouts over all stages).",
         "",
         *summary_lines(figures),
     ]
     if "full" in variants:
+        lines += ["", *difference_lines({v: figures[v] for v in variants})]
         lines += ["", *comparison_lines({v: figures[v] for v in variants})]
     first = {v: {s: run_figures(root / f"seed{s}" / v / "stage1") for s in range(seeds)} for v in variants}
     first = {v: per_seed for v, per_seed in first.items() if any(f is not None for f in per_seed.values())}

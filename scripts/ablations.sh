@@ -24,12 +24,26 @@
 # RUN_DIR/ablations/: seed{s}/{variant}/ (stage{k}/rollouts, stage{k}/data, stage{k}/rl,
 # stage{k}/eval, eval), sft-seed-data/, ablations.md and ablations.json. Every step resumes, so
 # rerunning after a kill continues.
+# WORLD (toy or hard; default: the world RUN_DIR/toy was built as, which it must match) sets what is
+# measured. On the hard world (docs/toy-world.md "Measured how"): SEEDS defaults to 5, the final
+# evaluation asks each of the 500 held-out questions EVAL_N (4) times, and every variant's policy
+# is also evaluated at CURVE_POINTS (4) checkpoints per stage, and at its start, on 200 of the
+# held-out questions (40 per hop count, 2 samples each): the learning curve, whose area the table
+# gives. On the toy: 3 seeds, 2 samples, no curve (CURVE_POINTS=0), as before.
 # RL_ARGS adds Hydra overrides to every RL run. SEED_LIST (e.g. "2") runs only those of the SEEDS
 # seeds, so that seeds can run side by side in processes sharing RUN_DIR (the table then names
 # the seeds not yet there; run once more without it for the whole table).
 set -euo pipefail
 RUN=${1:-runs/demo}
-SEEDS=${2:-3}
+[ -f "$RUN/toy/manifest.json" ] || { echo "missing $RUN/toy/manifest.json: run bash scripts/demo.sh $RUN first" >&2; exit 1; }
+BUILT=$(python3 -c 'import json, sys; print({"toy": "toy", "toy_hard": "hard"}[json.load(open(sys.argv[1]))["stage"]])' "$RUN/toy/manifest.json")
+WORLD=${WORLD:-$BUILT}
+[ "$WORLD" = "$BUILT" ] || { echo "WORLD=$WORLD, but $RUN/toy holds the $BUILT world (WORLD=$BUILT bash scripts/demo.sh $RUN builds one)" >&2; exit 1; }
+if [ "$WORLD" = hard ]; then
+  SEEDS=${2:-5} EVAL_N=${EVAL_N:-4} CURVE_POINTS=${CURVE_POINTS:-4}
+else
+  SEEDS=${2:-3} EVAL_N=${EVAL_N:-2} CURVE_POINTS=${CURVE_POINTS:-0}
+fi
 LOG_TAG=${SEED_LIST:+-seeds-${SEED_LIST// /-}}  # the retrievers' logs of a process that runs some seeds
 SEED_LIST=${SEED_LIST:-$(seq 0 $((SEEDS - 1)))}
 for seed in $SEED_LIST; do
@@ -56,7 +70,19 @@ rl = load_config("rl", "tiny", ["model=x", "data.train=x", "out_dir=x"])
 print(int(sys.argv[1]) // rl.data.prompts_per_step * rl.data.epochs)
 PY
 )}
-echo "ablations: ${#VARIANTS[@]} variants x $SEEDS seeds, $STAGES stages of $STEPS RL steps ($COUNT questions per stage) -> $OUT"
+echo "ablations on the $WORLD world: ${#VARIANTS[@]} variants x $SEEDS seeds, $STAGES stages of $STEPS RL steps ($COUNT questions per stage),"
+echo "  $EVAL_N samples per held-out question, $CURVE_POINTS curve points per stage -> $OUT"
+CURVE_ARGS=()
+if [ "$CURVE_POINTS" -gt 0 ]; then
+  [ $((STEPS % CURVE_POINTS)) -eq 0 ] || { echo "CURVE_POINTS=$CURVE_POINTS does not divide the $STEPS steps of a stage" >&2; exit 1; }
+  CURVE_ARGS=(train.export_every=$((STEPS / CURVE_POINTS)))
+  # the curve's questions: every fifth of the held-out file, two in five (it is in shape order, so each hop count gives 40)
+  python3 - "$RUN/toy/questions/test.jsonl" "$OUT/curve_questions.jsonl" <<'PY'
+import sys
+lines = open(sys.argv[1]).readlines()
+open(sys.argv[2], "w").writelines(line for i, line in enumerate(lines) if i % 5 < 2)
+PY
+fi
 
 # What every seed shares: the RL pool's index and the no-flywheel start (the seed-SFT policy
 # fine-tuned on the seed data of the flywheel's questions). Processes started side by side
@@ -89,11 +115,29 @@ rollout() {
     tools.search.local.url="$RL_URL" agent.seed="$seed"
 }
 
-# the held-out evaluation of MODEL into DIR/eval, under SEED
+# the held-out evaluation of MODEL into DIR/eval, under SEED (QUESTIONS and N: the curve's)
 evaluate() {
-  local model=$1 dir=$2 name=$3 seed=$4
-  python -m etagent.evaluation.run model="$model" files.toy="$RUN/toy/questions/test.jsonl" out_dir="$dir/eval" \
-    run_name="$name" n=2 agent.seed="$seed" tools.search.local.url="$EVAL_URL" > "$dir/eval.log"
+  local model=$1 dir=$2 name=$3 seed=$4 questions=${5:-$RUN/toy/questions/test.jsonl} n=${6:-$EVAL_N}
+  mkdir -p "$dir"
+  python -m etagent.evaluation.run model="$model" files.toy="$questions" out_dir="$dir/eval" \
+    run_name="$name" n="$n" agent.seed="$seed" tools.search.local.url="$EVAL_URL" > "$dir/eval.log"
+}
+
+# the learning curve of a variant in DIR: its start (step 0) and every exported checkpoint of its
+# stages, at RL steps counted over the stages, each on the curve's questions
+curve() {
+  local dir=$1 start_model=$2 seed=$3 stages=$4 steps=$5 variant=$6
+  [ "$CURVE_POINTS" -gt 0 ] || return 0
+  local point=$dir/curve/step0
+  [ -f "$point/eval/summary.json" ] || evaluate "$start_model" "$point" "$variant-step0-seed$seed" "$seed" "$OUT/curve_questions.jsonl" 2
+  for k in $(seq 1 "$stages"); do
+    for model in "$dir/stage$k/rl/models"/step_*; do
+      [ -d "$model" ] || continue
+      local at=$(((k - 1) * steps + ${model##*step_}))
+      point=$dir/curve/step$at
+      [ -f "$point/eval/summary.json" ] || evaluate "$model" "$point" "$variant-step$at-seed$seed" "$seed" "$OUT/curve_questions.jsonl" 2
+    done
+  done
 }
 
 step=0
@@ -118,7 +162,7 @@ for seed in $SEED_LIST; do
       echo "== [$step/$total] seed $seed, $variant -> $dir"
       model=$FLYWHEEL_POLICY start=flywheel
       if [ "$variant" = no-flywheel ]; then model=$OUT/sft-seed-data/model start=seed-data; fi
-      rl_args=(train.seed="$seed" train.max_steps="$steps")
+      rl_args=(train.seed="$seed" train.max_steps="$steps" "${CURVE_ARGS[@]}")
       case $variant in
         no-efficiency) rl_args+=(reward.sigma_tool=0 reward.sigma_length=0) ;;
         no-arpo) rl_args+=(rollout.kind=group) ;;
@@ -143,6 +187,9 @@ for seed in $SEED_LIST; do
       echo "-- evaluation of $model on the held-out questions -> $dir/eval"
       evaluate "$model" "$dir" "$variant-seed$seed" "$seed"
     fi
+    start_model=$FLYWHEEL_POLICY
+    if [ "$variant" = no-flywheel ]; then start_model=$OUT/sft-seed-data/model; fi
+    curve "$dir" "$start_model" "$seed" "$stages" "$steps" "$variant"
     # every stage's policy but the last, on the held-out questions (also for runs from before they were)
     for k in $(seq 1 $((stages - 1))); do
       [ -f "$dir/stage$k/eval/summary.json" ] && continue

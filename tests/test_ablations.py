@@ -39,7 +39,7 @@ def test_means_spreads_and_per_seed_comparisons(tmp_path):
         write_run(tmp_path, seed, "start", 70.0 + seed, 30.0, [])
     markdown, figures = ablation_table(tmp_path, 2, ["full", "no-efficiency", "no-arpo"], references=["start"])
     assert figures["full"]["seed0"]["rl_tool_calls"] == 60 and figures["no-arpo"]["seed1"] is None
-    summary = markdown.split("Per seed")[0]
+    summary = markdown.split("Each variant minus full")[0]
     rows = {line.split(" | ")[0].strip("| "): line for line in summary.splitlines() if line.startswith("| ")}
     # correctness 80, 82: mean 81, sample std sqrt(2); RL tool calls 60 and 60
     assert rows["full"].startswith("| full | 2 | 81.0 ± 1.4 | 71.0 ± 1.4 | 1.00 ± 0.00 | 15.0 ± 7.1 | 30.0 ± 14.1 | 1.0 ± 0.0 | 60 ± 0 |")
@@ -50,8 +50,29 @@ def test_means_spreads_and_per_seed_comparisons(tmp_path):
     assert "| no-efficiency | 0 | 80.0; 79.0; -1.0 | 10.0; 30.0 | 20.0; 60.0 | 60; 60; 1.00x |" in markdown
     assert "| no-efficiency | 1 | 82.0; 83.0; +1.0 | 20.0; 40.0 | 40.0; 80.0 | 60; 60; 1.00x |" in markdown
     assert "| no-arpo | 0 | 80.0; 81.0; +1.0 | 10.0; 10.0 | 20.0; 20.0 | 60; 100; 0.60x |" in markdown
+    # each variant minus full, paired per seed: diffs -1 and +1, mean 0, half-width t(0.975, 1) x 1 = 12.7
+    assert "| no-efficiency | 2 | +0.0 [-12.7, +12.7] |" in markdown and "| no-arpo | 1 | +1.0 |" in markdown
     # a reference (a starting policy) is in the table, not compared
     assert rows["start"].startswith("| start | 2 | 70.5 ± 0.7 |") and "| start | 0 |" not in markdown
+
+
+def test_the_learning_curves_area_and_the_paired_intervals_over_five_seeds(tmp_path):
+    """The curve's checkpoints (RL steps counted over the stages) give its mean height by the
+    trapezoid rule; five seeds give each difference from full a t interval with 4 degrees of
+    freedom (2.776 x sd / sqrt 5)."""
+    for seed, gap in enumerate([1.0, 2.0, 3.0, 2.0, 2.0]):
+        write_run(tmp_path, seed, "full", 80.0, 10.0, [[10]])
+        write_run(tmp_path, seed, "no-pareto", 80.0 - gap, 10.0, [[10]])
+        for variant, heights in (("full", [60.0, 70.0, 80.0]), ("no-pareto", [60.0, 64.0, 80.0 - gap])):
+            for step, height in zip((0, 4, 12), heights):
+                write_eval(tmp_path / "seed{}".format(seed) / variant / "curve" / f"step{step}", height, 0.0)
+    markdown, figures = ablation_table(tmp_path, 5, ["full", "no-pareto"])
+    # full: (4 x 65 + 8 x 75) / 12 = 71.67; no-pareto in seed 0: (4 x 62 + 8 x 71.5) / 12 = 68.33
+    assert figures["full"]["seed0"]["curve_area"] == pytest.approx(860 / 12)
+    assert figures["no-pareto"]["seed0"]["curve_area"] == pytest.approx((4 * 62 + 8 * 71.5) / 12)
+    # correctness differences -1, -2, -3, -2, -2: mean -2, sd 0.7071, half 2.776 x 0.7071 / 2.236 = 0.878
+    assert "| no-pareto | 5 | -2.0 [-2.9, -1.1] |" in markdown
+    assert "area under the curve" in markdown.split("Each variant minus full")[1].splitlines()[2]
 
 
 def test_the_first_stage_table_reads_each_stage_evaluation_and_its_own_rl(tmp_path):
