@@ -208,6 +208,7 @@ LAUNCHED = {
 # or a test, whose file names the program.
 RUN_BY = {
     "make demo": "demo",
+    "scripts/demo.sh": "demo",  # what make demo runs (WORLD=hard runs it on the hard world)
     "make test": "ci",
     "etagent toy build": "demo",
     "etagent score": "tests/test_cli.py::test_score_writes_every_metric_per_line",
@@ -238,7 +239,7 @@ NOT_RUN_HERE = {
     "scripts/check_gpu_install.sh": "resolves the GPU install against PyPI (downloads GBs of CUDA wheels' metadata)",
     "bench/gpu_acceptance.sh": "needs a CUDA GPU (its CPU-runnable items run in tests/test_benches.py)",
     "scripts/gateway_effect.sh": "runs 12 RL runs of 20 steps, half of them through the harness (about 50 minutes on 2 cores); run by hand for docs/gateway.md",
-    "scripts/ablations.sh": "needs a finished demo and runs 18 curricula and 9 reference evaluations (1.5 to 2.5 hours); run by hand for docs/reproducibility.md",
+    "scripts/ablations.sh": "needs a finished demo and runs 6 curricula per seed (on the toy 3 seeds, 1.5 to 2.5 hours; on the hard world 5, with learning curves); run by hand for docs/reproducibility.md",
 }
 
 
