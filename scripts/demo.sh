@@ -37,7 +37,7 @@ import json, sys
 from pathlib import Path
 out = Path(sys.argv[1])
 scored = {row["id"]: row["samples"] for row in map(json.loads, open(out / "scored.jsonl"))}
-groups = [g for g in map(json.loads, open(out / "trajectories.jsonl")) if g["source"] == "toy_both"]
+groups = [g for g in map(json.loads, open(out / "trajectories.jsonl")) if g["source"] in ("toy_both", "toy_hops2")]  # a search then Python; on the hard world, a two-hop chain
 # a right answer if the policy gave one (math_equal is the toy's math correctness), else the first
 pick = next(((g, i) for g in groups for i, m in enumerate(scored[g["id"]]) if m["math_equal"] == 1.0), (groups[0], 0))
 group, i = pick
