@@ -25,7 +25,6 @@ from etagent import protocol
 from etagent.records import ToolCallRecord
 
 # Calls an efficient solver makes for each toy question kind (etagent.toy.world).
-TOY_NEEDED_CALLS = {"toy_search": 1, "toy_python": 1, "toy_both": 2, "toy_none": 0}
 
 REDUNDANCY_PROMPT = """You are an expert analyst of tool-integrated reasoning. Below is a question, its golden answer, and a model's reasoning trajectory, in which <search> and <python> are tool calls and <result> holds what each tool returned.
 
@@ -57,9 +56,10 @@ def majority_redundant(votes: list[bool | None]) -> bool:
     return sum(v is True for v in votes) > sum(v is False for v in votes)
 
 
-def toy_redundant(source: str, calls: list[ToolCallRecord]) -> bool:
-    """The toy world's oracle: more calls than the question's kind needs."""
-    return len(calls) > TOY_NEEDED_CALLS[source]
+def toy_redundant(needed_calls: dict[str, int], calls: list[ToolCallRecord]) -> bool:
+    """The toy worlds' oracle: more calls than the question needs (its ``needed_calls``, which
+    every toy question carries: per kind on the toy, per chain on the hard world)."""
+    return len(calls) > sum(needed_calls.values())
 
 
 def paper_result_ok(result: str) -> bool:

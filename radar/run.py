@@ -76,7 +76,7 @@ def conciseness(judge: RadarJudge, groups: list[TrajectoryGroup], out: Path) -> 
         todo = [(g, t) for g in groups for t in g.trajectories if t.id not in writer.done]
         if judge.mode == "toy_oracle":
             for g, t in todo:
-                writer.write({"id": t.id, "redundant": toy_redundant(g.source, t.tool_calls), "votes": None})
+                writer.write({"id": t.id, "redundant": toy_redundant(g.needed_calls, t.tool_calls), "votes": None})
         elif todo:
             model = load_text_model(judge, "judge")
             progress = Progress(f"judging conciseness in {out}", len(todo), "trajectory")
@@ -278,6 +278,14 @@ def plan(cfg: RadarConfig) -> tuple[dict, list[dict[str, Evaluated]]]:
         if not datasets:
             raise SettingError(f"runs[{i}]", f"{run_dir} holds no evaluated dataset (no <dataset>/metrics.json): nothing to measure")
         runs.append({d: read_evaluated(run_dir, d) for d in datasets})
+        if cfg.judge.mode == "toy_oracle":  # the oracle knows what each question needs from the question itself
+            for d, evaluated in runs[-1].items():
+                unknown = next((g.id for g in evaluated.groups if g.needed_calls is None), None)
+                if unknown is not None:
+                    raise SettingError(
+                        "judge.mode",
+                        f"toy_oracle reads each question's needed_calls, and question {unknown!r} of {run_dir / d} has none (a toy world's questions have them): use llm",
+                    )
     return config, runs
 
 

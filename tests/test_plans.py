@@ -436,6 +436,11 @@ def test_radar_refuses_before_it_claims(toy, evaluated, tmp_path, monkeypatch, c
     nothing_in_it = tmp_path / "nothing-in-it"
     nothing_in_it.mkdir()
     (nothing_in_it / "summary.json").write_text(json.dumps({"run": "empty"}))
+    no_needs = tmp_path / "no-needs"  # questions from outside a toy world: nothing says what they need
+    shutil.copytree(evaluated, no_needs)
+    trajectories = no_needs / "toy" / "trajectories.jsonl"
+    lines = [json.loads(line) for line in trajectories.read_text().splitlines()]
+    trajectories.write_text("".join(json.dumps({**line, "needed_calls": None}) + "\n" for line in lines))
     argv = [f"runs=[{evaluated}]", f"tokenizer={toy / 'model'}", "judge.mode=toy_oracle", f"out_dir={out}"]
     probes = [
         Probe("runs", "runs=[]"),
@@ -445,6 +450,7 @@ def test_radar_refuses_before_it_claims(toy, evaluated, tmp_path, monkeypatch, c
         Probe("labels[1]", f"runs=[{evaluated},{evaluated}]", "labels=[a,a]"),
         Probe("datasets[0]", "datasets=[../eval]"),
         Probe("datasets", "datasets=[nope]", says="no such file (was nope evaluated in"),
+        Probe("judge.mode", f"runs=[{no_needs}]"),
         *engine_probes("judge.engine", "judge.mode=llm"),
         Probe("matplotlib", missing=("matplotlib",), says="this needs matplotlib, from the 'charts' extra"),
         Probe("out_dir", "out_dir=''"),

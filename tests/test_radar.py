@@ -180,3 +180,20 @@ def test_labels_are_unique_and_never_form_paths(toy, tmp_path, capsys):
         err = capsys.readouterr().err.strip()
         assert exit_status.value.code == 2 and len(err.splitlines()) == 1 and message in err, err
         assert not refused.exists()
+
+
+def test_the_oracle_counts_each_questions_own_needed_calls():
+    """The toy oracle reads what each question needs from the question (a hard-world chain
+    through two non-landmarks needs two searches and Python; the toy's `both` a search and Python),
+    not from a table of the toy's kinds."""
+    from etagent.radar.metrics import toy_redundant
+    from etagent.records import ToolCallRecord
+
+    def calls(*tools):
+        return [ToolCallRecord(tool=t, input="x", output="y", ok=True, seconds=0.0) for t in tools]
+
+    chain = {"search": 2, "python": 1}
+    assert not toy_redundant(chain, calls("search", "search", "python"))
+    assert toy_redundant(chain, calls("search", "search", "search", "python"))
+    assert not toy_redundant({"search": 0, "python": 0}, calls())
+    assert toy_redundant({"search": 0, "python": 0}, calls("search"))
