@@ -131,9 +131,11 @@ curve() {
   local point=$dir/curve/step0
   [ -f "$point/eval/summary.json" ] || evaluate "$start_model" "$point" "$variant-step0-seed$seed" "$seed" "$OUT/curve_questions.jsonl" 2
   for k in $(seq 1 "$stages"); do
-    for model in "$dir/stage$k/rl/models"/step_*; do
+    # the exported checkpoints, then the stage's last step (RL saves it as model/, not models/step_N)
+    for model in "$dir/stage$k/rl/models"/step_* "$dir/stage$k/rl/model"; do
       [ -d "$model" ] || continue
-      local at=$(((k - 1) * steps + ${model##*step_}))
+      local at=$((k * steps))
+      [ "${model##*/}" = model ] || at=$(((k - 1) * steps + ${model##*step_}))
       point=$dir/curve/step$at
       [ -f "$point/eval/summary.json" ] || evaluate "$model" "$point" "$variant-step$at-seed$seed" "$seed" "$OUT/curve_questions.jsonl" 2
     done
