@@ -843,22 +843,40 @@ def sha256_file(path: str | os.PathLike, chunk: int = 1 << 20) -> str:
 
 
 def sha256_path(path: str | os.PathLike) -> str:
-    """sha256 of a file, or of a directory's files (names and contents, in sorted order; an output
-    folder's ``.lock``, which holds its last writer's pid, left out)."""
+    """sha256 of a file, or of a directory's data files (names and contents, in sorted order;
+    :func:`data_files`)."""
     path = Path(path)
     if path.is_file():
         return sha256_file(path)
     digest = hashlib.sha256()
-    for file in sorted(p for p in path.rglob("*") if p.is_file() and p.name != ".lock"):
+    for file in data_files(path):
         digest.update(str(file.relative_to(path)).encode())
         digest.update(sha256_file(file).encode())
     return digest.hexdigest()
 
 
+def data_files(folder: Path) -> list[Path]:
+    """The files under ``folder`` that hold what its run made, in sorted order: not its records of
+    the run, an output folder's ``.lock`` (its last writer's pid) and a stage's ``manifest.json``
+    (its times and status), which a rerun of a finished stage rewrites with the data unchanged. A
+    folder that a later stage read stays the same input across such a rerun."""
+    return sorted(p for p in folder.rglob("*") if p.is_file() and p.name != ".lock" and not _stage_manifest(p))
+
+
+def _stage_manifest(path: Path) -> bool:
+    if path.name != "manifest.json":
+        return False
+    try:
+        manifest = json.loads(path.read_text())
+    except (OSError, UnicodeDecodeError, json.JSONDecodeError):
+        return False
+    return isinstance(manifest, dict) and "stage" in manifest and "etagent_version" in manifest
+
+
 def path_size(path: str | os.PathLike) -> int:
-    """Bytes of a file, or of every file under a folder."""
+    """Bytes of a file, or of a folder's data files (:func:`data_files`)."""
     path = Path(path)
-    return path.stat().st_size if path.is_file() else sum(p.stat().st_size for p in path.rglob("*") if p.is_file() and p.name != ".lock")
+    return path.stat().st_size if path.is_file() else sum(p.stat().st_size for p in data_files(path))
 
 
 def input_identity(key: str, path: str | os.PathLike) -> dict[str, Any]:

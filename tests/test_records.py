@@ -278,6 +278,31 @@ def test_kill_9_mid_write_loses_no_completed_record_and_resumes_without_duplicat
 # --- manifests ----------------------------------------------------------------------------------
 
 
+def test_a_folders_identity_is_its_data_not_its_runs_records(tmp_path):
+    """A stage that reran on its finished folder rewrote its manifest (times, status) and left its
+    data as it was; a later stage that read the folder must find the same input (the demo run
+    twice: the radar refused the evaluation it had measured). A data file that changes, or a
+    manifest.json that is the user's own data, changes it."""
+    folder = tmp_path / "eval"
+    write_jsonl(folder / "toy" / "scored.jsonl", [q(0)])
+    write_manifest(folder / "toy", stage="evaluation/toy", config={}, started_at=1.0)
+    write_manifest(folder, stage="evaluation", config={}, started_at=1.0)
+    (folder / ".lock").write_text("123")
+    before = input_identity("runs[0]", folder)
+    write_manifest(folder, stage="evaluation", config={}, started_at=2.0, status="complete")
+    write_manifest(folder / "toy", stage="evaluation/toy", config={}, started_at=2.0)
+    (folder / ".lock").write_text("456")
+    assert input_identity("runs[0]", folder) == before
+    write_jsonl(folder / "toy" / "scored.jsonl", [q(1)])
+    assert input_identity("runs[0]", folder)["sha256"] != before["sha256"]
+    theirs = tmp_path / "data"
+    theirs.mkdir()
+    (theirs / "manifest.json").write_text('{"files": ["a"]}')
+    first = input_identity("data", theirs)
+    (theirs / "manifest.json").write_text('{"files": ["b"]}')
+    assert input_identity("data", theirs)["sha256"] != first["sha256"]
+
+
 def test_manifest_records_inputs_counts_and_revision(tmp_path):
     data = tmp_path / "in.jsonl"
     write_jsonl(data, [q(0)])
