@@ -65,7 +65,7 @@ def test_the_learning_curves_area_and_the_paired_intervals_over_five_seeds(tmp_p
         write_run(tmp_path, seed, "no-pareto", 80.0 - gap, 10.0, [[10]])
         for variant, heights in (("full", [60.0, 70.0, 80.0]), ("no-pareto", [60.0, 64.0, 80.0 - gap])):
             for step, height in zip((0, 4, 12), heights):
-                write_eval(tmp_path / "seed{}".format(seed) / variant / "curve" / f"step{step}", height, 0.0)
+                write_eval(tmp_path / f"seed{seed}" / variant / "curve" / f"step{step}", height, 0.0)
     markdown, figures = ablation_table(tmp_path, 5, ["full", "no-pareto"])
     # full: (4 x 65 + 8 x 75) / 12 = 71.67; no-pareto in seed 0: (4 x 62 + 8 x 71.5) / 12 = 68.33
     assert figures["full"]["seed0"]["curve_area"] == pytest.approx(860 / 12)

@@ -18,7 +18,7 @@ from etagent import protocol
 from etagent.agent import AgentLoop
 from etagent.config import load_settings
 from etagent.flywheel import prompts
-from etagent.flywheel.evolve import Flywheel, FlywheelSettings, QuestionRun, select_parent
+from etagent.flywheel.evolve import Flywheel, QuestionRun, select_parent
 from etagent.flywheel.steps import (
     EditorReplyError,
     clean_step,
@@ -35,7 +35,7 @@ from etagent.llm import GREEDY, Sampling, SharedBatches
 from etagent.llm.text import TextModel
 from etagent.records import Question, TokenOrigin
 from etagent.tools.executor import build_executor
-from tests.support.groups import agent_config
+from tests.support.groups import agent_config, flywheel_settings
 from tests.support.scripted import ScriptedModel
 from tests.support.trajectories import mask_runs
 
@@ -100,16 +100,7 @@ def make_flywheel(tokenizer, executor, redundancy="Step: no", rewrite="Short rea
         if editor
         else None
     )
-    settings = FlywheelSettings(
-        rounds=rounds,
-        continuation_python_calls=10,
-        continuation_search_calls=10,
-        qa_pass_mark=0.8,
-        concurrency=1,
-        question_timeout_s=600.0,
-        seed=0,
-        reply_chars=2000,
-    )
+    settings = flywheel_settings(rounds=rounds)
     return Flywheel(loop, TextModel(engine, Sampling.at(1.0), 200, "reflector"), edit, settings)
 
 

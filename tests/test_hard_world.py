@@ -334,14 +334,14 @@ def test_the_flywheels_output_covers_shapes_the_seed_data_lacks(hard, tmp_path):
     from transformers import AutoTokenizer
 
     from etagent.agent import AgentLoop
-    from etagent.flywheel.evolve import Flywheel, FlywheelSettings, QuestionRun
+    from etagent.flywheel.evolve import Flywheel, QuestionRun
     from etagent.flywheel.export import main as export
     from etagent.flywheel.run import question_record
     from etagent.llm import Sampling, SharedBatches
     from etagent.llm.text import TextModel
     from etagent.records import write_jsonl
     from etagent.tools.executor import ToolExecutor
-    from tests.support.groups import agent_config
+    from tests.support.groups import agent_config, flywheel_settings
     from tests.support.scripted import ScriptedModel
 
     tokenizer = AutoTokenizer.from_pretrained(hard / "model")
@@ -352,16 +352,7 @@ def test_the_flywheels_output_covers_shapes_the_seed_data_lacks(hard, tmp_path):
     executor = ToolExecutor([CorpusSearch(read(hard / "training_worlds" / "1.jsonl"))])
     engine = SharedBatches(ScriptedModel(tokenizer, chain_policy))
     loop = AgentLoop(engine, executor, agent_config(timeout_s=None, max_response_tokens=600, seed=0))
-    settings = FlywheelSettings(
-        rounds=2,
-        continuation_python_calls=10,
-        continuation_search_calls=10,
-        qa_pass_mark=0.8,
-        concurrency=1,
-        question_timeout_s=600.0,
-        seed=0,
-        reply_chars=2000,
-    )
+    settings = flywheel_settings(rounds=2)
     flywheel = Flywheel(loop, TextModel(engine, Sampling.at(1.0), 200, "reflector"), None, settings)
     runs = []
     for q in questions:

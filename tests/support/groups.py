@@ -6,6 +6,7 @@ from __future__ import annotations
 
 from etagent.agent import AgentConfig
 from etagent.config import base_group
+from etagent.flywheel.evolve import FlywheelSettings
 from etagent.llm import VLLMConfig
 from etagent.tools.sandbox import SandboxLimits
 
@@ -30,3 +31,9 @@ def sandbox_limits(**changes) -> SandboxLimits:
 
 def vllm_config(**changes) -> VLLMConfig:
     return base_group(VLLMConfig, "engine", "vllm", **changes)
+
+
+def flywheel_settings(**changes) -> FlywheelSettings:
+    """configs/flywheel/_base.yaml's ``flywheel`` group, one question at a time with a generous
+    limit (what the presets leave open)."""
+    return base_group(FlywheelSettings, "flywheel", "flywheel", **{"concurrency": 1, "question_timeout_s": 600.0, **changes})
