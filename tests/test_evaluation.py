@@ -281,26 +281,26 @@ def test_judge_timeouts_and_garbage_are_retried_then_counted_as_failures(tmp_pat
 def test_toy_evaluation_end_to_end_resumes_after_a_kill_and_draws_the_radar(sft_model, toy, server, tmp_path, capsys):
     env = dict(os.environ, RETRIEVER_TOKEN=TOKEN)
     whole = tmp_path / "whole"
-    subprocess.run(eval_command(sft_model, toy, server, whole, "limit=40"), check=True, env=env, capture_output=True, timeout=1200)
+    subprocess.run(eval_command(sft_model, toy, server, whole, "limit=24"), check=True, env=env, capture_output=True, timeout=1200)
 
     killed = tmp_path / "killed"
     proc = subprocess.Popen(
-        eval_command(sft_model, toy, server, killed, "limit=40"), env=env, stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL
+        eval_command(sft_model, toy, server, killed, "limit=24"), env=env, stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL
     )
     trajectories = killed / "toy" / "trajectories.jsonl"
     deadline = time.monotonic() + 600
-    while not (trajectories.exists() and len(trajectories.read_text().splitlines()) >= 16):
+    while not (trajectories.exists() and len(trajectories.read_text().splitlines()) >= 8):
         assert proc.poll() is None and time.monotonic() < deadline
         time.sleep(0.1)
     proc.send_signal(signal.SIGKILL)
     proc.wait()
     done_before = len(trajectories.read_text().splitlines())
-    assert 16 <= done_before < 40
-    subprocess.run(eval_command(sft_model, toy, server, killed, "limit=40"), check=True, env=env, capture_output=True, timeout=1200)
+    assert 8 <= done_before < 24
+    subprocess.run(eval_command(sft_model, toy, server, killed, "limit=24"), check=True, env=env, capture_output=True, timeout=1200)
 
     a, b = (json.loads((d / "toy" / "metrics.json").read_text()) for d in (whole, killed))
     ids = [json.loads(line)["id"] for line in (killed / "toy" / "scored.jsonl").read_text().splitlines()]
-    assert len(ids) == len(set(ids)) == 40  # no question scored twice
+    assert len(ids) == len(set(ids)) == 24  # no question scored twice
     for key in ("questions", "samples", "correctness", "efficiency", "tool_calls", "pass@1", "pass@2", "valid_format"):
         assert a[key] == b[key], key
     table = (whole / "summary.md").read_text()
@@ -345,7 +345,7 @@ def test_toy_evaluation_end_to_end_resumes_after_a_kill_and_draws_the_radar(sft_
     assert (radar_out / "radar.png").stat().st_size > 10_000 and (radar_out / "radar.svg").exists()
     with capsys.disabled():
         print(
-            f"\ntoy evaluation (40 questions x 2): {json.dumps({k: a[k] for k in ('correctness', 'efficiency', 'tool_calls', 'valid_format', 'pass@1', 'pass@2')})}"
+            f"\ntoy evaluation (24 questions x 2): {json.dumps({k: a[k] for k in ('correctness', 'efficiency', 'tool_calls', 'valid_format', 'pass@1', 'pass@2')})}"
         )
         print(f"radar axes: {axes}")
         print(result.stdout[-600:])
