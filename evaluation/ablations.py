@@ -1,18 +1,21 @@
-"""The ablation table: variants of the pipeline side by side, mean and std over seeds.
+"""The ablation table: variants of the pipeline side by side over seeds, each figure's mean with its
+95% interval.
 
     python -m etagent.evaluation.ablations RUN_DIR/ablations --seeds 3 --variants full no-efficiency ...
+    python -m etagent.evaluation.ablations RUN_DIR --seeds 3 --variants smollm2 sft rl --baseline sft
 
 Reads, per seed s and variant v (and reference: a starting policy, evaluated only),
 ``seed{s}/{v}/eval/summary.json`` (the held-out evaluation),
 ``seed{s}/{v}/stage*/rl/metrics.jsonl`` (the RL steps) and, where the run has them,
 ``seed{s}/{v}/curve/step{N}/eval/summary.json`` (checkpoints evaluated along RL: the learning
 curve, its area by the trapezoid rule), as scripts/ablations.sh lays them out,
-and writes ``ablations.md`` and ``ablations.json`` beside them. Per variant: correctness,
+(scripts/real_model.sh lays out its policies the same way, ``seed{s}/{policy}``), and writes
+``ablations.md`` and ``ablations.json`` beside them. Per variant: correctness,
 efficiency, tool calls per answer, the redundant and insufficient rates, the redundant rate among
 solved answers, and the tool calls the RL rollouts executed (a tree's copied calls counted once);
-then each variant's difference from the whole pipeline, paired per seed, with its 95% interval
-(Student's t); then, per seed, each variant beside the whole pipeline, the comparisons the paper's ablations
-make; then both again for the policies after the first stage (``seed{s}/{v}/stage1/eval``), where
+then each variant's difference from the baseline (``--baseline``, the whole pipeline ``full`` by
+default), paired per seed, with its 95% interval (Student's t); then, per seed, each variant beside
+the baseline, the comparisons the paper's ablations make; then both again for the policies after the first stage (``seed{s}/{v}/stage1/eval``), where
 there is one. A run that is missing or unfinished is named, not averaged.
 
 What this module does not do: run anything (scripts/ablations.sh does).
@@ -94,11 +97,13 @@ def half_width(values: list[float]) -> float:
 
 
 def cell(values: list[float], digits: int) -> str:
+    """The mean and its 95% interval, ``mean [low, high]`` (one value: itself)."""
     if not values:
         return "missing"
     if len(values) == 1:
         return f"{values[0]:.{digits}f}"
-    return f"{statistics.mean(values):.{digits}f} ± {statistics.stdev(values):.{digits}f}"
+    mean, half = statistics.mean(values), half_width(values)
+    return f"{mean:.{digits}f} [{mean - half:.{digits}f}, {mean + half:.{digits}f}]"
 
 
 def interval(values: list[float], digits: int) -> str:
@@ -109,12 +114,12 @@ def interval(values: list[float], digits: int) -> str:
     return f"{mean:+.{digits}f} [{mean - half:+.{digits}f}, {mean + half:+.{digits}f}]"
 
 
-# The figures each variant's difference from full is given for, with 95% intervals.
+# The figures each variant's difference from the baseline is given for, with 95% intervals.
 DIFFERENCES = (*FIELDS, ("curve_area", "area under the curve", 1))
 
 
-def difference_lines(figures: dict[str, dict[int, dict | None]]) -> list[str]:
-    """Each variant minus ``full``, paired per seed (the same questions, seeds and starting
+def difference_lines(figures: dict[str, dict[int, dict | None]], baseline: str = "full") -> list[str]:
+    """Each variant minus ``baseline``, paired per seed (the same questions, seeds and starting
     policy): the mean difference and its 95% interval over the seeds both finished. A difference
     whose interval holds 0 is not resolved by these seeds."""
     keys = [
@@ -123,19 +128,17 @@ def difference_lines(figures: dict[str, dict[int, dict | None]]) -> list[str]:
         if any(key in f for per in figures.values() for f in per.values() if f)
     ]
     lines = [
-        "Each variant minus full, paired per seed: mean difference [95% interval, Student's t over the seeds]; an "
+        f"Each variant minus {baseline}, paired per seed: mean difference [95% interval, Student's t over the seeds]; an "
         "interval that holds 0 does not resolve the difference.",
         "",
         "| variant | seeds | " + " | ".join(h for _, h, _ in keys) + " |",
         "|---|---|" + "---|" * len(keys),
     ]
     for name, per_seed in figures.items():
-        if name == "full":
+        if name == baseline:
             continue
-        pairs = [(figures["full"][s], f) for s, f in per_seed.items() if f is not None and figures["full"].get(s) is not None]
-        cells = [
-            interval([other[key] - full[key] for full, other in pairs if key in full and key in other], digits) for key, _, digits in keys
-        ]
+        pairs = [(figures[baseline][s], f) for s, f in per_seed.items() if f is not None and figures[baseline].get(s) is not None]
+        cells = [interval([other[key] - base[key] for base, other in pairs if key in base and key in other], digits) for key, _, digits in keys]
         lines.append(f"| {name} | {len(pairs)} | " + " | ".join(cells) + " |")
     return lines
 
@@ -145,7 +148,7 @@ def ratio(a: float, b: float) -> str:
 
 
 def summary_lines(figures: dict[str, dict[int, dict | None]]) -> list[str]:
-    """Mean ± std per run name (and the area under the learning curve, where runs have one),
+    """Mean and 95% interval per run name (and the area under the learning curve, where runs have one),
     then the runs that are not there."""
     fields = [f for f in DIFFERENCES if f in FIELDS or any(f[0] in r for per in figures.values() for r in per.values() if r)]
     lines = ["| variant | seeds | " + " | ".join(h for _, h, _ in fields) + " |", "|---|---|" + "---|" * len(fields)]
@@ -159,21 +162,21 @@ def summary_lines(figures: dict[str, dict[int, dict | None]]) -> list[str]:
     return lines
 
 
-def comparison_lines(figures: dict[str, dict[int, dict | None]]) -> list[str]:
-    """Per seed, each variant beside ``full``."""
+def comparison_lines(figures: dict[str, dict[int, dict | None]], baseline: str = "full") -> list[str]:
+    """Per seed, each variant beside ``baseline``."""
     lines = [
-        "Per seed, each variant beside the whole pipeline (full; variant): the rates themselves, since full's are "
-        "often 0; correctness with the difference variant - full; RL tool calls with full's as a multiple of the "
-        "variant's.",
+        f"Per seed, each variant beside {baseline} ({baseline}; variant): the rates themselves, since the baseline's "
+        f"are often 0; correctness with the difference variant - {baseline}; RL tool calls with {baseline}'s as a "
+        "multiple of the variant's.",
         "",
         "| variant | seed | correctness | redundant % | redundant when solved % | RL tool calls |",
         "|---|---|---|---|---|---|",
     ]
     for name, per_seed in figures.items():
-        if name == "full":
+        if name == baseline:
             continue
         for s, other in per_seed.items():
-            full = figures["full"][s]
+            full = figures[baseline][s]
             if full is None or other is None:
                 continue
             lines.append(
@@ -187,26 +190,26 @@ def comparison_lines(figures: dict[str, dict[int, dict | None]]) -> list[str]:
     return lines
 
 
-def ablation_table(root: Path, seeds: int, variants: list[str], references: list[str] = ()) -> tuple[str, dict]:
+def ablation_table(root: Path, seeds: int, variants: list[str], references: list[str] = (), baseline: str = "full") -> tuple[str, dict]:
     """The table of ``references`` (evaluated only: the starting policies) and ``variants`` and the
-    per-seed comparison of each variant with ``full``; then the same after the first stage, for the
+    per-seed comparison of each variant with ``baseline`` (when it is one of them); then the same after the first stage, for the
     variants whose first stage was evaluated on its own (those with more than one stage)."""
     figures = {v: {s: run_figures(root / f"seed{s}" / v) for s in range(seeds)} for v in (*references, *variants)}
     lines = [
-        f"Mean ± std over {seeds} seeds (held-out questions at the demo's evaluation sampling; RL tool calls: executed by the RL "
-        "rollouts over all stages).",
+        f"Mean [95% interval of the mean, Student's t] over {seeds} seeds (held-out questions at the demo's evaluation "
+        "sampling; RL tool calls: executed by the RL rollouts over all stages).",
         "",
         *summary_lines(figures),
     ]
-    if "full" in variants:
-        lines += ["", *difference_lines({v: figures[v] for v in variants})]
-        lines += ["", *comparison_lines({v: figures[v] for v in variants})]
+    if baseline in variants:
+        lines += ["", *difference_lines({v: figures[v] for v in variants}, baseline)]
+        lines += ["", *comparison_lines({v: figures[v] for v in variants}, baseline)]
     first = {v: {s: run_figures(root / f"seed{s}" / v / "stage1") for s in range(seeds)} for v in variants}
     first = {v: per_seed for v, per_seed in first.items() if any(f is not None for f in per_seed.values())}
     if first:
         lines += ["", "After the first stage (RL tool calls: that stage's).", "", *summary_lines(first)]
-        if "full" in first:
-            lines += ["", *comparison_lines(first)]
+        if baseline in first:
+            lines += ["", *comparison_lines(first, baseline)]
     table = {v: {f"seed{s}": f for s, f in per_seed.items()} for v, per_seed in figures.items()}
     table.update({f"{v}/stage1": {f"seed{s}": f for s, f in per_seed.items()} for v, per_seed in first.items()})
     return "\n".join(lines) + "\n", table
@@ -219,11 +222,14 @@ def main(argv: list[str] | None = None) -> None:
     parser.add_argument("--seeds", type=int, required=True)
     parser.add_argument("--variants", nargs="+", required=True)
     parser.add_argument("--references", nargs="*", default=[], help="runs evaluated only (the starting policies), not compared")
+    parser.add_argument("--baseline", help="the variant the others are compared with, paired per seed (default: full, where it is one)")
     args = parser.parse_args(argv)
     root = Path(args.root)
     if not root.is_dir():
         raise MissingInput(f"{root}: no such directory (run scripts/ablations.sh first)")
-    markdown, figures = ablation_table(root, args.seeds, args.variants, args.references)
+    if args.baseline is not None and args.baseline not in args.variants:
+        raise MissingInput(f"--baseline {args.baseline} is not one of --variants {' '.join(args.variants)}")
+    markdown, figures = ablation_table(root, args.seeds, args.variants, args.references, args.baseline or "full")
     (root / "ablations.md").write_text(markdown)
     (root / "ablations.json").write_text(json.dumps(figures, indent=2) + "\n")
     print(markdown, end="")

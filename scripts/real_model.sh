@@ -3,27 +3,35 @@
 # package's GGUF, no hub download) with its own tokenizer, chat template and special tokens, on
 # the toy world. SFT with LoRA on the seed trajectories (rendered through the model's chat
 # template), evaluation on held-out questions with the real tools, RL with LoRA (ARPO's tree, the
-# efficiency reward) for a few steps, evaluation again, the table and the report.
+# efficiency reward) for a few steps, evaluation again: per seed, then the table over the seeds
+# with 95% intervals, and the report.
 #   bash scripts/real_model.sh [RUN_DIR]      (default runs/real_model; rerunning resumes)
-# Sizes (environment), set so that the run takes about 15 minutes on 2 cores: SFT_STEPS (default
-# 40 steps of 2 sequences), RL_STEPS (2 steps of 4 prompts x 4 rollouts), EVAL_LIMIT held-out
-# questions per evaluation (30). A 135M model on 2 cores learns little in that: the run checks
-# that a real model goes through every stage, not what it learns.
+# Sizes (environment): SEEDS (3; seed s sets SFT's, RL's and the evaluations' sampling seeds),
+# SFT_STEPS (default 40 steps of 2 sequences), RL_STEPS (2 steps of 4 prompts x 4 rollouts),
+# EVAL_LIMIT held-out questions per evaluation (200: all of the toy's, one sample each). A 135M
+# model on 2 cores learns little in that: the run checks that a real model goes through every
+# stage, and the seeds and questions say how much of a step between the policies is noise. How
+# long it takes: README.md, "A pretrained model through the same stages". SEEDS=1 EVAL_LIMIT=30
+# is the quick check (about 20 minutes).
 set -euo pipefail
 cd "$(dirname "$0")/.."
 VENV=$(realpath "${ETAGENT_VENV:-.venv}")
 RUN=${1:-runs/real_model}
+SEEDS=${SEEDS:-3}
 SFT_STEPS=${SFT_STEPS:-40}
 RL_STEPS=${RL_STEPS:-2}
-EVAL_LIMIT=${EVAL_LIMIT:-30}
+EVAL_LIMIT=${EVAL_LIMIT:-200}
 export PATH="$VENV/bin:$PATH" HF_HUB_OFFLINE=1 TRANSFORMERS_OFFLINE=1 WANDB_MODE=offline TOKENIZERS_PARALLELISM=false
 started=$(date +%s)
 
+# the held-out evaluation of MODEL into DIR/eval under SEED (a finished one is kept)
 evaluate_on_held_out() {
-  local model=$1 out=$2 name=$3
+  local model=$1 dir=$2 name=$3 seed=$4
+  [ -f "$dir/eval/summary.json" ] && return 0
+  mkdir -p "$dir"
   source scripts/serve_retriever.sh "$RUN/index" "$RUN/retriever.log"
-  python -m etagent.evaluation.run model="$model" files.toy="$RUN/held_out.jsonl" out_dir="$out" \
-    run_name="$name" n=1 tools.search.local.url="$RETRIEVER_URL"
+  python -m etagent.evaluation.run model="$model" files.toy="$RUN/held_out.jsonl" out_dir="$dir/eval" \
+    run_name="$name" n=1 agent.seed="$seed" tools.search.local.url="$RETRIEVER_URL"
   stop_retriever
 }
 
@@ -68,29 +76,33 @@ keep = lines[:: max(1, len(lines) // int(sys.argv[2]))][: int(sys.argv[2])]
 open(sys.argv[3], "w").write("\n".join(keep) + "\n")
 PY
 
-echo
-echo "== 3/7 evaluation of the model as it comes, on $EVAL_LIMIT held-out questions of the four kinds -> $RUN/eval-base"
-evaluate_on_held_out "$RUN/smollm2" "$RUN/eval-base" smollm2
+for seed in $(seq 0 $((SEEDS - 1))); do
+  at=$RUN/seed$seed
+  echo
+  echo "== 3/7 seed $seed: evaluation of the model as it comes, on $EVAL_LIMIT held-out questions of the four kinds -> $at/smollm2"
+  evaluate_on_held_out "$RUN/smollm2" "$at/smollm2" "smollm2-seed$seed" "$seed"
+
+  echo
+  echo "== 4/7 seed $seed: SFT with LoRA on the seed trajectories, through SmolLM2's chat template, $SFT_STEPS steps -> $at/sft/train"
+  python -m etagent.sft.run --preset real_model model="$RUN/smollm2" data.path="$RUN/toy/sft.jsonl" out_dir="$at/sft/train" \
+    train.max_steps="$SFT_STEPS" seed="$seed"
+
+  echo
+  echo "== 5/7 seed $seed: evaluation of the SFT policy -> $at/sft"
+  evaluate_on_held_out "$at/sft/train/model" "$at/sft" "smollm2-sft-seed$seed" "$seed"
+
+  echo
+  echo "== 6/7 seed $seed: RL with LoRA from the SFT policy: ARPO's tree, the efficiency reward, $RL_STEPS steps on the RL pool -> $at/rl/rl"
+  source scripts/serve_retriever.sh "$RUN/rl_index" "$RUN/rl_retriever.log"
+  python -m etagent.rl.run --preset real_model model="$at/sft/train/model" data.train="$RUN/toy/questions/rl.jsonl" \
+    out_dir="$at/rl/rl" tools.search.local.url="$RETRIEVER_URL" train.max_steps="$RL_STEPS" train.seed="$seed"
+  stop_retriever
+  evaluate_on_held_out "$at/rl/rl/model" "$at/rl" "smollm2-rl-seed$seed" "$seed"
+done
 
 echo
-echo "== 4/7 SFT with LoRA on the seed trajectories, through SmolLM2's chat template, $SFT_STEPS steps -> $RUN/sft"
-python -m etagent.sft.run --preset real_model model="$RUN/smollm2" data.path="$RUN/toy/sft.jsonl" out_dir="$RUN/sft" \
-  train.max_steps="$SFT_STEPS"
-
-echo
-echo "== 5/7 evaluation of the SFT policy -> $RUN/eval-sft"
-evaluate_on_held_out "$RUN/sft/model" "$RUN/eval-sft" smollm2-sft
-
-echo
-echo "== 6/7 RL with LoRA from the SFT policy: ARPO's tree, the efficiency reward, $RL_STEPS steps on the RL pool -> $RUN/rl"
-source scripts/serve_retriever.sh "$RUN/rl_index" "$RUN/rl_retriever.log"
-python -m etagent.rl.run --preset real_model model="$RUN/sft/model" data.train="$RUN/toy/questions/rl.jsonl" \
-  out_dir="$RUN/rl" tools.search.local.url="$RETRIEVER_URL" train.max_steps="$RL_STEPS"
-stop_retriever
-evaluate_on_held_out "$RUN/rl/model" "$RUN/eval-rl" smollm2-rl
-
-echo
-echo "== 7/7 the table and the report -> $RUN/table, $RUN/report.html"
-python -m etagent.evaluation.table "$RUN/eval-base" "$RUN/eval-sft" "$RUN/eval-rl" --out "$RUN/table"
+echo "== 7/7 the table over the $SEEDS seeds and the report -> $RUN/ablations.md, $RUN/report.html"
+# each policy's mean and 95% interval over the seeds, and each one's difference from the SFT policy, paired per seed
+python -m etagent.evaluation.ablations "$RUN" --seeds "$SEEDS" --variants smollm2 sft rl --baseline sft
 python -m etagent.report.run "$RUN"
 echo "real model run finished in $(( $(date +%s) - started )) s: outputs in $RUN, the report in $RUN/report.html"

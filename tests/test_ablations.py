@@ -1,6 +1,7 @@
 """The ablation table (evaluation/ablations.py) on hand-made run directories laid out as
-scripts/ablations.sh lays them out: means and sample std over seeds, RL tool calls summed over
-stages and steps, the per-seed comparisons with the whole pipeline, and missing runs named."""
+scripts/ablations.sh lays them out: means and their 95% intervals over seeds, RL tool calls summed
+over stages and steps, the per-seed comparisons with the whole pipeline (or another baseline), and
+missing runs named."""
 
 from __future__ import annotations
 
@@ -10,7 +11,7 @@ import sys
 
 import pytest
 
-from etagent.evaluation.ablations import ablation_table
+from etagent.evaluation.ablations import ablation_table, main
 
 
 def write_eval(directory, correctness, redundant):
@@ -41,8 +42,12 @@ def test_means_spreads_and_per_seed_comparisons(tmp_path):
     assert figures["full"]["seed0"]["rl_tool_calls"] == 60 and figures["no-arpo"]["seed1"] is None
     summary = markdown.split("Each variant minus full")[0]
     rows = {line.split(" | ")[0].strip("| "): line for line in summary.splitlines() if line.startswith("| ")}
-    # correctness 80, 82: mean 81, sample std sqrt(2); RL tool calls 60 and 60
-    assert rows["full"].startswith("| full | 2 | 81.0 ± 1.4 | 71.0 ± 1.4 | 1.00 ± 0.00 | 15.0 ± 7.1 | 30.0 ± 14.1 | 1.0 ± 0.0 | 60 ± 0 |")
+    # correctness 80, 82: mean 81, sample std sqrt(2), half-width t(0.975, 1) x sqrt(2) / sqrt(2) = 12.7;
+    # redundant 10, 20: half-width 12.706 x 7.07 / 1.41 = 63.5; RL tool calls 60 and 60
+    assert rows["full"].startswith(
+        "| full | 2 | 81.0 [68.3, 93.7] | 71.0 [58.3, 83.7] | 1.00 [1.00, 1.00] | 15.0 [-48.5, 78.5] | 30.0 [-97.1, 157.1] "
+        "| 1.0 [1.0, 1.0] | 60 [60, 60] |"
+    )
     assert rows["no-arpo"].startswith("| no-arpo | 1 | 81.0 |")
     assert "missing or unfinished: seed1/no-arpo" in markdown
     # per seed, full's figures then the variant's: correctness and the difference, the redundant
@@ -53,7 +58,7 @@ def test_means_spreads_and_per_seed_comparisons(tmp_path):
     # each variant minus full, paired per seed: diffs -1 and +1, mean 0, half-width t(0.975, 1) x 1 = 12.7
     assert "| no-efficiency | 2 | +0.0 [-12.7, +12.7] |" in markdown and "| no-arpo | 1 | +1.0 |" in markdown
     # a reference (a starting policy) is in the table, not compared
-    assert rows["start"].startswith("| start | 2 | 70.5 ± 0.7 |") and "| start | 0 |" not in markdown
+    assert rows["start"].startswith("| start | 2 | 70.5 [64.1, 76.9] |") and "| start | 0 |" not in markdown
 
 
 def test_the_learning_curves_area_and_the_paired_intervals_over_five_seeds(tmp_path):
@@ -104,3 +109,25 @@ def test_the_command_writes_both_files_and_refuses_a_missing_directory(tmp_path)
         capture_output=True, text=True,
     )  # fmt: skip
     assert missing.returncode == 2 and "no such directory" in missing.stderr
+
+
+def test_another_baseline_the_real_model_runs_layout(tmp_path, capsys):
+    """scripts/real_model.sh's policies (seed{s}/{smollm2,sft,rl}) compared with the SFT policy,
+    paired per seed; a baseline that is not one of the variants is refused before anything is
+    written. In process: the command's own subprocess is tested above."""
+    for seed, (base, sft, rl) in enumerate([(0.0, 20.0, 23.0), (0.0, 22.0, 24.0), (1.0, 21.0, 25.0)]):
+        write_run(tmp_path, seed, "smollm2", base, 0.0, [])
+        write_run(tmp_path, seed, "sft", sft, 0.0, [])
+        write_run(tmp_path, seed, "rl", rl, 0.0, [[8, 8]])
+    main([str(tmp_path), "--seeds", "3", "--variants", "smollm2", "sft", "rl", "--baseline", "sft"])
+    markdown = (tmp_path / "ablations.md").read_text()
+    # rl - sft: 3, 2, 4: mean 3, sd 1, half-width t(0.975, 2) x 1 / sqrt 3 = 2.48
+    assert "Each variant minus sft, paired per seed" in markdown
+    assert "| rl | 3 | +3.0 [+0.5, +5.5] |" in markdown
+    assert "| smollm2 | 3 | -20.7 [" in markdown and "| sft | 3 | +" not in markdown
+    assert "| rl | 1 | 22.0; 24.0; +2.0 |" in markdown
+    (tmp_path / "ablations.md").unlink()
+    with pytest.raises(SystemExit) as refused:
+        main([str(tmp_path), "--seeds", "3", "--variants", "sft", "rl", "--baseline", "full"])
+    assert refused.value.code == 2 and "--baseline full is not one of --variants sft rl" in capsys.readouterr().err
+    assert not (tmp_path / "ablations.md").exists()
