@@ -20,7 +20,8 @@
 # A seed s sets the direct rollouts', Pareto's, RL's and the evaluation's seeds. The variants of a
 # seed that start from the same policy share its first direct rollout. The starting policies
 # (seed-sft, flywheel-sft, seed-data-sft) are evaluated with each seed too, for reference, and so
-# is every stage's policy but the last (where the variants differ on the way). Writes
+# is every stage's policy but the last (where the variants differ on the way; on the toy only:
+# where the curve is measured, its points at the stages' ends stand in). Writes
 # RUN_DIR/ablations/: seed{s}/{variant}/ (stage{k}/rollouts, stage{k}/data, stage{k}/rl,
 # stage{k}/eval, eval), sft-seed-data/, ablations.md and ablations.json. Every step resumes, so
 # rerunning after a kill continues.
@@ -192,7 +193,10 @@ for seed in $SEED_LIST; do
     start_model=$FLYWHEEL_POLICY
     if [ "$variant" = no-flywheel ]; then start_model=$OUT/sft-seed-data/model; fi
     curve "$dir" "$start_model" "$seed" "$stages" "$steps" "$variant"
-    # every stage's policy but the last, on the held-out questions (also for runs from before they were)
+    # every stage's policy but the last, on the held-out questions (also for runs from before they
+    # were); not where the curve is measured: its point at each stage's end stands in (200 x 2
+    # trajectories in place of 500 x 4)
+    [ "$CURVE_POINTS" -gt 0 ] && continue
     for k in $(seq 1 $((stages - 1))); do
       [ -f "$dir/stage$k/eval/summary.json" ] && continue
       echo "-- stage $k/$stages: evaluation of $dir/stage$k/rl/model on the held-out questions -> $dir/stage$k/eval"
