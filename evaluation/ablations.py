@@ -8,11 +8,14 @@ Reads, per seed s and variant v (and reference: a starting policy, evaluated onl
 ``seed{s}/{v}/eval/summary.json`` (the held-out evaluation),
 ``seed{s}/{v}/stage*/rl/metrics.jsonl`` (the RL steps) and, where the run has them,
 ``seed{s}/{v}/curve/step{N}/eval/summary.json`` (checkpoints evaluated along RL: the learning
-curve, its area by the trapezoid rule), as scripts/ablations.sh lays them out,
+curve, its area by the trapezoid rule) and ``seed{s}/{v}/stage*/rl/rollouts/step_*.jsonl`` (the
+share of RL groups whose rewards are all equal: no advantage, nothing learnt), as
+scripts/ablations.sh lays them out,
 (scripts/real_model.sh lays out its policies the same way, ``seed{s}/{policy}``), and writes
 ``ablations.md`` and ``ablations.json`` beside them. Per variant: correctness,
 efficiency, tool calls per answer, the redundant and insufficient rates, the redundant rate among
-solved answers, and the tool calls the RL rollouts executed (a tree's copied calls counted once);
+solved answers, the tool calls the RL rollouts executed (a tree's copied calls counted once) and,
+where there are such, correctness on the hard world's 3- and 4-hop questions;
 then each variant's difference from the baseline (``--baseline``, the whole pipeline ``full`` by
 default), paired per seed, with its 95% interval (Student's t); then, per seed, each variant beside
 the baseline, the comparisons the paper's ablations make; then both again for the policies after the first stage (``seed{s}/{v}/stage1/eval``), where
@@ -28,6 +31,7 @@ import json
 import math
 import re
 import statistics
+from collections import defaultdict
 from pathlib import Path
 
 from etagent.errors import MissingInput, exit_on_user_error
@@ -66,7 +70,30 @@ def run_figures(run: Path) -> dict | None:
     if curve:
         figures["curve"] = curve
         figures["curve_area"] = curve_area(curve)
+    deep = [shape for kind, shape in toy["behaviour"].items() if re.fullmatch(r"toy_hops[34](_python)?", kind)]
+    if deep:
+        figures["deep_correctness"] = sum(s["correctness"] * s["samples"] for s in deep) / sum(s["samples"] for s in deep)
+    flat = flat_group_share(run)
+    if flat is not None:
+        figures["rl_flat_groups"] = flat
     return figures
+
+
+def flat_group_share(run: Path) -> float | None:
+    """The share (%) of the groups of the run's RL steps, over its stages, whose paths all have the
+    same reward: every advantage in them is zero, so they teach nothing (the always- and
+    never-solved questions that Pareto sampling exists to leave out). None where no step kept its
+    rollouts."""
+    groups = flat = 0
+    for step in run.glob("**/rl/rollouts/step_*.jsonl"):
+        rewards = defaultdict(list)
+        for line in step.read_text().splitlines():
+            if line.strip():
+                row = json.loads(line)
+                rewards[row["index"]].append(row["reward"])
+        groups += len(rewards)
+        flat += sum(max(r) - min(r) < 1e-9 for r in rewards.values())
+    return 100 * flat / groups if groups else None
 
 
 def learning_curve(run: Path) -> list[tuple[int, float]]:
@@ -115,7 +142,12 @@ def interval(values: list[float], digits: int) -> str:
 
 
 # The figures each variant's difference from the baseline is given for, with 95% intervals.
-DIFFERENCES = (*FIELDS, ("curve_area", "area under the curve", 1))
+DIFFERENCES = (
+    *FIELDS,
+    ("curve_area", "area under the curve", 1),
+    ("deep_correctness", "correctness, 3-4 hops", 1),
+    ("rl_flat_groups", "RL groups without spread %", 1),
+)
 
 
 def difference_lines(figures: dict[str, dict[int, dict | None]], baseline: str = "full") -> list[str]:

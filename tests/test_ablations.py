@@ -131,3 +131,35 @@ def test_another_baseline_the_real_model_runs_layout(tmp_path, capsys):
         main([str(tmp_path), "--seeds", "3", "--variants", "sft", "rl", "--baseline", "full"])
     assert refused.value.code == 2 and "--baseline full is not one of --variants sft rl" in capsys.readouterr().err
     assert not (tmp_path / "ablations.md").exists()
+
+
+def test_groups_without_spread_and_the_deep_questions_correctness(tmp_path):
+    """A group (one prompt's paths in one RL step) whose rewards are all equal has no advantage
+    anywhere: its share over every step of every stage; and correctness on the hard world's 3- and
+    4-hop questions, weighted by their samples."""
+    write_run(tmp_path, 0, "full", 50.0, 0.0, [])
+    rollouts = {
+        "stage1/rl/rollouts/step_1.jsonl": [(0, 1.0), (0, 1.0), (1, 0.0), (1, 0.7)],  # group 0 flat
+        "stage1/rl/rollouts/step_2.jsonl": [(0, 0.0), (0, 0.0), (3, 0.5), (3, 0.5)],  # both flat
+        "stage2/rl/rollouts/step_1.jsonl": [(4, 0.2), (4, 0.9)],
+    }
+    for name, rows in rollouts.items():
+        path = tmp_path / "seed0" / "full" / name
+        path.parent.mkdir(parents=True, exist_ok=True)
+        path.write_text("".join(json.dumps({"id": f"x/{i}", "index": i, "reward": r}) + "\n" for i, r in rows))
+    summary = tmp_path / "seed0" / "full" / "eval" / "summary.json"
+    figures = json.loads(summary.read_text())
+    figures["datasets"]["toy"]["behaviour"].update(
+        toy_hops2={"correctness": 90.0, "samples": 100},
+        toy_hops3={"correctness": 20.0, "samples": 100},
+        toy_hops3_python={"correctness": 10.0, "samples": 50},
+        toy_hops4_python={"correctness": 0.0, "samples": 50},
+    )
+    summary.write_text(json.dumps(figures))
+    markdown, table = ablation_table(tmp_path, 1, ["full"])
+    assert table["full"]["seed0"]["rl_flat_groups"] == pytest.approx(100 * 3 / 5)
+    assert table["full"]["seed0"]["deep_correctness"] == pytest.approx((2000 + 500) / 200)
+    assert "correctness, 3-4 hops | RL groups without spread % |" in markdown and "| 12.5 | 60.0 |" in markdown
+    # a run without rollouts or hop shapes (the toy world's) has neither figure
+    write_run(tmp_path / "toy", 0, "full", 50.0, 0.0, [[3]])
+    assert "rl_flat_groups" not in ablation_table(tmp_path / "toy", 1, ["full"])[1]["full"]["seed0"]
