@@ -186,7 +186,9 @@ def summary_lines(figures: dict[str, dict[int, dict | None]]) -> list[str]:
     lines = ["| variant | seeds | " + " | ".join(h for _, h, _ in fields) + " |", "|---|---|" + "---|" * len(fields)]
     for name, per_seed in figures.items():
         done = [f for f in per_seed.values() if f is not None]
-        cells = [cell([f[key] for f in done if key in f], digits) for key, _, digits in fields]
+        # a figure only some runs have (a curve, rollouts, hop shapes): n/a for a run that has none
+        cells = [cell([f[key] for f in done if key in f], digits) if (key, h, digits) in FIELDS or any(key in f for f in done) else "n/a"
+                 for key, h, digits in fields]  # fmt: skip
         lines.append(f"| {name} | {len(done)} | " + " | ".join(cells) + " |")
     missing = [f"seed{s}/{name}" for name, per_seed in figures.items() for s, f in per_seed.items() if f is None]
     if missing:

@@ -156,8 +156,11 @@ def test_groups_without_spread_and_the_deep_questions_correctness(tmp_path):
         toy_hops4_python={"correctness": 0.0, "samples": 50},
     )
     summary.write_text(json.dumps(figures))
-    markdown, table = ablation_table(tmp_path, 1, ["full"])
+    write_run(tmp_path, 0, "start", 40.0, 0.0, [])
+    markdown, table = ablation_table(tmp_path, 1, ["full"], references=["start"])
     assert table["full"]["seed0"]["rl_flat_groups"] == pytest.approx(100 * 3 / 5)
+    # a run that has neither (a starting policy, evaluated only) shows n/a, not missing
+    assert "| start | 1 | 40.0 | 30.0 | 1.00 | 0.0 | 0.0 | 1.0 | 0 | n/a | n/a |" in markdown and "missing" not in markdown
     assert table["full"]["seed0"]["deep_correctness"] == pytest.approx((2000 + 500) / 200)
     assert "correctness, 3-4 hops | RL groups without spread % |" in markdown and "| 12.5 | 60.0 |" in markdown
     # a run without rollouts or hop shapes (the toy world's) has neither figure
