@@ -33,6 +33,7 @@ reward (``rl/``).
 from __future__ import annotations
 
 import asyncio
+import functools
 import logging
 import math
 import re
@@ -244,6 +245,11 @@ def _as_latex(text: str) -> str:
     return text if "$" in text else f"${text}$"
 
 
+# Remembered per process: sympy's simplification is most of an evaluation's scoring (about 30 ms a
+# pair), and the same pair comes back for every sample that gives the same answer and again for
+# math_equal. The answer is a function of the two strings; a pair whose parsing timed out is
+# remembered as not equal, as it was found.
+@functools.lru_cache(maxsize=1 << 16)
 def math_verify_equal(prediction: str, gold: str) -> bool:
     """Symbolic equivalence with ``math-verify`` (``0.5`` = ``\\frac{1}{2}`` = ``1/2``).
 

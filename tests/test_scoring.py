@@ -149,7 +149,9 @@ def test_strip_string_deepsearch_unwraps_text():
     ],
 )
 def test_math_verify_equal(pred, gold, equal):
-    assert math_verify_equal(pred, gold) is equal
+    """Asked twice (the second answer is remembered), and the same as math-verify asked afresh."""
+    assert math_verify_equal(pred, gold) is equal and math_verify_equal(pred, gold) is equal
+    assert math_verify_equal.__wrapped__(pred, gold) is equal
 
 
 def test_math_equal_combines_both_checks_over_every_gold():
