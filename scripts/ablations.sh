@@ -32,8 +32,13 @@
 # held-out questions (40 per hop count, 2 samples each): the learning curve, whose area the table
 # gives. On the toy: 3 seeds, 2 samples, no curve (CURVE_POINTS=0), as before.
 # RL_ARGS adds Hydra overrides to every RL run. SEED_LIST (e.g. "2") runs only those of the SEEDS
-# seeds, so that seeds can run side by side in processes sharing RUN_DIR (the table then names
-# the seeds not yet there; run once more without it for the whole table).
+# seeds (the table then names the seeds not yet there; run once more without it for the whole
+# table). Processes started side by side on one RUN_DIR share the work: each takes the next
+# variant (or starting policy's evaluation) of a seed that no other process holds (a lock per one
+# in RUN_DIR/ablations/.claims), and waits for a direct rollout that another one is making. On 2
+# cores run two, each with one torch thread (docs/reproducibility.md, "Run time"):
+#   OMP_NUM_THREADS=1 WORLD=hard bash scripts/ablations.sh runs/hard &
+#   OMP_NUM_THREADS=1 WORLD=hard bash scripts/ablations.sh runs/hard; wait
 set -euo pipefail
 RUN=${1:-runs/demo}
 [ -f "$RUN/toy/manifest.json" ] || { echo "missing $RUN/toy/manifest.json: run bash scripts/demo.sh $RUN first" >&2; exit 1; }
@@ -45,7 +50,7 @@ if [ "$WORLD" = hard ]; then
 else
   SEEDS=${2:-3} EVAL_N=${EVAL_N:-2} CURVE_POINTS=${CURVE_POINTS:-0}
 fi
-LOG_TAG=${SEED_LIST:+-seeds-${SEED_LIST// /-}}  # the retrievers' logs of a process that runs some seeds
+LOG_TAG=-$$  # the retrievers' logs of this process (others may run beside it)
 SEED_LIST=${SEED_LIST:-$(seq 0 $((SEEDS - 1)))}
 for seed in $SEED_LIST; do
   [[ $seed =~ ^[0-9]+$ ]] && [ "$seed" -lt "$SEEDS" ] || { echo "SEED_LIST: seed $seed is not one of the $SEEDS seeds (0 to $((SEEDS - 1)))" >&2; exit 1; }
@@ -59,7 +64,7 @@ for needed in "$FLYWHEEL_POLICY/config.json" "$RUN/sft/model/config.json" "$RUN/
   [ -e "$needed" ] || { echo "missing $needed: run bash scripts/demo.sh $RUN first" >&2; exit 1; }
 done
 OUT=$RUN/ablations
-mkdir -p "$OUT"
+mkdir -p "$OUT/.claims"
 VARIANTS=(full no-flywheel no-pareto no-efficiency no-arpo no-curriculum)
 # The demo's stage length: its Pareto count over the prompts per step, times the epochs.
 COUNT=$(python -c "import etagent.pareto; from etagent.config import load_config; print(load_config('pareto', 'tiny', []).count)")
@@ -108,12 +113,24 @@ trap 'kill $RL_PID 2>/dev/null || true; stop_retriever' EXIT
 
 done_already() { [ -f "$1/manifest.json" ] && grep -q '"status": "complete"' "$1/manifest.json"; }
 
-# direct rollout of the RL pool with MODEL into DIR, under SEED
+# claim NAME for this process (fd 8 holds its lock until release): false when another process
+# holds it, which then does that work
+claim() {
+  exec 8> "$OUT/.claims/$1"
+  flock -n 8 || { exec 8>&-; return 1; }
+}
+release() { exec 8>&-; }
+
+# direct rollout of the RL pool with MODEL into DIR, under SEED; a variant of another process that
+# shares it (the first stage's, per start) waits for it and finds it done
 rollout() {
-  local model=$1 dir=$2 seed=$3 k=$4
-  done_already "$dir" && return 0
-  python -m etagent.direct_rollout.run model="$model" questions="$RUN/toy/questions/rl.jsonl" rl_stage="$k" out_dir="$dir" \
-    tools.search.local.url="$RL_URL" agent.seed="$seed"
+  local model=$1 dir=$2 seed=$3 k=$4 name=${2#"$OUT"/}
+  (
+    flock 7
+    done_already "$dir" && exit 0
+    python -m etagent.direct_rollout.run model="$model" questions="$RUN/toy/questions/rl.jsonl" rl_stage="$k" out_dir="$dir" \
+      tools.search.local.url="$RL_URL" agent.seed="$seed"
+  ) 7> "$OUT/.claims/rollout-${name//\//-}"
 }
 
 # the held-out evaluation of MODEL into DIR/eval, under SEED (QUESTIONS and N: the curve's)
@@ -149,12 +166,19 @@ for seed in $SEED_LIST; do
   # the starting policies themselves, for reference: their spread is the evaluation's alone
   for start in seed-sft:$RUN/sft/model flywheel-sft:$FLYWHEEL_POLICY seed-data-sft:$OUT/sft-seed-data/model; do
     name=${start%%:*}
+    [ -f "$OUT/seed$seed/$name/eval/summary.json" ] && continue
+    claim "seed$seed-$name" || continue
     mkdir -p "$OUT/seed$seed/$name"
-    [ -f "$OUT/seed$seed/$name/eval/summary.json" ] || evaluate "${start#*:}" "$OUT/seed$seed/$name" "$name-seed$seed" "$seed"
+    evaluate "${start#*:}" "$OUT/seed$seed/$name" "$name-seed$seed" "$seed"
+    release
   done
   for variant in "${VARIANTS[@]}"; do
     step=$((step + 1))
     dir=$OUT/seed$seed/$variant
+    if ! claim "seed$seed-$variant"; then
+      echo "== [$step/$total] seed $seed, $variant: another process has it"
+      continue
+    fi
     mkdir -p "$dir"
     stages=$STAGES steps=$STEPS
     if [ "$variant" = no-curriculum ]; then stages=1 steps=$((STAGES * STEPS)); fi
@@ -196,12 +220,14 @@ for seed in $SEED_LIST; do
     # every stage's policy but the last, on the held-out questions (also for runs from before they
     # were); not where the curve is measured: its point at each stage's end stands in (200 x 2
     # trajectories in place of 500 x 4)
-    [ "$CURVE_POINTS" -gt 0 ] && continue
-    for k in $(seq 1 $((stages - 1))); do
-      [ -f "$dir/stage$k/eval/summary.json" ] && continue
-      echo "-- stage $k/$stages: evaluation of $dir/stage$k/rl/model on the held-out questions -> $dir/stage$k/eval"
-      evaluate "$dir/stage$k/rl/model" "$dir/stage$k" "$variant-stage$k-seed$seed" "$seed"
-    done
+    if [ "$CURVE_POINTS" -eq 0 ]; then
+      for k in $(seq 1 $((stages - 1))); do
+        [ -f "$dir/stage$k/eval/summary.json" ] && continue
+        echo "-- stage $k/$stages: evaluation of $dir/stage$k/rl/model on the held-out questions -> $dir/stage$k/eval"
+        evaluate "$dir/stage$k/rl/model" "$dir/stage$k" "$variant-stage$k-seed$seed" "$seed"
+      done
+    fi
+    release
   done
 done
 
