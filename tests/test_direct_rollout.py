@@ -93,7 +93,11 @@ def test_direct_rollout_on_a_local_ray_cluster_with_two_cpus(sft_model_full, toy
     assert sum(t.tool_calls_executed for g in groups for t in g.trajectories) > 0
 
 
-def test_kill_9_mid_rollout_then_resume_gives_the_identical_parquet(sft_model, toy, server, tmp_path, monkeypatch):
+# two rollouts of the stage in subprocesses (17 s): kept out of the default run's 10 minutes, on the slow
+# run's policy; the default run tests the stage's resume without a kill
+# (test_direct_rollout_resumes_without_duplicates)
+@pytest.mark.slow
+def test_kill_9_mid_rollout_then_resume_gives_the_identical_parquet(sft_model_full, toy, server, tmp_path, monkeypatch):
     """The acceptance check: one run straight through; another killed with SIGKILL while it
     writes, then rerun. Both give the same trajectories and byte-identical Pareto outputs."""
     import pandas as pd
@@ -102,10 +106,10 @@ def test_kill_9_mid_rollout_then_resume_gives_the_identical_parquet(sft_model, t
     monkeypatch.setenv("RETRIEVER_TOKEN", TOKEN)
     questions = 24
     straight = tmp_path / "straight"
-    run_direct_rollout(load_settings("direct_rollout", "tiny", rollout_overrides(sft_model, toy, server, straight, f"limit={questions}")))
+    run_direct_rollout(load_settings("direct_rollout", "tiny", rollout_overrides(sft_model_full, toy, server, straight, f"limit={questions}")))
 
     killed = tmp_path / "killed"
-    command = [sys.executable, "-m", "etagent.direct_rollout.run", *rollout_overrides(sft_model, toy, server, killed, f"limit={questions}")]
+    command = [sys.executable, "-m", "etagent.direct_rollout.run", *rollout_overrides(sft_model_full, toy, server, killed, f"limit={questions}")]
     proc = subprocess.Popen(command, stdout=subprocess.DEVNULL, stderr=subprocess.PIPE, env=dict(os.environ))
     lines = killed / "trajectories.jsonl"
     deadline = time.monotonic() + 300
@@ -117,7 +121,7 @@ def test_kill_9_mid_rollout_then_resume_gives_the_identical_parquet(sft_model, t
     proc.wait(timeout=30)
     written = len(lines.read_bytes().splitlines())
     assert 8 <= written < questions, f"killed too late to test a resume ({written} lines)"
-    run_direct_rollout(load_settings("direct_rollout", "tiny", rollout_overrides(sft_model, toy, server, killed, f"limit={questions}")))
+    run_direct_rollout(load_settings("direct_rollout", "tiny", rollout_overrides(sft_model_full, toy, server, killed, f"limit={questions}")))
 
     def chains(path: Path) -> dict:
         return {

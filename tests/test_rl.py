@@ -45,12 +45,16 @@ def parquet(toy, tmp_path) -> Path:
     return write_rl_parquet([RLRow.for_question(q, i, "train") for i, q in enumerate(questions[::10][:12])], tmp_path / "rl.parquet")
 
 
-def test_steps_checkpoints_and_an_exact_resume(sft_model, parquet, server, tmp_path, monkeypatch):
+# three RL runs in subprocesses, the default run's longest test (36 s of its 607 in CI of 01d7eef):
+# kept out of its 10 minutes, on the slow run's policy; RL's resume stays in the default run as a
+# unit (tests/test_rl_rollout.py)
+@pytest.mark.slow
+def test_steps_checkpoints_and_an_exact_resume(sft_model_full, parquet, server, tmp_path, monkeypatch):
     from transformers import AutoModelForCausalLM
 
     monkeypatch.setenv("RETRIEVER_TOKEN", TOKEN)
     straight = tmp_path / "straight"
-    run_in_subprocess(rl_overrides(sft_model, parquet, server, straight, "train.max_steps=3", "train.save_every=1", "train.export_every=2"))
+    run_in_subprocess(rl_overrides(sft_model_full, parquet, server, straight, "train.max_steps=3", "train.save_every=1", "train.export_every=2"))
     history = metrics_of(straight)
     assert [m["step"] for m in history] == [1, 2, 3]
     for m in history:
@@ -75,13 +79,13 @@ def test_steps_checkpoints_and_an_exact_resume(sft_model, parquet, server, tmp_p
     assert sorted(p.name for p in (straight / "models").iterdir()) == ["step_2"]
     final = AutoModelForCausalLM.from_pretrained(straight / "model")
     middle = AutoModelForCausalLM.from_pretrained(straight / "models" / "step_2")
-    start = AutoModelForCausalLM.from_pretrained(sft_model / "model")
+    start = AutoModelForCausalLM.from_pretrained(sft_model_full / "model")
     for other in (middle, start):
         assert not all(torch.equal(a, b) for a, b in zip(final.state_dict().values(), other.state_dict().values()))
 
     # kill -9 during step 2 (step 1 checkpointed), rerun: steps 2 and 3 give the same numbers
     resumed = tmp_path / "resumed"
-    overrides = rl_overrides(sft_model, parquet, server, resumed, "train.max_steps=3", "train.save_every=1")
+    overrides = rl_overrides(sft_model_full, parquet, server, resumed, "train.max_steps=3", "train.save_every=1")
     kill_after_checkpoint(overrides, resumed, 1)
     assert not (resumed / "checkpoints" / "step_3").exists()
     run_in_subprocess(overrides)
