@@ -10,16 +10,16 @@ Reads, per seed s and variant v (and reference: a starting policy, evaluated onl
 ``seed{s}/{v}/curve/step{N}/eval/summary.json`` (checkpoints evaluated along RL: the learning
 curve, its area by the trapezoid rule) and ``seed{s}/{v}/stage*/rl/rollouts/step_*.jsonl`` (the
 share of RL groups whose rewards are all equal: no advantage, nothing learnt), as
-scripts/ablations.sh lays them out,
-(scripts/real_model.sh lays out its policies the same way, ``seed{s}/{policy}``), and writes
-``ablations.md`` and ``ablations.json`` beside them. Per variant: correctness,
+scripts/ablations.sh lays them out (scripts/real_model.sh lays out its policies the same way,
+``seed{s}/{policy}``), and writes ``ablations.md`` and ``ablations.json`` beside them. Per variant: correctness,
 efficiency, tool calls per answer, the redundant and insufficient rates, the redundant rate among
 solved answers, the tool calls the RL rollouts executed (a tree's copied calls counted once) and,
 where there are such, correctness on the hard world's 3- and 4-hop questions;
 then each variant's difference from the baseline (``--baseline``, the whole pipeline ``full`` by
 default), paired per seed, with its 95% interval (Student's t); then, per seed, each variant beside
-the baseline, the comparisons the paper's ablations make; then both again for the policies after the first stage (``seed{s}/{v}/stage1/eval``), where
-there is one. A run that is missing or unfinished is named, not averaged.
+the baseline, the comparisons the paper's ablations make; then both again for the policies after
+the first stage (``seed{s}/{v}/stage1/eval``), where there is one. A run that is missing or
+unfinished is named, not averaged.
 
 What this module does not do: run anything (scripts/ablations.sh does).
 """
@@ -170,7 +170,9 @@ def difference_lines(figures: dict[str, dict[int, dict | None]], baseline: str =
         if name == baseline:
             continue
         pairs = [(figures[baseline][s], f) for s, f in per_seed.items() if f is not None and figures[baseline].get(s) is not None]
-        cells = [interval([other[key] - base[key] for base, other in pairs if key in base and key in other], digits) for key, _, digits in keys]
+        cells = [
+            interval([other[key] - base[key] for base, other in pairs if key in base and key in other], digits) for key, _, digits in keys
+        ]
         lines.append(f"| {name} | {len(pairs)} | " + " | ".join(cells) + " |")
     return lines
 
@@ -180,8 +182,8 @@ def ratio(a: float, b: float) -> str:
 
 
 def summary_lines(figures: dict[str, dict[int, dict | None]]) -> list[str]:
-    """Mean and 95% interval per run name (and the area under the learning curve, where runs have one),
-    then the runs that are not there."""
+    """Mean and 95% interval per run name (and the area under the learning curve, where runs have
+    one), then the runs that are not there."""
     fields = [f for f in DIFFERENCES if f in FIELDS or any(f[0] in r for per in figures.values() for r in per.values() if r)]
     lines = ["| variant | seeds | " + " | ".join(h for _, h, _ in fields) + " |", "|---|---|" + "---|" * len(fields)]
     for name, per_seed in figures.items():
@@ -226,8 +228,9 @@ def comparison_lines(figures: dict[str, dict[int, dict | None]], baseline: str =
 
 def ablation_table(root: Path, seeds: int, variants: list[str], references: list[str] = (), baseline: str = "full") -> tuple[str, dict]:
     """The table of ``references`` (evaluated only: the starting policies) and ``variants`` and the
-    per-seed comparison of each variant with ``baseline`` (when it is one of them); then the same after the first stage, for the
-    variants whose first stage was evaluated on its own (those with more than one stage)."""
+    per-seed comparison of each variant with ``baseline`` (when it is one of them); then the same
+    after the first stage, for the variants whose first stage was evaluated on its own (those with
+    more than one stage)."""
     figures = {v: {s: run_figures(root / f"seed{s}" / v) for s in range(seeds)} for v in (*references, *variants)}
     lines = [
         f"Mean [95% interval of the mean, Student's t] over {seeds} seeds (held-out questions at the demo's evaluation "
