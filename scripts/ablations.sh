@@ -39,6 +39,10 @@
 # cores run two, each with one torch thread (docs/reproducibility.md, "Run time"):
 #   OMP_NUM_THREADS=1 WORLD=hard bash scripts/ablations.sh runs/hard &
 #   OMP_NUM_THREADS=1 WORLD=hard bash scripts/ablations.sh runs/hard; wait
+# KEEP (a directory, e.g. results/hard-ablations) keeps each finished run's table inputs there
+# (etagent.evaluation.ablation_results: no models) and, before starting, copies back the runs kept
+# there from the same starting policies, which are then done: a table that takes longer than one
+# sitting is built over several, and can be rebuilt from what is kept.
 set -euo pipefail
 RUN=${1:-runs/demo}
 [ -f "$RUN/toy/manifest.json" ] || { echo "missing $RUN/toy/manifest.json: run bash scripts/demo.sh $RUN first" >&2; exit 1; }
@@ -101,8 +105,13 @@ if [ ! -f "$OUT/sft-seed-data/model/config.json" ]; then
   python -m etagent.sft.run --preset tiny_flywheel model="$RUN/sft/model" data.path="$RUN/flywheel/sft/seed_sft.jsonl" \
     out_dir="$OUT/sft-seed-data" train.progress_bar=false
 fi
+if [ -n "${KEEP:-}" ] && [ -f "$KEEP/starts.json" ]; then
+  python -m etagent.evaluation.ablation_results restore "$KEEP" "$RUN"
+fi
 flock -u 9
 exec 9>&-
+# the finished runs' table inputs into KEEP, one process at a time
+keep() { [ -z "${KEEP:-}" ] || flock "$OUT/.keep.lock" python -m etagent.evaluation.ablation_results save "$RUN" "$KEEP"; }
 
 # Two retrievers per process: the RL pool's world and the held-out questions' world.
 source scripts/serve_retriever.sh "$RUN/rl_index" "$OUT/rl_retriever$LOG_TAG.log"
@@ -171,6 +180,7 @@ for seed in $SEED_LIST; do
     mkdir -p "$OUT/seed$seed/$name"
     evaluate "${start#*:}" "$OUT/seed$seed/$name" "$name-seed$seed" "$seed"
     release
+    keep
   done
   for variant in "${VARIANTS[@]}"; do
     step=$((step + 1))
@@ -228,6 +238,7 @@ for seed in $SEED_LIST; do
       done
     fi
     release
+    keep
   done
 done
 

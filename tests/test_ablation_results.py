@@ -1,0 +1,107 @@
+"""The ablation's kept results (evaluation/ablation_results.py) on hand-made run directories laid
+out as scripts/ablations.sh lays them out: only finished runs are kept, the table computed from
+what is kept is the table computed from the run, a restore gives a run directory the kept runs
+back, and results from other starting policies are refused both ways."""
+
+from __future__ import annotations
+
+import json
+import subprocess
+import sys
+
+from etagent.evaluation.ablation_results import STARTS, restore, save
+from etagent.evaluation.ablations import ablation_table
+
+
+def write_summary(directory, correctness):
+    (directory / "eval").mkdir(parents=True)
+    behaviour = {"tool_calls": 1.2, "redundant_rate": 3.0, "redundant_when_solved": 4.0, "insufficient_rate": 20.0}
+    shapes = {"all": behaviour, "toy_hops3": {"correctness": correctness / 2, "samples": 8}}
+    summary = {"datasets": {"toy": {"correctness": correctness, "efficiency": correctness - 5, "behaviour": shapes}}}
+    (directory / "eval" / "summary.json").write_text(json.dumps(summary))
+
+
+def write_starts(run_dir, weights=b"policy"):
+    for name in STARTS:
+        (run_dir / name).parent.mkdir(parents=True, exist_ok=True)
+        (run_dir / name).write_bytes(weights + name.encode())
+
+
+def write_variant(run_dir, seed, variant, correctness, curve_points_missing=0):
+    """Two stages of 8 RL steps, a checkpoint exported every 4 (steps 4 of each; the stage's last
+    saved as model/), each step's rollouts with the text the table does not read, and the curve's
+    points (steps 0, 4, 8, 12, 16) but the last ``curve_points_missing``."""
+    run = run_dir / "ablations" / f"seed{seed}" / variant
+    write_summary(run, correctness)
+    for k in (1, 2):
+        rl = run / f"stage{k}" / "rl"
+        (rl / "models" / "step_4").mkdir(parents=True)
+        (rl / "model").mkdir()
+        (rl / "model" / "model.safetensors").write_bytes(b"weights")
+        (rl / "metrics.jsonl").write_text(
+            "".join(json.dumps({"step": s, "rollout/tool_calls_executed": 3 * s}) + "\n" for s in range(1, 9))
+        )
+        (rl / "rollouts").mkdir()
+        for step in range(1, 9):
+            rows = [{"index": i // 4, "reward": float(i % (step % 3 + 1) == 0), "text": "x" * 500} for i in range(8)]
+            (rl / "rollouts" / f"step_{step}.jsonl").write_text("".join(json.dumps(row) + "\n" for row in rows))
+        (run / f"stage{k}" / "data").mkdir()
+        (run / f"stage{k}" / "data" / "scores.jsonl").write_text(json.dumps({"source": "toy_hops2", "selected": True}) + "\n")
+    points = [0, 4, 8, 12, 16]
+    for step in points[: len(points) - curve_points_missing]:
+        write_summary(run / "curve" / f"step{step}", correctness - 10 + step / 2)
+
+
+def build_run(run_dir):
+    write_starts(run_dir)
+    for seed in (0, 1):
+        write_variant(run_dir, seed, "full", 50.0 + seed)
+        write_summary(run_dir / "ablations" / f"seed{seed}" / "seed-sft", 40.0 + seed)
+    write_variant(run_dir, 0, "no-pareto", 45.0, curve_points_missing=1)  # killed while its curve was measured
+    write_variant(run_dir, 1, "no-pareto", 44.0, curve_points_missing=5)  # evaluated, its curve not begun
+
+
+def test_finished_runs_are_kept_and_give_the_same_table(tmp_path):
+    run_dir, kept = tmp_path / "run", tmp_path / "kept"
+    build_run(run_dir)
+    saved = save(run_dir, kept)
+    assert saved == ["seed0/full", "seed0/seed-sft", "seed1/full", "seed1/seed-sft"]
+    assert not any(kept.rglob("*.safetensors")) and not (kept / "seed0" / "full" / "stage1" / "rl" / "models").exists()
+    rollout = (kept / "seed0" / "full" / "stage2" / "rl" / "rollouts" / "step_3.jsonl").read_text().splitlines()
+    assert [set(json.loads(line)) for line in rollout] == [{"index", "reward"}] * 8
+    # the table's figures, curve and flat groups included, from the kept files as from the run
+    from_run = ablation_table(run_dir / "ablations", 2, ["full"], ["seed-sft"])[1]
+    from_kept = ablation_table(kept, 2, ["full"], ["seed-sft"])[1]
+    assert from_kept == from_run
+    assert {"curve_area", "rl_flat_groups", "deep_correctness"} <= set(from_kept["full"]["seed0"])
+    starts = json.loads((kept / "starts.json").read_text())
+    assert set(starts["sha256"]) == set(STARTS) and set(starts["runs"]) == set(saved)
+
+    # the killed run finishes later; a second save adds it and keeps what was kept
+    write_summary(run_dir / "ablations" / "seed0" / "no-pareto" / "curve" / "step16", 44.0)
+    assert save(run_dir, kept) == ["seed0/no-pareto"]
+    assert len(json.loads((kept / "starts.json").read_text())["runs"]) == 5
+
+
+def test_restore_gives_a_new_run_directory_the_kept_runs_and_refuses_other_starts(tmp_path):
+    run_dir, kept = tmp_path / "run", tmp_path / "kept"
+    build_run(run_dir)
+    save(run_dir, kept)
+    fresh = tmp_path / "fresh"
+    write_starts(fresh)
+    assert restore(kept, fresh) == ["seed0/full", "seed0/seed-sft", "seed1/full", "seed1/seed-sft"]
+    assert (
+        ablation_table(fresh / "ablations", 2, ["full"], ["seed-sft"])[1]
+        == ablation_table(run_dir / "ablations", 2, ["full"], ["seed-sft"])[1]
+    )
+    assert restore(kept, fresh) == []  # what the run directory has is left as it is
+
+    other = tmp_path / "other"
+    write_starts(other, weights=b"another policy")
+    for argv in (["save", str(other), str(kept)], ["restore", str(kept), str(other)]):
+        done = subprocess.run([sys.executable, "-m", "etagent.evaluation.ablation_results", *argv], capture_output=True, text=True)
+        assert done.returncode == 2, done.stderr
+        assert (
+            len(done.stderr.strip().splitlines()) == 1 and "sft/model/model.safetensors" in done.stderr and "not comparable" in done.stderr
+        )
+    assert not (other / "ablations" / "seed0").exists()
