@@ -9,7 +9,10 @@ import json
 import subprocess
 import sys
 
-from etagent.evaluation.ablation_results import STARTS, restore, save
+import pytest
+
+from etagent.errors import UserError
+from etagent.evaluation.ablation_results import ABLATION_STARTS, restore, save
 from etagent.evaluation.ablations import ablation_table
 
 
@@ -22,7 +25,7 @@ def write_summary(directory, correctness):
 
 
 def write_starts(run_dir, weights=b"policy"):
-    for name in STARTS:
+    for name in ABLATION_STARTS:
         (run_dir / name).parent.mkdir(parents=True, exist_ok=True)
         (run_dir / name).write_bytes(weights + name.encode())
 
@@ -75,7 +78,7 @@ def test_finished_runs_are_kept_and_give_the_same_table(tmp_path):
     assert from_kept == from_run
     assert {"curve_area", "rl_flat_groups", "deep_correctness"} <= set(from_kept["full"]["seed0"])
     starts = json.loads((kept / "starts.json").read_text())
-    assert set(starts["sha256"]) == set(STARTS) and set(starts["runs"]) == set(saved)
+    assert set(starts["sha256"]) == set(ABLATION_STARTS) and set(starts["runs"]) == set(saved)
 
     # the killed run finishes later; a second save adds it and keeps what was kept
     write_summary(run_dir / "ablations" / "seed0" / "no-pareto" / "curve" / "step16", 44.0)
@@ -105,3 +108,37 @@ def test_restore_gives_a_new_run_directory_the_kept_runs_and_refuses_other_start
             len(done.stderr.strip().splitlines()) == 1 and "sft/model/model.safetensors" in done.stderr and "not comparable" in done.stderr
         )
     assert not (other / "ablations" / "seed0").exists()
+
+
+def test_the_real_models_seeds_are_kept_from_their_own_start(tmp_path):
+    """scripts/real_model.sh's layout: RUN_DIR/seed{s}/{smollm2,sft,rl}, its RL under rl/rl; a seed
+    stopped before its RL was evaluated keeps what it finished."""
+    run_dir, kept = tmp_path / "real", tmp_path / "kept"
+    starts = ("smollm2/model.safetensors", "held_out.jsonl")
+    for name in starts:
+        (run_dir / name).parent.mkdir(parents=True, exist_ok=True)
+        (run_dir / name).write_text(name)
+    for seed in (0, 1):
+        for policy, correctness in (("smollm2", 10.0), ("sft", 20.0 + seed), ("rl", 22.0)):
+            if (seed, policy) != (1, "rl"):
+                write_summary(run_dir / f"seed{seed}" / policy, correctness)
+        rl = run_dir / f"seed{seed}" / "rl" / "rl"
+        (rl / "model").mkdir(parents=True)
+        (rl / "metrics.jsonl").write_text(json.dumps({"step": 1, "rollout/tool_calls_executed": 7}) + "\n")
+    saved = save(run_dir, kept, runs=".", starts=starts)
+    assert saved == ["seed0/rl", "seed0/sft", "seed0/smollm2", "seed1/sft", "seed1/smollm2"]
+    assert (kept / "seed0" / "rl" / "rl" / "metrics.jsonl").exists()
+    tables = [ablation_table(root, 1, ["smollm2", "sft", "rl"], baseline="sft")[1] for root in (run_dir, kept)]
+    assert tables[0] == tables[1]
+
+    fresh = tmp_path / "fresh"
+    for name in starts:
+        (fresh / name).parent.mkdir(parents=True, exist_ok=True)
+        (fresh / name).write_text(name)
+    assert restore(kept, fresh) == saved and (fresh / "seed1" / "sft" / "eval" / "summary.json").exists()
+    # the ablation's results are not these: another set of start files is refused
+    for name in ABLATION_STARTS:
+        (run_dir / name).parent.mkdir(parents=True, exist_ok=True)
+        (run_dir / name).write_text(name)
+    with pytest.raises(UserError, match="kept runs of RUN_DIR/. from held_out.jsonl"):
+        save(run_dir, kept)
