@@ -13,8 +13,9 @@ finished: once its evaluation is there and, where its RL exported checkpoints (a
 learning curve is measured), once every point of its curve is (its start and one per
 checkpoint). Kept per run: ``eval/summary.json``, ``curve/step*/eval/summary.json``, every
 ``rl/metrics.jsonl`` below it, ``stage*/data/scores.jsonl`` (what Pareto selected, for the
-curriculum's hop counts) and every ``rl/rollouts/step_*.jsonl`` cut to the two fields the table
-reads of them (``index``, ``reward``). No model is kept.
+curriculum's hop counts; cut to ``id``, ``source``, ``mean_correctness``, ``selected``) and every
+``rl/rollouts/step_*.jsonl`` cut to the two fields the table reads of them (``index``,
+``reward``). No model is kept.
 
 Runs are comparable only from the same start: ``save`` records the SHA-256 of each of the
 ``--starts`` files (the starting policies' weights and the questions, relative to RUN_DIR; by
@@ -106,13 +107,18 @@ def kept_files(run: Path) -> list[Path]:
     return sorted({p for pattern in patterns for p in run.glob(pattern)})
 
 
+# the fields kept of a JSONL file's rows (the rest, texts and objectives, is not read by the table)
+KEPT_FIELDS = {"rollouts": ("index", "reward"), "scores.jsonl": ("id", "source", "mean_correctness", "selected")}
+
+
 def copy_kept(source: Path, dest: Path) -> None:
     dest.parent.mkdir(parents=True, exist_ok=True)
-    if source.parent.name == "rollouts":
-        rows = (json.loads(line) for line in source.read_text().splitlines() if line.strip())
-        dest.write_text("".join(json.dumps({"index": r["index"], "reward": r["reward"]}) + "\n" for r in rows))
-    else:
+    fields = KEPT_FIELDS.get(source.parent.name) or KEPT_FIELDS.get(source.name)
+    if fields is None:
         shutil.copyfile(source, dest)
+        return
+    rows = (json.loads(line) for line in source.read_text().splitlines() if line.strip())
+    dest.write_text("".join(json.dumps({key: row[key] for key in fields}, separators=(",", ":")) + "\n" for row in rows))
 
 
 def commit() -> str:

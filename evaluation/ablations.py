@@ -9,7 +9,9 @@ Reads, per seed s and variant v (and reference: a starting policy, evaluated onl
 ``seed{s}/{v}/stage*/rl/metrics.jsonl`` (the RL steps) and, where the run has them,
 ``seed{s}/{v}/curve/step{N}/eval/summary.json`` (checkpoints evaluated along RL: the learning
 curve, its area by the trapezoid rule) and ``seed{s}/{v}/stage*/rl/rollouts/step_*.jsonl`` (the
-share of RL groups whose rewards are all equal: no advantage, nothing learnt), as
+share of RL groups whose rewards are all equal: no advantage, nothing learnt) and
+``seed{s}/{v}/stage*/data/scores.jsonl`` (the mean hop count of the questions each stage selected,
+on the hard world: the curriculum's rise), as
 scripts/ablations.sh lays them out (scripts/real_model.sh lays out its policies the same way,
 ``seed{s}/{policy}``), and writes ``ablations.md`` and ``ablations.json`` beside them. Per variant: correctness,
 efficiency, tool calls per answer, the redundant and insufficient rates, the redundant rate among
@@ -76,7 +78,32 @@ def run_figures(run: Path) -> dict | None:
     flat = flat_group_share(run)
     if flat is not None:
         figures["rl_flat_groups"] = flat
+    hops = selected_hops(run)
+    if hops:
+        figures["selected_hops_stage1"] = hops[0]
+    if len(hops) > 1:
+        figures["selected_hops_rise"] = hops[-1] - hops[0]
     return figures
+
+
+def selected_hops(run: Path) -> list[float]:
+    """Per stage, in order, the mean hop count of the questions its selection chose
+    (``stage{k}/data/scores.jsonl``, the hop count read from a hard-world source ``toy_hops{N}``):
+    what the curriculum moves up. Empty where no stage has a selection, or none of hard-world
+    questions."""
+    means = []
+    stages = sorted(
+        (int(m.group(1)), p) for p in run.glob("stage*/data/scores.jsonl") if (m := re.fullmatch(r"stage(\d+)", p.parent.parent.name))
+    )
+    for _, scores in stages:
+        hops = []
+        for row in (json.loads(line) for line in scores.read_text().splitlines() if line.strip()):
+            match = re.fullmatch(r"toy_hops(\d+)(_python)?", row["source"] or "")
+            if row["selected"] and match:
+                hops.append(int(match.group(1)))
+        if hops:
+            means.append(sum(hops) / len(hops))
+    return means
 
 
 def flat_group_share(run: Path) -> float | None:
@@ -147,6 +174,8 @@ DIFFERENCES = (
     ("curve_area", "area under the curve", 1),
     ("deep_correctness", "correctness, 3-4 hops", 1),
     ("rl_flat_groups", "RL groups without spread %", 1),
+    ("selected_hops_stage1", "selected hops, stage 1", 2),
+    ("selected_hops_rise", "selected hops, last stage - first", 2),
 )
 
 

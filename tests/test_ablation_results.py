@@ -49,7 +49,12 @@ def write_variant(run_dir, seed, variant, correctness, curve_points_missing=0):
             rows = [{"index": i // 4, "reward": float(i % (step % 3 + 1) == 0), "text": "x" * 500} for i in range(8)]
             (rl / "rollouts" / f"step_{step}.jsonl").write_text("".join(json.dumps(row) + "\n" for row in rows))
         (run / f"stage{k}" / "data").mkdir()
-        (run / f"stage{k}" / "data" / "scores.jsonl").write_text(json.dumps({"source": "toy_hops2", "selected": True}) + "\n")
+        rows = [
+            {"id": f"q{i}", "source": f"toy_hops{i % 4}", "kind": "hops", "chains": 8, "mean_correctness": i / 8, "objectives": {"x": 1.0},
+             "selected": i % 3 != k}
+            for i in range(6)
+        ]  # fmt: skip
+        (run / f"stage{k}" / "data" / "scores.jsonl").write_text("".join(json.dumps(row) + "\n" for row in rows))
     points = [0, 4, 8, 12, 16]
     for step in points[: len(points) - curve_points_missing]:
         write_summary(run / "curve" / f"step{step}", correctness - 10 + step / 2)
@@ -76,7 +81,7 @@ def test_finished_runs_are_kept_and_give_the_same_table(tmp_path):
     from_run = ablation_table(run_dir / "ablations", 2, ["full"], ["seed-sft"])[1]
     from_kept = ablation_table(kept, 2, ["full"], ["seed-sft"])[1]
     assert from_kept == from_run
-    assert {"curve_area", "rl_flat_groups", "deep_correctness"} <= set(from_kept["full"]["seed0"])
+    assert {"curve_area", "rl_flat_groups", "deep_correctness", "selected_hops_rise"} <= set(from_kept["full"]["seed0"])
     starts = json.loads((kept / "starts.json").read_text())
     assert set(starts["sha256"]) == set(ABLATION_STARTS) and set(starts["runs"]) == set(saved)
 

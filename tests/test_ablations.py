@@ -166,3 +166,25 @@ def test_groups_without_spread_and_the_deep_questions_correctness(tmp_path):
     # a run without rollouts or hop shapes (the toy world's) has neither figure
     write_run(tmp_path / "toy", 0, "full", 50.0, 0.0, [[3]])
     assert "rl_flat_groups" not in ablation_table(tmp_path / "toy", 1, ["full"])[1]["full"]["seed0"]
+
+
+def test_the_selected_questions_hop_counts_per_stage(tmp_path):
+    """The curriculum's lever: the mean hop count of what each stage selected (hard-world sources
+    toy_hops{N}, with or without Python), stage 1's and the rise to the last stage; none for a
+    run without selections."""
+    write_run(tmp_path, 0, "full", 50.0, 5.0, [[1], [1]])
+    write_run(tmp_path, 0, "start", 40.0, 5.0, [])
+    for k, chosen in (
+        (1, {"toy_hops0": 2, "toy_hops1": 1, "toy_hops3_python": 0}),
+        (2, {"toy_hops1": 1, "toy_hops2_python": 1, "toy_hops4": 1}),
+    ):
+        rows = [{"id": f"{source}-{i}", "source": source, "selected": i < n} for source, n in chosen.items() for i in range(3)]
+        data = tmp_path / "seed0" / "full" / f"stage{k}" / "data"
+        data.mkdir(parents=True)
+        (data / "scores.jsonl").write_text("".join(json.dumps(row) + "\n" for row in rows))
+    markdown, figures = ablation_table(tmp_path, 1, ["full"], references=["start"])
+    # stage 1: hops 0, 0, 1 -> 1/3; stage 2: 1, 2, 4 -> 7/3
+    assert figures["full"]["seed0"]["selected_hops_stage1"] == pytest.approx(1 / 3)
+    assert figures["full"]["seed0"]["selected_hops_rise"] == pytest.approx(2.0)
+    assert "selected_hops_stage1" not in figures["start"]["seed0"]
+    assert "selected hops, last stage - first" in markdown
