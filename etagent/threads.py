@@ -1,4 +1,5 @@
-"""Torch threads that follow the cores other processes leave free, for the CPU trainers.
+"""Torch threads that follow the cores other processes leave free, for the CPU trainers and the
+hf engine's decoding thread.
 
 A torch operation split over two threads waits at its end for both; when another process holds
 one of the two cores, every operation waits for the thread that core's scheduler deschedules,

@@ -1,14 +1,20 @@
-"""The CPU trainers' torch threads follow the cores other processes leave free (etagent/threads.py)."""
+"""The CPU trainers' and the hf engine's torch threads follow the cores other processes leave free
+(etagent/threads.py)."""
 
 from __future__ import annotations
 
+import os
 import subprocess
 import sys
+import threading
 import time
 
 import pytest
 import torch
 
+from etagent import protocol
+from etagent.llm import GenerationRequest
+from etagent.llm.hf import HFEngine
 from etagent.threads import FreeCoreThreads, machine_busy_s
 
 
@@ -33,5 +39,33 @@ def test_a_busy_neighbour_takes_its_core_from_torchs_threads(monkeypatch):
         capped = FreeCoreThreads(interval_s=0.0)
         time.sleep(0.1)
         assert capped.cores == 1 and capped.adjust() == 1
+    finally:
+        torch.set_num_threads(before)
+
+
+@pytest.mark.skipif(machine_busy_s() is None or (os.cpu_count() or 1) < 2, reason="needs Linux's /proc/stat and 2 cores")
+def test_the_hf_engines_decoding_thread_leaves_a_busy_neighbour_its_core(toy, monkeypatch):
+    """The hf engine's forward passes run in its decoding thread, whose torch threads are that
+    thread's own: it sets them there, from the free cores, so that beside a process that keeps a
+    core busy it decodes on fewer threads than the machine has (evaluation beside two busy
+    processes on 2 cores: 108 s at 2 threads, 42 s so; docs/engines.md)."""
+    before = torch.get_num_threads()
+    monkeypatch.delenv("OMP_NUM_THREADS", raising=False)
+    try:
+        engine = HFEngine(str(toy / "model"), max_batch_size=4)
+        assert engine._free_cores is not None and engine._free_cores.cores == os.cpu_count()
+        engine._free_cores = FreeCoreThreads(interval_s=0.2)  # looks every 0.2 s, not 5
+        seen = []
+        engine.model.register_forward_pre_hook(lambda module, args: seen.append((threading.current_thread().name, torch.get_num_threads())))
+        prompt = protocol.encode_prompt(engine.tokenizer, "In which year was Zorvak Telmin born?")
+        busy = subprocess.Popen([sys.executable, "-c", "while True: pass"])
+        try:
+            time.sleep(0.4)
+            engine.generate([GenerationRequest(tuple(prompt), n=4, max_new_tokens=48, seed=0)])
+        finally:
+            busy.kill()
+            busy.wait()
+        decoding = [threads for name, threads in seen if name == "hf-engine-decoding"]
+        assert decoding and max(decoding) < os.cpu_count()
     finally:
         torch.set_num_threads(before)

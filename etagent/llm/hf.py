@@ -64,6 +64,7 @@ from transformers.integrations.sdpa_attention import sdpa_attention_forward
 from transformers.masking_utils import sdpa_mask
 
 from etagent.llm import GenerationRequest, Sample, WeightStream, check_weights, sample_seed
+from etagent.threads import FreeCoreThreads
 
 # decoding steps a submitted row waits at most before it joins a running batch with room for it
 _PATIENCE = 8
@@ -300,6 +301,10 @@ class HFEngine:
         # what decoding cost so far: prompt tokens prefilled and those taken from stored prefixes,
         # decoding steps, and rows that joined a batch already running (benchmarks and tests read it)
         self.counts: Counter[str] = Counter()
+        # on the CPU, the decoding thread's torch threads follow the cores other processes leave
+        # free (etagent/threads.py): two threads beside a busy neighbour wait for each other in
+        # every operation (docs/engines.md, "Threads on a busy machine")
+        self._free_cores = FreeCoreThreads() if self.device.type == "cpu" else None
 
     @property
     def device(self) -> torch.device:
@@ -440,6 +445,8 @@ class HFEngine:
             self.model.set_attn_implementation(_DECODING_ATTENTION)
         try:
             while True:
+                if self._free_cores is not None:
+                    self._free_cores.adjust()
                 try:
                     while True:
                         waiting.extend(self._inbox.get_nowait())
