@@ -105,13 +105,19 @@ if [ ! -f "$OUT/sft-seed-data/model/config.json" ]; then
   python -m etagent.sft.run --preset tiny_flywheel model="$RUN/sft/model" data.path="$RUN/flywheel/sft/seed_sft.jsonl" \
     out_dir="$OUT/sft-seed-data" train.progress_bar=false
 fi
+# what kept runs must share with this one (etagent.evaluation.ablation_results refuses others)
+BUDGET=(world="$WORLD" stages="$STAGES" steps="$STEPS" eval_n="$EVAL_N" curve_points="$CURVE_POINTS" rl_args="${RL_ARGS:-}")
 if [ -n "${KEEP:-}" ] && [ -f "$KEEP/starts.json" ]; then
-  python -m etagent.evaluation.ablation_results restore "$KEEP" "$RUN"
+  python -m etagent.evaluation.ablation_results restore "$KEEP" "$RUN" --settings "${BUDGET[@]}"
 fi
 flock -u 9
 exec 9>&-
-# the finished runs' table inputs into KEEP, one process at a time
-keep() { [ -z "${KEEP:-}" ] || flock "$OUT/.keep.lock" python -m etagent.evaluation.ablation_results save "$RUN" "$KEEP"; }
+# the finished runs' table inputs into KEEP; a save that fails is reported, not fatal: the next
+# one saves every finished run not yet kept
+keep() {
+  [ -z "${KEEP:-}" ] || python -m etagent.evaluation.ablation_results save "$RUN" "$KEEP" --settings "${BUDGET[@]}" \
+    || echo "warning: keeping the finished runs in $KEEP failed (the next save tries again)" >&2
+}
 
 # Two retrievers per process: the RL pool's world and the held-out questions' world.
 source scripts/serve_retriever.sh "$RUN/rl_index" "$OUT/rl_retriever$LOG_TAG.log"
@@ -161,6 +167,7 @@ curve() {
     # the exported checkpoints, then the stage's last step (RL saves it as model/, not models/step_N)
     for model in "$dir/stage$k/rl/models"/step_* "$dir/stage$k/rl/model"; do
       [ -d "$model" ] || continue
+      [[ ${model##*/} =~ ^(model|step_[0-9]+)$ ]] || continue  # not an export a kill left half-written
       local at=$((k * steps))
       [ "${model##*/}" = model ] || at=$(((k - 1) * steps + ${model##*step_}))
       point=$dir/curve/step$at

@@ -13,10 +13,10 @@
 # stage, and the seeds and questions say how much of a step between the policies is noise. How
 # long it takes: README.md, "A pretrained model through the same stages". SEEDS=1 EVAL_LIMIT=30
 # is the quick check (about 20 minutes). KEEP (a directory, e.g. results/real-model) keeps each
-# finished evaluation's table inputs there (etagent.evaluation.ablation_results: no models) and,
-# before starting, copies back those kept from the same start (the converted model's weights and
-# the questions): a run longer than one sitting is finished over several; a seed whose policies
-# are all kept is not trained again.
+# finished seed's table inputs there (etagent.evaluation.ablation_results: no models) and, before
+# starting, copies back those kept from the same start (the converted model's weights, the
+# questions, the SFT data) and budget: a run longer than one sitting is finished over several; a
+# kept seed is not trained again.
 set -euo pipefail
 cd "$(dirname "$0")/.."
 VENV=$(realpath "${ETAGENT_VENV:-.venv}")
@@ -79,19 +79,24 @@ lines = open(sys.argv[1]).read().splitlines()
 keep = lines[:: max(1, len(lines) // int(sys.argv[2]))][: int(sys.argv[2])]
 open(sys.argv[3], "w").write("\n".join(keep) + "\n")
 PY
-STARTS=(smollm2/model.safetensors held_out.jsonl toy/questions/rl.jsonl)
+STARTS=(smollm2/model.safetensors held_out.jsonl toy/questions/rl.jsonl toy/sft.jsonl)
+BUDGET=(sft_steps="$SFT_STEPS" rl_steps="$RL_STEPS" eval_limit="$EVAL_LIMIT")
 if [ -n "${KEEP:-}" ] && [ -f "$KEEP/starts.json" ]; then
-  python -m etagent.evaluation.ablation_results restore "$KEEP" "$RUN"
+  python -m etagent.evaluation.ablation_results restore "$KEEP" "$RUN" --settings "${BUDGET[@]}"
 fi
-# the finished evaluations' table inputs into KEEP
-keep() { [ -z "${KEEP:-}" ] || python -m etagent.evaluation.ablation_results save "$RUN" "$KEEP" --runs . --starts "${STARTS[@]}"; }
+# the finished seeds' table inputs into KEEP, once a seed's RL policy is evaluated (the seeds run
+# one after another, so every seed then in RUN is whole: a seed is kept whole or not at all, and
+# its RL - SFT compares the policies of one SFT run); a save that fails is reported, not fatal
+keep() {
+  [ -z "${KEEP:-}" ] || python -m etagent.evaluation.ablation_results save "$RUN" "$KEEP" --runs . --starts "${STARTS[@]}" \
+    --settings "${BUDGET[@]}" || echo "warning: keeping the finished evaluations in $KEEP failed (the next save tries again)" >&2
+}
 
 for seed in $(seq 0 $((SEEDS - 1))); do
   at=$RUN/seed$seed
   echo
   echo "== 3/7 seed $seed: evaluation of the model as it comes, on $EVAL_LIMIT held-out questions of the four kinds -> $at/smollm2"
   evaluate_on_held_out "$RUN/smollm2" "$at/smollm2" "smollm2-seed$seed" "$seed"
-  keep
   # a seed whose SFT and RL policies were both evaluated (here, or in a sitting that KEEP kept) is done
   if [ -f "$at/sft/eval/summary.json" ] && [ -f "$at/rl/eval/summary.json" ]; then
     echo "== seed $seed: its SFT and RL policies are evaluated already"
@@ -106,7 +111,6 @@ for seed in $(seq 0 $((SEEDS - 1))); do
   echo
   echo "== 5/7 seed $seed: evaluation of the SFT policy -> $at/sft"
   evaluate_on_held_out "$at/sft/train/model" "$at/sft" "smollm2-sft-seed$seed" "$seed"
-  keep
 
   echo
   echo "== 6/7 seed $seed: RL with LoRA from the SFT policy: ARPO's tree, the efficiency reward, $RL_STEPS steps on the RL pool -> $at/rl/rl"

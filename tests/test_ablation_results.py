@@ -116,8 +116,9 @@ def test_restore_gives_a_new_run_directory_the_kept_runs_and_refuses_other_start
 
 
 def test_the_real_models_seeds_are_kept_from_their_own_start(tmp_path):
-    """scripts/real_model.sh's layout: RUN_DIR/seed{s}/{smollm2,sft,rl}, its RL under rl/rl; a seed
-    stopped before its RL was evaluated keeps what it finished."""
+    """scripts/real_model.sh's layout: RUN_DIR/seed{s}/{smollm2,sft,rl}, its RL under rl/rl. Each
+    evaluated policy is a finished run (the script saves only once a seed's RL is evaluated, so
+    that a seed is kept whole)."""
     run_dir, kept = tmp_path / "real", tmp_path / "kept"
     starts = ("smollm2/model.safetensors", "held_out.jsonl")
     for name in starts:
@@ -147,3 +148,59 @@ def test_the_real_models_seeds_are_kept_from_their_own_start(tmp_path):
         (run_dir / name).write_text(name)
     with pytest.raises(UserError, match="kept runs of RUN_DIR/. from held_out.jsonl"):
         save(run_dir, kept)
+
+
+def write_toy_variant(run_dir, seed, variant, correctness, stage_evaluated=True):
+    """The toy world's layout: no curve, two stages, the first stage's policy evaluated after the
+    run's own (scripts/ablations.sh with CURVE_POINTS=0)."""
+    run = run_dir / "ablations" / f"seed{seed}" / variant
+    write_summary(run, correctness)
+    for k in (1, 2):
+        rl = run / f"stage{k}" / "rl"
+        (rl / "model").mkdir(parents=True)
+        (rl / "metrics.jsonl").write_text(json.dumps({"step": 1, "rollout/tool_calls_executed": 5}) + "\n")
+    if stage_evaluated:
+        write_summary(run / "stage1", correctness - 3)
+
+
+def test_the_toys_runs_keep_their_first_stages_evaluation_and_come_back_done(tmp_path):
+    run_dir, kept = tmp_path / "run", tmp_path / "kept"
+    write_starts(run_dir)
+    write_toy_variant(run_dir, 0, "full", 90.0)
+    write_toy_variant(run_dir, 0, "no-arpo", 91.0, stage_evaluated=False)  # its stage 1 not yet evaluated
+    assert save(run_dir, kept) == ["seed0/full"]
+    fresh = tmp_path / "fresh"
+    write_starts(fresh)
+    assert restore(kept, fresh) == ["seed0/full"]
+    # the table's first-stage rows come back too: the script finds the run done, nothing to redo
+    tables = [ablation_table(root / "ablations", 1, ["full"])[1] for root in (run_dir, fresh)]
+    assert tables[0] == tables[1] and tables[0]["full/stage1"]["seed0"]["correctness"] == 87.0
+
+
+def test_a_killed_save_or_export_leaves_nothing_half_kept(tmp_path):
+    run_dir, kept = tmp_path / "run", tmp_path / "kept"
+    build_run(run_dir)
+    # a save killed while copying seed0/full: its partial folder is not a kept run, and is redone
+    (kept / "seed0" / ".full.partial" / "eval").mkdir(parents=True)
+    (kept / "seed0" / ".full.partial" / "eval" / "summary.json").write_text("{")
+    # an export a kill left half-written is no checkpoint: seed1/full needs no curve point for it
+    (run_dir / "ablations" / "seed1" / "full" / "stage1" / "rl" / "models" / "step_8.tmp").mkdir()
+    assert save(run_dir, kept) == ["seed0/full", "seed0/seed-sft", "seed1/full", "seed1/seed-sft"]
+    assert not (kept / "seed0" / ".full.partial").exists()
+    assert json.loads((kept / "seed0" / "full" / "eval" / "summary.json").read_text())["datasets"]["toy"]["correctness"] == 50.0
+
+
+def test_runs_of_another_budget_are_refused(tmp_path):
+    run_dir, kept = tmp_path / "run", tmp_path / "kept"
+    build_run(run_dir)
+    budget = {"stages": "2", "steps": "48", "eval_n": "4"}
+    save(run_dir, kept, settings=budget)
+    assert json.loads((kept / "starts.json").read_text())["settings"] == budget
+    with pytest.raises(UserError, match="kept runs made with settings eval_n=4 stages=2 steps=48, not eval_n=4 stages=2 steps=12"):
+        save(run_dir, kept, settings={**budget, "steps": "12"})
+    fresh = tmp_path / "fresh"
+    write_starts(fresh)
+    with pytest.raises(UserError, match="runs of another budget are not comparable"):
+        restore(kept, fresh, settings={**budget, "eval_n": "2"})
+    assert not (fresh / "ablations" / "seed0").exists()
+    assert len(restore(kept, fresh, settings=budget)) == 4
