@@ -17,6 +17,7 @@ GPU (the trainers call it only when training on the CPU).
 from __future__ import annotations
 
 import os
+import sys
 import time
 from pathlib import Path
 
@@ -27,14 +28,25 @@ STAT = Path("/proc/stat")
 
 def machine_busy_s() -> float | None:
     """Seconds of CPU time every process of the machine has used since boot (all cores), or None
-    where /proc/stat is not there."""
+    where /proc/stat is not there or cannot be read (the threads then stay as they are: a
+    decoding step must not fail on it)."""
     try:
         fields = STAT.read_text().split("\n", 1)[0].split()
-    except OSError:
+        ticks = [int(x) for x in fields[1:]]
+        idle = ticks[3] + (ticks[4] if len(ticks) > 4 else 0)  # idle and iowait
+    except (OSError, ValueError, IndexError):  # no /proc/stat, or not the layout Linux writes
         return None
-    ticks = [int(x) for x in fields[1:]]
-    idle = ticks[3] + (ticks[4] if len(ticks) > 4 else 0)  # idle and iowait
     return (sum(ticks[:8]) - idle) / os.sysconf("SC_CLK_TCK")
+
+
+def allowed_cores() -> int:
+    """The most threads to use: the first number of ``OMP_NUM_THREADS`` where the environment
+    sets it (the tests' 1; OpenMP also takes a list per nesting level, ``4,2``), else the cores
+    this process may run on (its affinity, which a container or ``taskset`` narrows)."""
+    first = os.environ.get("OMP_NUM_THREADS", "").split(",")[0].strip()
+    if first.isdigit() and int(first) > 0:
+        return int(first)
+    return len(os.sched_getaffinity(0)) if sys.platform == "linux" else os.cpu_count() or 1
 
 
 class FreeCoreThreads:
@@ -43,18 +55,21 @@ class FreeCoreThreads:
 
     def __init__(self, interval_s: float = 5.0):
         self.interval_s = interval_s
-        # at most the threads the environment allows (OMP_NUM_THREADS: the tests' 1), else every core
-        self.cores = int(os.environ.get("OMP_NUM_THREADS") or 0) or os.cpu_count() or 1
+        self.cores = allowed_cores()
         self.last = (time.monotonic(), machine_busy_s(), time.process_time())
         torch.set_num_threads(self.cores)
 
     def adjust(self) -> int:
-        """The threads torch uses now (changed where the free cores changed)."""
-        now, busy, own = time.monotonic(), machine_busy_s(), time.process_time()
+        """The threads torch uses now (changed where the free cores changed). Cheap between two
+        looks: the hf engine calls it every decoding step."""
+        now = time.monotonic()
         then, busy_then, own_then = self.last
-        if busy is None or busy_then is None or now - then < self.interval_s:
+        if now - then < self.interval_s:
             return torch.get_num_threads()
+        busy, own = machine_busy_s(), time.process_time()
         self.last = (now, busy, own)
+        if busy is None or busy_then is None:
+            return torch.get_num_threads()
         others = max(0.0, (busy - busy_then) - (own - own_then)) / (now - then)  # cores the others kept busy
         threads = max(1, min(self.cores, round(self.cores - others)))
         if threads != torch.get_num_threads():

@@ -15,7 +15,7 @@ import torch
 from etagent import protocol
 from etagent.llm import GenerationRequest
 from etagent.llm.hf import HFEngine
-from etagent.threads import FreeCoreThreads, machine_busy_s
+from etagent.threads import FreeCoreThreads, allowed_cores, machine_busy_s
 
 
 @pytest.mark.skipif(machine_busy_s() is None, reason="needs Linux's /proc/stat")
@@ -53,8 +53,8 @@ def test_the_hf_engines_decoding_thread_leaves_a_busy_neighbour_its_core(toy, mo
     monkeypatch.delenv("OMP_NUM_THREADS", raising=False)
     try:
         engine = HFEngine(str(toy / "model"), max_batch_size=4)
-        assert engine._free_cores is not None and engine._free_cores.cores == os.cpu_count()
         engine._free_cores = FreeCoreThreads(interval_s=0.2)  # looks every 0.2 s, not 5
+        assert engine._free_cores.cores == len(os.sched_getaffinity(0))
         seen = []
         engine.model.register_forward_pre_hook(lambda module, args: seen.append((threading.current_thread().name, torch.get_num_threads())))
         prompt = protocol.encode_prompt(engine.tokenizer, "In which year was Zorvak Telmin born?")
@@ -69,3 +69,19 @@ def test_the_hf_engines_decoding_thread_leaves_a_busy_neighbour_its_core(toy, mo
         assert decoding and max(decoding) < os.cpu_count()
     finally:
         torch.set_num_threads(before)
+
+
+@pytest.mark.skipif(sys.platform != "linux", reason="reads the process's CPU affinity")
+def test_the_threads_allowed_follow_openmps_setting_else_the_processs_cores(monkeypatch):
+    """OMP_NUM_THREADS's first number (OpenMP also takes one per nesting level, 4,2), else the
+    cores this process may run on, which taskset or a container narrows below the machine's."""
+    monkeypatch.setenv("OMP_NUM_THREADS", "4,2")
+    assert allowed_cores() == 4
+    for unset in ("", "0", "many"):
+        monkeypatch.setenv("OMP_NUM_THREADS", unset)
+        assert allowed_cores() == len(os.sched_getaffinity(0))
+    narrowed = subprocess.run(
+        ["taskset", "-c", "0", sys.executable, "-c", "from etagent.threads import allowed_cores; print(allowed_cores())"],
+        capture_output=True, text=True, env={k: v for k, v in os.environ.items() if k != "OMP_NUM_THREADS"},
+    )  # fmt: skip
+    assert narrowed.stdout.strip() == "1", narrowed.stderr

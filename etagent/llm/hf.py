@@ -303,8 +303,9 @@ class HFEngine:
         self.counts: Counter[str] = Counter()
         # on the CPU, the decoding thread's torch threads follow the cores other processes leave
         # free (etagent/threads.py): two threads beside a busy neighbour wait for each other in
-        # every operation (docs/engines.md, "Threads on a busy machine")
-        self._free_cores = FreeCoreThreads() if self.device.type == "cpu" else None
+        # every operation (docs/engines.md, "Threads on a busy machine"). Made by the first
+        # decoding thread, so that it sets that thread's threads, not its caller's.
+        self._free_cores: FreeCoreThreads | None = None
 
     @property
     def device(self) -> torch.device:
@@ -443,6 +444,8 @@ class HFEngine:
         attention = self.model.config._attn_implementation
         if attention == "sdpa":  # the same numbers, without repeating grouped keys and values on a CPU
             self.model.set_attn_implementation(_DECODING_ATTENTION)
+        if self._free_cores is None and self.device.type == "cpu":
+            self._free_cores = FreeCoreThreads()
         try:
             while True:
                 if self._free_cores is not None:
