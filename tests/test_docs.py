@@ -233,6 +233,7 @@ RUN_BY = {
     "scripts/flywheel_effect.sh": "tests/test_flywheel_run.py::test_the_toy_flywheel_end_to_end_and_its_data_feeds_sft",
     "scripts/partial_effect.sh": "tests/test_curriculum.py::test_curriculum_chains_stages_and_resumes",
     "examples/openai_harness.py": "tests/test_gateway.py::test_the_example_harness_drives_the_trained_toy_policy_through_the_gateway",
+    "etagent.evaluation.ablations": "tests/test_ablations.py::test_the_command_writes_both_files_and_refuses_a_missing_directory",
 }
 # Documented programs nothing here runs, and why.
 NOT_RUN_HERE = {
