@@ -80,9 +80,7 @@ def locked(kept: Path) -> Iterator[None]:
 def check_same_start(kept: Path, run_dir: Path, names: tuple[str, ...], runs: str, settings: dict[str, str]) -> dict[str, str]:
     """The SHA-256 of the run directory's start files, refused where they, the runs' folder or the
     settings differ from those kept in ``kept``."""
-    missing = [name for name in names if not (run_dir / name).is_file()]
-    if missing:
-        raise MissingInput(f"{run_dir / missing[0]}: no such file (the run's start; run its script there first)")
+    check_start_files(run_dir, names)
     starts = {name: sha256(run_dir / name) for name in names}
     record = kept / "starts.json"
     if record.exists():
@@ -104,6 +102,12 @@ def check_same_start(kept: Path, run_dir: Path, names: tuple[str, ...], runs: st
                 f"{format_settings(settings)}; runs of another budget are not comparable"
             )
     return starts
+
+
+def check_start_files(run_dir: Path, names: tuple[str, ...]) -> None:
+    missing = [name for name in names if not (run_dir / name).is_file()]
+    if missing:
+        raise MissingInput(f"{run_dir / missing[0]}: no such file (the run's start; run its script there first)")
 
 
 def format_settings(settings: dict[str, str]) -> str:
@@ -172,6 +176,7 @@ def save(
     root = run_dir / runs
     if not root.is_dir():
         raise MissingInput(f"{root}: no such directory (run its script first)")
+    check_start_files(run_dir, starts)  # before KEPT is made: a refused save writes nothing
     with locked(kept):
         hashes = check_same_start(kept, run_dir, starts, runs, settings)
         saved = []

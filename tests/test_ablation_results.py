@@ -113,6 +113,13 @@ def test_restore_gives_a_new_run_directory_the_kept_runs_and_refuses_other_start
             len(done.stderr.strip().splitlines()) == 1 and "sft/model/model.safetensors" in done.stderr and "not comparable" in done.stderr
         )
     assert not (other / "ablations" / "seed0").exists()
+    # a run directory without its start files: refused before anything is written
+    empty, nowhere = tmp_path / "empty", tmp_path / "nowhere"
+    (empty / "ablations").mkdir(parents=True)
+    done = subprocess.run(
+        [sys.executable, "-m", "etagent.evaluation.ablation_results", "save", str(empty), str(nowhere)], capture_output=True, text=True
+    )
+    assert done.returncode == 2 and "sft/model/model.safetensors: no such file" in done.stderr and not nowhere.exists()
 
 
 def test_the_real_models_seeds_are_kept_from_their_own_start(tmp_path):
