@@ -207,7 +207,8 @@ def difference_lines(figures: dict[str, dict[int, dict | None]], baseline: str =
 
 
 def ratio(a: float, b: float) -> str:
-    return f"{a / b:.2f}" if b else "n/a"
+    """``a`` as a multiple of ``b`` (``1.28x``), or n/a where ``b`` is 0."""
+    return f"{a / b:.2f}x" if b else "n/a"
 
 
 def summary_lines(figures: dict[str, dict[int, dict | None]]) -> list[str]:
@@ -250,7 +251,7 @@ def comparison_lines(figures: dict[str, dict[int, dict | None]], baseline: str =
                 f"{full['redundant_rate']:.1f}; {other['redundant_rate']:.1f} | "
                 f"{full['redundant_when_solved']:.1f}; {other['redundant_when_solved']:.1f} | "
                 f"{full['rl_tool_calls']:.0f}; {other['rl_tool_calls']:.0f}; "
-                f"{ratio(full['rl_tool_calls'], other['rl_tool_calls'])}x |"
+                f"{ratio(full['rl_tool_calls'], other['rl_tool_calls'])} |"
             )
     return lines
 

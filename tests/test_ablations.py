@@ -55,6 +55,9 @@ def test_means_spreads_and_per_seed_comparisons(tmp_path):
     assert "| no-efficiency | 0 | 80.0; 79.0; -1.0 | 10.0; 30.0 | 20.0; 60.0 | 60; 60; 1.00x |" in markdown
     assert "| no-efficiency | 1 | 82.0; 83.0; +1.0 | 20.0; 40.0 | 40.0; 80.0 | 60; 60; 1.00x |" in markdown
     assert "| no-arpo | 0 | 80.0; 81.0; +1.0 | 10.0; 10.0 | 20.0; 20.0 | 60; 100; 0.60x |" in markdown
+    # a variant that made no RL tool calls (a starting policy compared as a variant): no multiple
+    markdown_from_start, _ = ablation_table(tmp_path, 2, ["start", "full"], baseline="full")
+    assert "| start | 0 | 80.0; 70.0; -10.0 | 10.0; 30.0 | 20.0; 60.0 | 60; 0; n/a |" in markdown_from_start
     # each variant minus full, paired per seed: diffs -1 and +1, mean 0, half-width t(0.975, 1) x 1 = 12.7
     assert "| no-efficiency | 2 | +0.0 [-12.7, +12.7] |" in markdown and "| no-arpo | 1 | +1.0 |" in markdown
     # a reference (a starting policy) is in the table, not compared
