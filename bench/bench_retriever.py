@@ -7,7 +7,9 @@ Serving: builds a toy index (the default encoder, all-MiniLM-L6-v2, Flat), then 
 on 127.0.0.1, one server at a time: ours (etagent.retriever.server: micro-batched encoding and search in
 a worker thread) and the peers' design (FlashRAG's and Search-R1's servers: each request encodes
 its own queries and searches inside the request handler, blocking the event loop; see
-bench/one_at_a_time_server.py). Same encoder, same index, same queries, same torch threads.
+bench/one_at_a_time_server.py), whose encoder runs on torch as theirs does, while ours runs on
+the preset's encoder.runtime (onnxruntime in tiny). Same encoder model, same index, same queries,
+same threads.
 Reports QPS and p50/p99 latency at each concurrency, and the ratio to the peer. ``--at COMMIT``
 serves our server as it was at that commit too (from a git worktree), side by side in the same
 run: the old way against the new. ``--rounds`` repeats every server's measurement, the servers

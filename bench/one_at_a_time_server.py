@@ -1,7 +1,8 @@
 """The peers' retriever design, for bench/bench_retriever.py only: every request encodes its own queries
 and searches inside the async request handler (blocking the event loop), as FlashRAG's
-host_wiki.py and Search-R1's retrieval server do. It reuses our index files and encoder so that
-the comparison measures only the serving design.
+host_wiki.py and Search-R1's retrieval server do. It reuses our index files and encoder model,
+run by torch as theirs is (``encoder.runtime=torch`` whatever the overrides say), so that the
+comparison measures our serving design and our encoder's runtime against theirs.
 
     python bench/one_at_a_time_server.py INDEX_DIR PORT TORCH_THREADS
 """
@@ -29,7 +30,7 @@ class RetrieveRequest(BaseModel):
 def main() -> None:
     index_dir, port, threads = sys.argv[1], int(sys.argv[2]), int(sys.argv[3])
     torch.set_num_threads(threads)
-    cfg = load_settings("retriever", "tiny", [f"index_dir={index_dir}", *sys.argv[4:]])
+    cfg = load_settings("retriever", "tiny", [f"index_dir={index_dir}", *sys.argv[4:], "encoder.runtime=torch"])
     index = Index(Path(index_dir), cfg.serve, cfg.encoder)
     app = FastAPI()
 

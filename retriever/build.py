@@ -40,9 +40,9 @@ from etagent.errors import SettingError, UserError, exit_on_user_error
 from etagent.progress import Progress
 from etagent.records import RecordError, input_identity, iter_jsonl, write_manifest
 from etagent.retriever.config import EncoderSettings, IndexBuildSettings, RetrieverConfig
-from etagent.retriever.encoder import resolve_model
+from etagent.retriever.encoder import check_encoder
 from etagent.rundir import changed_settings, claim_output, completed
-from etagent.settings import check_device, check_installed, check_paths, free_keys
+from etagent.settings import check_paths, free_keys
 
 log = logging.getLogger("etagent.retriever.build")
 
@@ -225,17 +225,14 @@ def build_bm25(out: Path, db: sqlite3.Connection) -> None:
 def check_build(cfg: RetrieverConfig) -> dict:
     """What a build can refuse without reading the whole corpus, before the index folder is
     claimed: the corpus present and not empty, the encoder there, the packages the build needs
-    (faiss; sentence-transformers for that encoder kind) and the device it asks for. Returns the
+    (faiss; those of the encoder's kind and runtime) and the device it asks for. Returns the
     corpus's identity (etagent.records.input_identity)."""
     [corpus_input] = [input_identity(key, path) for key, path, _ in check_paths(RetrieverConfig, asdict(cfg))]
     with open(cfg.corpus, "rb") as f:
         if not any(line.strip() for line in f):  # stops at the first passage
             raise UserError(f"{cfg.corpus}: no passages (the corpus is empty): an index of nothing would serve no search")
-    resolve_model(cfg.encoder.model)  # a missing encoder is refused before the index folder is made
     import_faiss()  # missing, it is one line naming the extra (etagent/errors.py)
-    if cfg.encoder.kind == "sentence-transformers":
-        check_installed("encoder.kind", "sentence_transformers", "encoder.kind=sentence-transformers")
-    check_device("encoder.device", cfg.encoder.device)
+    check_encoder(cfg.encoder)  # a missing encoder is refused before the index folder is made
     return corpus_input
 
 

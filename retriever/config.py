@@ -35,6 +35,8 @@ class EncoderSettings:
     max_length: PositiveInt = MISSING
     batch_size: Annotated[PositiveInt, FREE] = MISSING
     device: Annotated[str, OneOf("cpu", "cuda", "auto"), FREE] = MISSING
+    # how the vectors are computed, not what they are of (the same to about 1e-7): free
+    runtime: Annotated[str, OneOf("torch", "onnxruntime"), FREE] = MISSING
     fp16: bool = MISSING
 
 

@@ -69,6 +69,7 @@ from pydantic import AfterValidator, BaseModel, ConfigDict
 
 from etagent.errors import MissingInput, SettingError, UserError, exit_on_user_error
 from etagent.retriever.config import EncoderSettings, ServeConfig
+from etagent.retriever.encoder import check_encoder
 
 log = logging.getLogger("etagent.retriever.server")
 RRF_K = 60
@@ -553,6 +554,7 @@ def main(argv: list[str] | None = None) -> None:
             "index_dir",
             f"{str(index_dir)!r} is not a folder (build the index first: python -m etagent.retriever.build index_dir={index_dir})",
         )
+    check_encoder(settings.encoder)
     sock = bind(serve.host, serve.port)
     index = Index(index_dir, serve, settings.encoder)
     check_method(index, serve, index_dir)
