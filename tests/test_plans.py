@@ -463,10 +463,17 @@ def test_retriever_build_refuses_before_it_claims(toy, tmp_path, monkeypatch, ca
 
     out = tmp_path / "index"
     argv = [f"corpus={toy / 'corpus.jsonl'}", f"index_dir={out}"]
+    static = tmp_path / "static-embeddings"  # a sentence-transformers model with no transformer to export
+    static.mkdir()
+    (static / "modules.json").write_text(json.dumps([{"idx": 0, "name": "0", "path": "", "type": "sentence_transformers.models.StaticEmbedding"}]))
     probes = [
         Probe("encoder.model", f"encoder.model={tmp_path / 'no-encoder'}"),
-        *cuda_probes("encoder.device"),
+        *[Probe(p.key, *p.overrides, "encoder.runtime=torch") for p in cuda_probes("encoder.device")],
         Probe("encoder.kind", missing=("sentence_transformers",)),
+        Probe("encoder.runtime", "encoder.device=cuda"),  # onnxruntime runs on the CPU here, GPU or not
+        Probe("encoder.runtime", f"encoder.model={static}"),
+        Probe("encoder.runtime", missing=("onnxruntime",)),
+        Probe("encoder.runtime", missing=("onnx",)),
         Probe("faiss", missing=("faiss",), says="this needs faiss, from the 'retriever' extra"),
         Probe("build.ivf_lists", "build.index_type=IVF-PQ", "build.ivf_lists=64"),  # 360 passages, 39 per list
         Probe("index_dir", "index_dir=''"),
