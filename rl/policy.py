@@ -94,7 +94,11 @@ class Policy(nn.Module):
             input_ids=input_ids, attention_mask=attention_mask, position_ids=position_ids, use_cache=False
         ).last_hidden_state
         flat = scored.reshape(-1)
-        responses = hidden.reshape(-1, hidden.shape[-1])[flat][None]
+        # index_select, not hidden[flat]: in a tree pass ``flat`` names a shared position once per
+        # path, and the backward of advanced indexing on CPU adds those repeats in an order that
+        # changes from process to process; index_select's backward adds them in index order, so
+        # the same seeds give the same update (docs/reproducibility.md)
+        responses = hidden.reshape(-1, hidden.shape[-1]).index_select(0, flat)[None]
         if targets is not None:
             targets = targets.reshape(-1)[None]
         else:  # clamped: a junk entry may point at the very last position, which predicts nothing

@@ -620,6 +620,36 @@ def test_a_prefix_tree_pass_gives_each_paths_log_probs_and_gradients(model, seed
         torch.testing.assert_close(tree_grads[name], grad, atol=1e-5, rtol=0)
 
 
+def test_a_prefix_tree_pass_gives_the_same_gradients_bitwise_on_one_and_two_threads():
+    """The same seeds give the same update: a prefix tree pass scores a shared position once per
+    path, and the gradients those repeats add up to are bitwise the same on every call, on 2 torch
+    threads as on 1. (Gathering them with advanced indexing did not: its CPU backward adds the
+    repeats in an order that changes from call to call once the rows are wide enough, here a
+    hidden size of 128, and the demo's RL rows moved from run to run.)"""
+    torch.manual_seed(0)
+    config = Qwen2Config(
+        vocab_size=2800, hidden_size=128, intermediate_size=256, num_hidden_layers=2, num_attention_heads=4, num_key_value_heads=2
+    )
+    policy = Policy(Qwen2ForCausalLM(config), chunk_tokens=64).eval()
+    batch, advantages = random_tree_batch(1, vocab=2800, prompt_tokens=40)
+    tree = batch.micro_tree(list(range(batch.input_ids.shape[0])))
+
+    def gradients(threads: int) -> list[torch.Tensor]:
+        torch.set_num_threads(threads)
+        policy.zero_grad()
+        logprobs, _ = token_logprobs(policy, tree)
+        ((logprobs * advantages[:, None] * tree.loss_mask).sum() / tree.loss_mask.sum()).backward()
+        return [p.grad.clone() for p in policy.parameters()]
+
+    threads = torch.get_num_threads()
+    try:
+        runs = [gradients(2) for _ in range(4)] + [gradients(1)]
+    finally:
+        torch.set_num_threads(threads)
+    for other in runs[1:]:
+        assert all(torch.equal(a, b) for a, b in zip(runs[0], other))
+
+
 def test_the_update_on_prefix_trees_is_the_flat_update(toy):
     """One RL update (rl/actor.py) of the toy policy on random trees, with train.share_prefixes on
     and off, AEPO's clipping and entropy-aware advantage on, TIS weights on: the same loss,
