@@ -13,7 +13,17 @@ errors that name the file, line and field), ``net`` (HTTP calls with timeouts an
 reaches them is ``launcher/``.
 """
 
+import os
+
 __version__ = "0.1.0"
+
+# MKL's strict conditional numerical reproducibility: its matrix products sum in the same order at
+# any thread count. Without it the CPU flash attention's small per-block products while decoding
+# (queries of 1 to 3 tokens) sum differently at 1 and 2 threads, so the engine's log-probabilities
+# moved by up to 3e-6 whenever etagent/threads.py gave a run fewer threads beside a busy process,
+# and the RL rows with them (docs/reproducibility.md). MKL reads it once, at its first call; every
+# stage imports this package before torch. It costs no measurable time here.
+os.environ.setdefault("MKL_CBWR", "AUTO,STRICT")
 
 
 def one_name(module: str) -> None:
