@@ -22,7 +22,7 @@ __version__ = "0.1.0"
 # (queries of 1 to 3 tokens) sum differently at 1 and 2 threads, so the engine's log-probabilities
 # moved by up to 3e-6 whenever etagent/threads.py gave a run fewer threads beside a busy process,
 # and the RL rows with them (docs/reproducibility.md). MKL reads it once, at its first call; every
-# stage imports this package before torch. It costs no measurable time here.
+# stage imports this package before torch. The toy's SFT ran about 2% slower with it (docs/engines.md).
 os.environ.setdefault("MKL_CBWR", "AUTO,STRICT")
 
 

@@ -96,7 +96,7 @@ class Policy(nn.Module):
         flat = scored.reshape(-1)
         # index_select, not hidden[flat]: in a tree pass ``flat`` names a shared position once per
         # path, and the backward of advanced indexing on CPU adds those repeats in an order that
-        # changes from process to process; index_select's backward adds them in index order, so
+        # changes from call to call at 2 threads; index_select's backward adds them in index order, so
         # the same seeds give the same update (docs/reproducibility.md)
         responses = hidden.reshape(-1, hidden.shape[-1]).index_select(0, flat)[None]
         if targets is not None:
